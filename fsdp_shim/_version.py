@@ -1,0 +1,3 @@
+"""The package version, kept apart so that start-up code can read it without importing anything."""
+
+__version__ = "0.1.0"

@@ -1,0 +1,36 @@
+"""The ``fsdp_shim`` logger, imported lazily.
+
+``logging`` costs milliseconds to import, and the start-up path must stay within noise of a bare
+interpreter, so only the code that runs once Lightning is imported touches it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger("fsdp_shim")
+
+# The same variables, in the same order, that Lightning's ``rank_zero_only`` reads, so the shim's
+# INFO line appears on exactly the process where Lightning prints its own rank-zero messages.
+_RANK_VARIABLES = ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
+
+
+def process_rank() -> int:
+    for variable in _RANK_VARIABLES:
+        value = os.environ.get(variable)
+        if value is not None:
+            try:
+                return int(value)
+            except ValueError:
+                continue
+    return 0
+
+
+def info_on_rank_zero(message: str, *args: object) -> None:
+    if process_rank() == 0:
+        logger.info(message, *args)
+
+
+def debug(message: str, *args: object) -> None:
+    logger.debug(message, *args)

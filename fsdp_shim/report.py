@@ -1,0 +1,77 @@
+"""The ``status()`` report: what the shim did in this process, in a form for people and for JSON."""
+
+from __future__ import annotations
+
+import os
+
+from dataclasses import dataclass
+from typing import Any
+
+from fsdp_shim._version import __version__
+from fsdp_shim.activation import is_active
+from fsdp_shim.environment_variables import FSDP_SHIM, FSDP_SHIM_STRICT
+from fsdp_shim.integration import NAMESPACES, NamespaceStatus, current_status
+from fsdp_shim.toggles import shim_enabled, strict_mode
+
+
+@dataclass(frozen=True)
+class ShimStatus:
+    """Snapshot of the shim's state in this process."""
+
+    shim_version: str
+    enabled: bool
+    strict: bool
+    active: bool
+    environment: dict[str, str | None]
+    namespaces: tuple[NamespaceStatus, ...]
+
+    def namespace(self, name: str) -> NamespaceStatus:
+        for status in self.namespaces:
+            if status.namespace == name:
+                return status
+        raise KeyError(name)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "shim_version": self.shim_version,
+            "enabled": self.enabled,
+            "strict": self.strict,
+            "active": self.active,
+            "environment": dict(self.environment),
+            "namespaces": [status.as_dict() for status in self.namespaces],
+        }
+
+    def __str__(self) -> str:
+        state = "active" if self.active else ("switched off by FSDP_SHIM" if not self.enabled else "inactive")
+        lines = [f"fsdp-shim {self.shim_version}: {state}" + (" (strict)" if self.strict else "")]
+        for status in self.namespaces:
+            version = status.version or "-"
+            lines.append(f"  {status.namespace:<18} {version:<10} {status.reason}")
+        return "\n".join(lines)
+
+
+def collect_status() -> ShimStatus:
+    enabled = shim_enabled()
+    namespaces = []
+    for namespace in NAMESPACES:
+        status = current_status(namespace)
+        if not enabled and not status.patched:
+            status = NamespaceStatus(
+                namespace.name,
+                status.imported,
+                status.version,
+                status.affected,
+                False,
+                f"switched off by {FSDP_SHIM}={os.environ.get(FSDP_SHIM, '')!r}",
+            )
+        namespaces.append(status)
+    return ShimStatus(
+        shim_version=__version__,
+        enabled=enabled,
+        strict=strict_mode(),
+        active=is_active(),
+        environment={name: os.environ.get(name) for name in (FSDP_SHIM, FSDP_SHIM_STRICT)},
+        namespaces=tuple(namespaces),
+    )
+
+
