@@ -232,7 +232,9 @@ def _wrapped_model_holders(namespace: Namespace) -> tuple[type, ...]:
 def _instances_of(classes: tuple[type, ...]) -> Iterable[object]:
     if not classes:
         return ()
-    return (obj for obj in gc.get_objects() if isinstance(obj, classes))
+    # type(), not isinstance(): isinstance reads __class__, which some module-level proxies (torch's
+    # deprecated aliases) answer with a FutureWarning.
+    return (obj for obj in gc.get_objects() if issubclass(type(obj), classes))
 
 
 def _holds_fsdp_model(holder: object) -> bool:

@@ -1,0 +1,354 @@
+"""Train tiny models with real FSDP on CPU and report dtypes and exact byte counts, per rank.
+
+Run as a script (Lightning's launcher re-runs ``sys.argv`` on every rank)::
+
+    python fsdp_train.py --api trainer --package lightning --shim before --devices 2 \
+        --cases init+pretrained:bf16-true --out /tmp/result
+
+Each rank writes ``<out>.rank<N>.json``. The tests compare these numbers across runs (shim off,
+shim on, a fixed Lightning, plain PyTorch FSDP); nothing here knows what the answer should be.
+
+``--shim``: ``off`` never imports fsdp_shim; ``before`` imports it before Lightning; ``after``
+imports it after Lightning (patch-at-once path). ``FSDP_SHIM`` in the environment still applies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SEQ = 8
+VOCAB = 64
+FEATURES = 16
+
+
+# Every parameter below has a multiple of 8 elements and every model a multiple of 16, so FSDP adds
+# no alignment or world-size padding in fp32, bf16 or fp16: byte counts scale exactly with the dtype.
+def make_body() -> nn.Module:
+    return nn.Sequential(nn.Linear(FEATURES, 32), nn.ReLU(), nn.Linear(32, FEATURES))
+
+
+def make_head() -> nn.Module:
+    return nn.Linear(FEATURES, FEATURES)
+
+
+def make_transformer(transformer_class: type) -> nn.Module:
+    return transformer_class(vocab_size=VOCAB, ninp=32, nhead=2, nhid=64, nlayers=1, dropout=0.0)
+
+
+MODEL_KINDS = ("init", "pretrained", "init+pretrained", "setup_hook", "seed", "float64")
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--api", choices=("trainer", "fabric", "torch"), required=True)
+    parser.add_argument("--package", choices=("lightning", "standalone"), default="lightning")
+    parser.add_argument("--shim", choices=("off", "before", "after"), default="off")
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--cases", required=True, help="comma-separated MODEL:PRECISION")
+    parser.add_argument("--checkpoint-dir", default=None, help="trainer only: fit, save, resume")
+    parser.add_argument("--out", required=True)
+    return parser.parse_args(argv)
+
+
+def namespaces(package: str) -> tuple[str, str]:
+    return ("lightning.pytorch", "lightning.fabric") if package == "lightning" else ("pytorch_lightning", "lightning_fabric")
+
+
+def flat_parameters(fsdp_root: nn.Module) -> list[torch.Tensor]:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    flat = []
+    for module in fsdp_root.modules():
+        if isinstance(module, FullyShardedDataParallel) and module._handle is not None:
+            flat.append(module._handle.flat_param)
+    return flat
+
+
+def tensor_bytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def grad_bytes(fsdp_root: nn.Module) -> int:
+    grads = [p.grad for p in flat_parameters(fsdp_root) if p.grad is not None]
+    if not grads:  # use_orig_params keeps the sharded gradient on the original parameters' views
+        grads = [p.grad for p in fsdp_root.parameters() if p.grad is not None]
+    return tensor_bytes(grads)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Adam's moments; the 0-dim ``step`` counters are float32 whatever the model dtype."""
+    return tensor_bytes([v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0])
+
+
+def measure(fsdp_root: nn.Module, optimizer: torch.optim.Optimizer, grads: int) -> dict[str, Any]:
+    flat = flat_parameters(fsdp_root)
+    return {
+        "flat_param_dtypes": sorted({str(p.dtype) for p in flat}),
+        "flat_param_numel": sum(p.numel() for p in flat),
+        "flat_param_bytes": tensor_bytes(flat),
+        "grad_bytes": grads,
+        "optimizer_state_bytes": optimizer_state_bytes(optimizer),
+        "param_dtypes": sorted({str(p.dtype) for p in fsdp_root.parameters()}),
+    }
+
+
+def shim_facts(trainer_ns: str, fabric_ns: str) -> dict[str, Any]:
+    """What the shim did to the classes this process used (read from the classes, not the shim)."""
+    from fsdp_shim.patching import is_shim_wrapper
+
+    def wrapped(module: str, cls: str, attr: str) -> bool:
+        owner = getattr(importlib.import_module(module), cls, None)
+        return owner is not None and is_shim_wrapper(owner.__dict__.get(attr))
+
+    precision_cls = "FSDPPrecision" if hasattr(importlib.import_module(f"{trainer_ns}.plugins.precision.fsdp"), "FSDPPrecision") else "FSDPPrecisionPlugin"
+    return {
+        "trainer_convert_module": wrapped(f"{trainer_ns}.plugins.precision.fsdp", precision_cls, "convert_module"),
+        "fabric_convert_module": wrapped(f"{fabric_ns}.plugins.precision.fsdp", "FSDPPrecision", "convert_module"),
+        "trainer_setup": wrapped(f"{trainer_ns}.strategies.fsdp", "FSDPStrategy", "setup"),
+        "trainer_connect": wrapped(f"{trainer_ns}.strategies.fsdp", "FSDPStrategy", "connect"),
+    }
+
+
+def token_batches() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (8, SEQ + 1), generator=torch.Generator().manual_seed(0))
+
+
+def feature_batches(dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(8, FEATURES, generator=torch.Generator().manual_seed(0), dtype=dtype)
+
+
+def seed_loss(transformer: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    output = transformer(batch[:, :-1], batch[:, 1:])
+    return F.nll_loss(output, batch[:, 1:].reshape(-1))
+
+
+# ----------------------------------------------------------------------------- Trainer
+def run_trainer_case(pl: Any, strategy_cls: type, kind: str, precision: str, devices: int, ckpt_dir: str | None) -> dict[str, Any]:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    transformer_class = importlib.import_module(f"{pl.__name__}.demos").Transformer
+
+    class Probe(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body: nn.Module | None = None
+            self.head: nn.Module | None = None
+            self.transformer: nn.Module | None = None
+            self.grad_bytes = 0
+            if kind in ("init", "init+pretrained"):
+                self.body = make_body()
+            if kind == "float64":
+                self.body = make_body().double()
+
+        def setup(self, stage: str) -> None:
+            if kind == "setup_hook" and self.body is None:
+                self.body = make_body()
+                self.head = make_head()
+
+        def configure_model(self) -> None:
+            if kind == "pretrained" and self.body is None:
+                self.body = make_body().float()  # what from_pretrained does: fp32 weights
+            if kind in ("pretrained", "init+pretrained") and self.head is None:
+                self.head = make_head().float()
+            if kind == "seed" and self.transformer is None:
+                with torch.device("meta"):
+                    self.transformer = make_transformer(transformer_class)
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            (x,) = batch
+            if self.transformer is not None:
+                return seed_loss(self.transformer, x)
+            y = self.body(x)
+            if self.head is not None:
+                y = self.head(y)
+            return (y.float() ** 2).mean()
+
+        def on_before_optimizer_step(self, optimizer: Any) -> None:
+            self.grad_bytes = grad_bytes(self.trainer.strategy.model)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    data = token_batches() if kind == "seed" else feature_batches()
+    loader = DataLoader(TensorDataset(data), batch_size=4)
+    common = dict(
+        accelerator="cpu", devices=devices, precision=precision, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, num_sanity_val_steps=0,
+    )
+    model = Probe()
+    trainer = pl.Trainer(strategy=strategy_cls(), max_steps=2, enable_checkpointing=False, **common)
+    trainer.fit(model, loader)
+    result = {"module_dtype": str(model.dtype), "global_step": trainer.global_step}
+    result.update(measure(trainer.strategy.model, trainer.optimizers[0], model.grad_bytes))
+    if ckpt_dir is not None:
+        path = os.path.join(ckpt_dir, "probe.ckpt")
+        trainer.save_checkpoint(path)
+        resumed_model = Probe()
+        resumed = pl.Trainer(strategy=strategy_cls(), max_steps=4, enable_checkpointing=False, **common)
+        resumed.fit(resumed_model, loader, ckpt_path=path)
+        result["resumed"] = {"module_dtype": str(resumed_model.dtype), "global_step": resumed.global_step}
+        result["resumed"].update(measure(resumed.strategy.model, resumed.optimizers[0], resumed_model.grad_bytes))
+    return result
+
+
+# ----------------------------------------------------------------------------- Fabric
+def build_plain_model(kind: str, pretrained_context: Any) -> nn.Module:
+    model = nn.Module()
+    if kind == "float64":
+        model.body = make_body().double()
+        return model
+    if kind in ("init", "init+pretrained"):
+        model.body = make_body()
+    if kind in ("pretrained", "init+pretrained"):
+        with pretrained_context():
+            if kind == "pretrained":
+                model.body = make_body().float()
+            model.head = make_head().float()
+    return model
+
+
+def plain_forward(model: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    y = model.body(x)
+    if hasattr(model, "head"):
+        y = model.head(y)
+    return (y.float() ** 2).mean()
+
+
+class Plain(nn.Module):
+    """Holds the layers and gives them a forward, so FSDP wraps one root module."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return plain_forward(self.inner, x)
+
+
+def train_plain(model: nn.Module, optimizer: torch.optim.Optimizer, backward: Any, input_dtype: torch.dtype) -> int:
+    grads = 0
+    for x in feature_batches().split(4):
+        loss = model(x.to(input_dtype))
+        backward(loss)
+        grads = grad_bytes(model)
+        optimizer.step()
+        optimizer.zero_grad()
+    return grads
+
+
+def run_fabric_case(fabric: Any, kind: str, precision: str) -> dict[str, Any]:
+    model = Plain(build_plain_model(kind, fabric.init_module))
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=1e-3))
+    fsdp_root = model._forward_module
+    grads = train_plain(fsdp_root, optimizer, fabric.backward, fabric._precision._desired_input_dtype)
+    return measure(fsdp_root, optimizer, grads)
+
+
+# ----------------------------------------------------------------------------- plain PyTorch
+TORCH_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "32-true": torch.float32}
+
+
+def run_torch_case(kind: str, precision: str, rank: int) -> dict[str, Any]:
+    """What plain PyTorch FSDP does with the same layers cast to the precision's dtype."""
+    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
+
+    dtype = TORCH_DTYPES[precision]
+    if kind == "seed":
+        from lightning.pytorch.demos import Transformer
+
+        model: nn.Module = make_transformer(Transformer)
+    else:
+        layers = build_plain_model("init+pretrained" if kind == "setup_hook" else kind, _null_context)
+        model = Plain(layers)
+    model = model.to(dtype=dtype)
+    policy = MixedPrecision(param_dtype=dtype, reduce_dtype=dtype, buffer_dtype=dtype)
+    fsdp = FullyShardedDataParallel(model, device_id=torch.device("cpu"), mixed_precision=policy, use_orig_params=True)
+    optimizer = torch.optim.Adam(fsdp.parameters(), lr=1e-3)
+    if kind == "seed":
+        grads = 0
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)  # what Lightning's "-true" forward context does
+        try:
+            for batch in token_batches().split(4):
+                seed_loss(fsdp, batch).backward()
+                grads = grad_bytes(fsdp)
+                optimizer.step()
+                optimizer.zero_grad()
+        finally:
+            torch.set_default_dtype(previous)
+    else:
+        grads = train_plain(fsdp, optimizer, lambda loss: loss.backward(), dtype)
+    return measure(fsdp, optimizer, grads)
+
+
+class _null_context:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def init_torch_distributed(devices: int) -> int:
+    import torch.distributed as dist
+
+    rank = int(os.environ.get("RANK", "0"))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("gloo", rank=rank, world_size=int(os.environ.get("WORLD_SIZE", devices)))
+    return rank
+
+
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
+    cases = [tuple(case.split(":")) for case in args.cases.split(",")]
+    trainer_ns, fabric_ns = namespaces(args.package)
+    if args.shim == "before":
+        import fsdp_shim  # noqa: F401
+    results: list[dict[str, Any]] = []
+    rank = 0
+    if args.api == "torch":
+        rank = init_torch_distributed(args.devices)
+        for kind, precision in cases:
+            results.append({"case": f"{kind}:{precision}", **run_torch_case(kind, precision, rank)})
+    else:
+        pl = importlib.import_module(trainer_ns)
+        fabric_module = importlib.import_module(fabric_ns)
+        if args.shim == "after":
+            import fsdp_shim  # noqa: F401
+        sys.path.insert(0, str(Path(__file__).parent))
+        from cpu_fsdp_harness import lift_gpu_guards
+
+        lift_gpu_guards(trainer_ns, fabric_ns)
+        if args.api == "trainer":
+            strategy_cls = importlib.import_module(f"{trainer_ns}.strategies").FSDPStrategy
+            for kind, precision in cases:
+                result = run_trainer_case(pl, strategy_cls, kind, precision, args.devices, args.checkpoint_dir)
+                results.append({"case": f"{kind}:{precision}", **result})
+            rank = pl.utilities.rank_zero_only.rank
+        else:
+            fabric_strategy = importlib.import_module(f"{fabric_ns}.strategies").FSDPStrategy
+            for kind, precision in cases:
+                fabric = fabric_module.Fabric(accelerator="cpu", devices=args.devices, strategy=fabric_strategy(), precision=precision)
+                fabric.launch()
+                results.append({"case": f"{kind}:{precision}", **run_fabric_case(fabric, kind, precision)})
+                rank = fabric.global_rank
+        results.append({"case": "_shim", **(shim_facts(trainer_ns, fabric_ns) if "fsdp_shim" in sys.modules else {})})
+        results.append({"case": "_versions", "trainer": pl.__version__, "fabric": fabric_module.__version__})
+    Path(f"{args.out}.rank{rank}.json").write_text(json.dumps(results, indent=1))
+    assert all(math.isfinite(0.0) for _ in results)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
