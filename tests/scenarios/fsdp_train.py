@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import math
 import os
 import sys
 from pathlib import Path
@@ -178,7 +177,8 @@ def run_trainer_case(pl: Any, strategy_cls: type, kind: str, precision: str, dev
             self.grad_bytes = grad_bytes(self.trainer.strategy.model)
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.Adam(self.parameters(), lr=1e-3)
+            # The wrapped model: 2.0.x needs it (no use_orig_params), later releases accept it too.
+            return torch.optim.Adam(self.trainer.model.parameters(), lr=1e-3)
 
     data = token_batches() if kind == "seed" else feature_batches()
     loader = DataLoader(TensorDataset(data), batch_size=4)
@@ -248,11 +248,13 @@ def train_plain(model: nn.Module, optimizer: torch.optim.Optimizer, backward: An
 
 
 def run_fabric_case(fabric: Any, kind: str, precision: str) -> dict[str, Any]:
-    model = Plain(build_plain_model(kind, fabric.init_module))
+    model = Plain(build_plain_model(kind, getattr(fabric, "init_module", None)))  # 2.0.x has none
     model = fabric.setup_module(model)
     optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=1e-3))
     fsdp_root = model._forward_module
-    grads = train_plain(fsdp_root, optimizer, fabric.backward, fabric._precision._desired_input_dtype)
+    # 2.0.x gives FSDP with "32-true" a plain Precision, which has no _desired_input_dtype.
+    input_dtype = getattr(fabric._precision, "_desired_input_dtype", torch.float32)
+    grads = train_plain(fsdp_root, optimizer, fabric.backward, input_dtype)
     return measure(fsdp_root, optimizer, grads)
 
 
@@ -260,15 +262,13 @@ def run_fabric_case(fabric: Any, kind: str, precision: str) -> dict[str, Any]:
 TORCH_DTYPES = {"bf16-true": torch.bfloat16, "16-true": torch.float16, "32-true": torch.float32}
 
 
-def run_torch_case(kind: str, precision: str, rank: int) -> dict[str, Any]:
+def run_torch_case(trainer_ns: str, kind: str, precision: str) -> dict[str, Any]:
     """What plain PyTorch FSDP does with the same layers cast to the precision's dtype."""
     from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
 
     dtype = TORCH_DTYPES[precision]
-    if kind == "seed":
-        from lightning.pytorch.demos import Transformer
-
-        model: nn.Module = make_transformer(Transformer)
+    if kind == "seed":  # the same demo class the Trainer run used
+        model: nn.Module = make_transformer(importlib.import_module(f"{trainer_ns}.demos").Transformer)
     else:
         layers = build_plain_model("init+pretrained" if kind == "setup_hook" else kind, _null_context)
         model = Plain(layers)
@@ -302,6 +302,7 @@ class _null_context:
 
 
 def init_torch_distributed(devices: int) -> int:
+    """Plain PyTorch needs its own process group: under torchrun for 2 ranks, or a 1-rank group."""
     import torch.distributed as dist
 
     rank = int(os.environ.get("RANK", "0"))
@@ -321,7 +322,7 @@ def main(argv: list[str]) -> None:
     if args.api == "torch":
         rank = init_torch_distributed(args.devices)
         for kind, precision in cases:
-            results.append({"case": f"{kind}:{precision}", **run_torch_case(kind, precision, rank)})
+            results.append({"case": f"{kind}:{precision}", **run_torch_case(trainer_ns, kind, precision)})
     else:
         pl = importlib.import_module(trainer_ns)
         fabric_module = importlib.import_module(fabric_ns)
@@ -347,7 +348,6 @@ def main(argv: list[str]) -> None:
         results.append({"case": "_shim", **(shim_facts(trainer_ns, fabric_ns) if "fsdp_shim" in sys.modules else {})})
         results.append({"case": "_versions", "trainer": pl.__version__, "fabric": fabric_module.__version__})
     Path(f"{args.out}.rank{rank}.json").write_text(json.dumps(results, indent=1))
-    assert all(math.isfinite(0.0) for _ in results)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,137 @@
+"""Shared helpers. The pytest process itself never imports Lightning or torch: every Lightning
+interaction happens in a fresh interpreter, so import order, start-up files and the shim's
+activation are exercised exactly as users meet them."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCENARIO = ROOT / "tests" / "scenarios" / "fsdp_train.py"
+DTYPES = {"bf16-true": "torch.bfloat16", "16-true": "torch.float16", "32-true": "torch.float32"}
+BYTE_KEYS = ("flat_param_bytes", "grad_bytes", "optimizer_state_bytes")
+NAMESPACES = {"lightning": ("lightning.pytorch", "lightning.fabric"), "standalone": ("pytorch_lightning", "lightning_fabric")}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def clean_env(**overrides: str | None) -> dict[str, str]:
+    """The test environment minus the shim's own variables, plus ``overrides`` (None removes)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FSDP_SHIM")}
+    env["PYTHONWARNINGS"] = env.get("PYTHONWARNINGS", "")
+    env["MASTER_ADDR"] = "127.0.0.1"
+    env["MASTER_PORT"] = str(free_port())
+    for key, value in overrides.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
+
+
+def run_python(code: str, *, env: dict[str, str] | None = None, expect_ok: bool = True, args: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(
+        [sys.executable, *args, "-c", textwrap.dedent(code)],
+        capture_output=True, text=True, env=env if env is not None else clean_env(), cwd=ROOT, timeout=300,
+    )
+    if expect_ok and proc.returncode != 0:
+        raise AssertionError(f"child failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def last_json(proc: subprocess.CompletedProcess[str]) -> Any:
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(("{", "[")):
+            return json.loads(line)
+    raise AssertionError(f"no JSON in child output:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One installed Lightning layout: ``lightning`` (unified) or ``standalone``."""
+
+    package: str
+    trainer_version: str
+    fabric_version: str
+
+    def version(self, api: str) -> str:
+        return self.fabric_version if api == "fabric" else self.trainer_version
+
+
+@pytest.fixture(scope="session")
+def layouts() -> dict[str, Layout]:
+    """The Lightning layouts importable here, probed in a child without the shim."""
+    proc = run_python(
+        """
+        import importlib, json
+        found = {}
+        for package, (trainer, fabric) in %r.items():
+            try:
+                versions = [importlib.import_module(ns).__version__ for ns in (trainer, fabric)]
+            except Exception:
+                continue
+            found[package] = versions
+        print(json.dumps(found))
+        """ % (NAMESPACES,),
+        args=("-W", "ignore"),
+    )
+    return {package: Layout(package, *versions) for package, versions in last_json(proc).items()}
+
+
+def layout_or_skip(layouts: dict[str, Layout], package: str) -> Layout:
+    if package not in layouts:
+        pytest.skip(f"the {package} layout of Lightning is not installed in this environment")
+    return layouts[package]
+
+
+class Scenarios:
+    """Runs ``tests/scenarios/fsdp_train.py`` and caches results per argument set."""
+
+    def __init__(self, workdir: Path) -> None:
+        self._workdir = workdir
+        self._cache: dict[tuple[Any, ...], dict[int, dict[str, Any]]] = {}
+
+    def run(
+        self, api: str, package: str, shim: str, cases: list[str], *, devices: int = 1,
+        env: dict[str, str] | None = None, extra: tuple[str, ...] = (),
+    ) -> dict[int, dict[str, Any]]:
+        key = (api, package, shim, tuple(cases), devices, tuple(sorted((env or {}).items())), extra)
+        if key not in self._cache:
+            self._cache[key] = self._execute(api, package, shim, cases, devices, env or {}, extra)
+        return self._cache[key]
+
+    def _execute(self, api: str, package: str, shim: str, cases: list[str], devices: int, env: dict[str, str], extra: tuple[str, ...]) -> dict[int, dict[str, Any]]:
+        out = self._workdir / f"run{len(self._cache)}"
+        command = [sys.executable, str(SCENARIO)]
+        if api == "torch":
+            command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(devices),
+                       "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(SCENARIO)]
+        command += ["--api", api, "--package", package, "--shim", shim, "--devices", str(devices),
+                    "--cases", ",".join(cases), "--out", str(out), *extra]
+        proc = subprocess.run(command, capture_output=True, text=True, env=clean_env(PYTHONWARNINGS="ignore", **env), cwd=ROOT, timeout=600)
+        if proc.returncode != 0:
+            raise AssertionError(f"scenario failed: {' '.join(command)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        results = {}
+        for rank in range(devices):
+            rows = json.loads(Path(f"{out}.rank{rank}.json").read_text())
+            results[rank] = {row.pop("case"): row for row in rows}
+        return results
+
+
+@pytest.fixture(scope="session")
+def scenarios(tmp_path_factory: pytest.TempPathFactory) -> Scenarios:
+    return Scenarios(tmp_path_factory.mktemp("scenarios"))
