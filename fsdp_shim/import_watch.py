@@ -52,7 +52,7 @@ class FirstImportWatcher:
 
     def disarm(self) -> None:
         """Take the watcher off ``sys.meta_path``; harmless if it is not there."""
-        try:
+        try:  # noqa: SIM105 - contextlib is not loaded at start-up; importing it here would cost time
             sys.meta_path.remove(self)
         except ValueError:
             pass

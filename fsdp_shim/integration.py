@@ -176,7 +176,9 @@ def _patch(namespace: Namespace) -> NamespaceStatus:
     labels = tuple(target.describe(namespace) for target in plan)
     info_on_rank_zero(
         "fsdp-shim: patched %s %s so FSDP 'true' precisions cast the model as Lightning 2.5.0 does (%s)",
-        namespace.name, version, ", ".join(labels),
+        namespace.name,
+        version,
+        ", ".join(labels),
     )
     return NamespaceStatus(namespace.name, True, version, True, True, "patched", labels)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,5 +72,3 @@ def collect_status() -> ShimStatus:
         environment={name: os.environ.get(name) for name in (FSDP_SHIM, FSDP_SHIM_STRICT)},
         namespaces=tuple(namespaces),
     )
-
-

@@ -20,7 +20,10 @@ ROOT = Path(__file__).resolve().parent.parent
 SCENARIO = ROOT / "tests" / "scenarios" / "fsdp_train.py"
 DTYPES = {"bf16-true": "torch.bfloat16", "16-true": "torch.float16", "32-true": "torch.float32"}
 BYTE_KEYS = ("flat_param_bytes", "grad_bytes", "optimizer_state_bytes")
-NAMESPACES = {"lightning": ("lightning.pytorch", "lightning.fabric"), "standalone": ("pytorch_lightning", "lightning_fabric")}
+NAMESPACES = {
+    "lightning": ("lightning.pytorch", "lightning.fabric"),
+    "standalone": ("pytorch_lightning", "lightning_fabric"),
+}
 
 
 def free_port() -> int:
@@ -43,10 +46,16 @@ def clean_env(**overrides: str | None) -> dict[str, str]:
     return env
 
 
-def run_python(code: str, *, env: dict[str, str] | None = None, expect_ok: bool = True, args: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+def run_python(
+    code: str, *, env: dict[str, str] | None = None, expect_ok: bool = True, args: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run(
         [sys.executable, *args, "-c", textwrap.dedent(code)],
-        capture_output=True, text=True, env=env if env is not None else clean_env(), cwd=ROOT, timeout=300,
+        capture_output=True,
+        text=True,
+        env=env if env is not None else clean_env(),
+        cwd=ROOT,
+        timeout=300,
     )
     if expect_ok and proc.returncode != 0:
         raise AssertionError(f"child failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
@@ -58,6 +67,26 @@ def last_json(proc: subprocess.CompletedProcess[str]) -> Any:
         if line.startswith(("{", "[")):
             return json.loads(line)
     raise AssertionError(f"no JSON in child output:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+
+
+MATRIX_SCOPE = os.environ.get("FSDP_SHIM_TEST_SCOPE", "all")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        "release_independent: checks the shim's own logic (toggles, logging, error isolation), not a "
+        "Lightning release; the matrix runs it once, in the default session",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if MATRIX_SCOPE != "release":
+        return
+    skip = pytest.mark.skip(reason="release-independent; runs in the matrix's default session")
+    for item in items:
+        if item.get_closest_marker("release_independent"):
+            item.add_marker(skip)
 
 
 @dataclass(frozen=True)
@@ -86,7 +115,8 @@ def layouts() -> dict[str, Layout]:
                 continue
             found[package] = versions
         print(json.dumps(found))
-        """ % (NAMESPACES,),
+        """
+        % (NAMESPACES,),
         args=("-W", "ignore"),
     )
     return {package: Layout(package, *versions) for package, versions in last_json(proc).items()}
@@ -106,23 +136,69 @@ class Scenarios:
         self._cache: dict[tuple[Any, ...], dict[int, dict[str, Any]]] = {}
 
     def run(
-        self, api: str, package: str, shim: str, cases: list[str], *, devices: int = 1,
-        env: dict[str, str] | None = None, extra: tuple[str, ...] = (),
+        self,
+        api: str,
+        package: str,
+        shim: str,
+        cases: list[str],
+        *,
+        devices: int = 1,
+        env: dict[str, str] | None = None,
+        extra: tuple[str, ...] = (),
     ) -> dict[int, dict[str, Any]]:
         key = (api, package, shim, tuple(cases), devices, tuple(sorted((env or {}).items())), extra)
         if key not in self._cache:
             self._cache[key] = self._execute(api, package, shim, cases, devices, env or {}, extra)
         return self._cache[key]
 
-    def _execute(self, api: str, package: str, shim: str, cases: list[str], devices: int, env: dict[str, str], extra: tuple[str, ...]) -> dict[int, dict[str, Any]]:
+    def _execute(
+        self,
+        api: str,
+        package: str,
+        shim: str,
+        cases: list[str],
+        devices: int,
+        env: dict[str, str],
+        extra: tuple[str, ...],
+    ) -> dict[int, dict[str, Any]]:
         out = self._workdir / f"run{len(self._cache)}"
         command = [sys.executable, str(SCENARIO)]
         if api == "torch":
-            command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(devices),
-                       "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(SCENARIO)]
-        command += ["--api", api, "--package", package, "--shim", shim, "--devices", str(devices),
-                    "--cases", ",".join(cases), "--out", str(out), *extra]
-        proc = subprocess.run(command, capture_output=True, text=True, env=clean_env(PYTHONWARNINGS="ignore", **env), cwd=ROOT, timeout=600)
+            command = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc-per-node",
+                str(devices),
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(free_port()),
+                str(SCENARIO),
+            ]
+        command += [
+            "--api",
+            api,
+            "--package",
+            package,
+            "--shim",
+            shim,
+            "--devices",
+            str(devices),
+            "--cases",
+            ",".join(cases),
+            "--out",
+            str(out),
+            *extra,
+        ]
+        proc = subprocess.run(
+            command,
+            capture_output=True,
+            text=True,
+            env=clean_env(PYTHONWARNINGS="ignore", **env),
+            cwd=ROOT,
+            timeout=600,
+        )
         if proc.returncode != 0:
             raise AssertionError(f"scenario failed: {' '.join(command)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
         results = {}

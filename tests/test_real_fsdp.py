@@ -24,7 +24,13 @@ TRAINER_CASES = [
     "init:32-true",
     "float64:32-true",
 ]
-FABRIC_CASES = ["init:bf16-true", "pretrained:bf16-true", "init+pretrained:bf16-true", "init+pretrained:16-true", "float64:32-true"]
+FABRIC_CASES = [
+    "init:bf16-true",
+    "pretrained:bf16-true",
+    "init+pretrained:bf16-true",
+    "init+pretrained:16-true",
+    "float64:32-true",
+]
 # Lightning 2.0.x rejects "true" half precisions and fails on float64 layers without the conversion.
 CASES_2_0 = ["init:32-true"]
 TWO_PROCESS_CASE = "init+pretrained:bf16-true"
@@ -94,14 +100,18 @@ def check_layout(api: str, layout: Layout, scenarios: Scenarios, devices: int, c
 
 @pytest.mark.parametrize("api", ["trainer", "fabric"])
 @pytest.mark.parametrize("package", ["lightning", "standalone"])
-def test_single_process_behaves_like_2_5(api: str, package: str, layouts: dict[str, Layout], scenarios: Scenarios) -> None:
+def test_single_process_behaves_like_2_5(
+    api: str, package: str, layouts: dict[str, Layout], scenarios: Scenarios
+) -> None:
     layout = layout_or_skip(layouts, package)
     check_layout(api, layout, scenarios, 1, cases_for(api, layout.version(api)))
 
 
 @pytest.mark.parametrize("api", ["trainer", "fabric"])
 @pytest.mark.parametrize("package", ["lightning", "standalone"])
-def test_two_processes_behave_like_2_5(api: str, package: str, layouts: dict[str, Layout], scenarios: Scenarios) -> None:
+def test_two_processes_behave_like_2_5(
+    api: str, package: str, layouts: dict[str, Layout], scenarios: Scenarios
+) -> None:
     """Lightning's own launcher re-runs the script per rank; each rank holds half the flat params.
 
     The unpatched comparison runs for the Trainer on affected releases only: the single-process
@@ -117,7 +127,11 @@ def test_two_processes_behave_like_2_5(api: str, package: str, layouts: dict[str
     single = scenarios.run("torch", package, "off", [case])[0][case]
     assert sum(on[rank][case]["flat_param_numel"] for rank in on) == single["flat_param_numel"]
     assert on[0][case]["flat_param_numel"] == on[1][case]["flat_param_numel"] == single["flat_param_numel"] // 2
-    off = scenarios.run(api, package, "off", [case], devices=2) if api == "trainer" and is_affected_release(version) else None
+    off = (
+        scenarios.run(api, package, "off", [case], devices=2)
+        if api == "trainer" and is_affected_release(version)
+        else None
+    )
     for rank in (0, 1):
         assert on[rank]["_shim"][f"{api}_convert_module"] is is_affected_release(version)
         assert measurements(on[rank][case]) == measurements(reference[rank][case])
@@ -127,7 +141,9 @@ def test_two_processes_behave_like_2_5(api: str, package: str, layouts: dict[str
 
 
 @pytest.mark.parametrize("package", ["lightning", "standalone"])
-def test_import_after_lightning_gives_the_same_result(package: str, layouts: dict[str, Layout], scenarios: Scenarios) -> None:
+def test_import_after_lightning_gives_the_same_result(
+    package: str, layouts: dict[str, Layout], scenarios: Scenarios
+) -> None:
     layout = layout_or_skip(layouts, package)
     cases = cases_for("trainer", layout.trainer_version)
     before = scenarios.run("trainer", package, "before", cases)[0]
@@ -136,7 +152,9 @@ def test_import_after_lightning_gives_the_same_result(package: str, layouts: dic
 
 
 @pytest.mark.parametrize("package", ["lightning", "standalone"])
-def test_checkpoint_resume_keeps_dtypes_and_step(package: str, layouts: dict[str, Layout], scenarios: Scenarios, tmp_path) -> None:
+def test_checkpoint_resume_keeps_dtypes_and_step(
+    package: str, layouts: dict[str, Layout], scenarios: Scenarios, tmp_path
+) -> None:
     layout = layout_or_skip(layouts, package)
     if base_release(layout.trainer_version) < (2, 1, 0):
         pytest.skip("no 'true' precisions for FSDP before Lightning 2.1")

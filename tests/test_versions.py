@@ -34,7 +34,15 @@ def test_affected_range_uses_the_base_version(version: str, affected: bool) -> N
 
 @pytest.mark.parametrize(
     ("version", "expected"),
-    [("2.1.0", True), ("2.1.4", True), ("2.1.0rc1", True), ("2.2.0", False), ("2.2.0rc0", False), ("2.0.9", False), ("2.4.0", False)],
+    [
+        ("2.1.0", True),
+        ("2.1.4", True),
+        ("2.1.0rc1", True),
+        ("2.2.0", False),
+        ("2.2.0rc0", False),
+        ("2.0.9", False),
+        ("2.4.0", False),
+    ],
 )
 def test_only_2_1_converts_in_connect(version: str, expected: bool) -> None:
     assert converts_only_in_connect(version) is expected

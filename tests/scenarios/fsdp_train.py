@@ -61,7 +61,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def namespaces(package: str) -> tuple[str, str]:
-    return ("lightning.pytorch", "lightning.fabric") if package == "lightning" else ("pytorch_lightning", "lightning_fabric")
+    return (
+        ("lightning.pytorch", "lightning.fabric")
+        if package == "lightning"
+        else ("pytorch_lightning", "lightning_fabric")
+    )
 
 
 def flat_parameters(fsdp_root: nn.Module) -> list[torch.Tensor]:
@@ -110,7 +114,11 @@ def shim_facts(trainer_ns: str, fabric_ns: str) -> dict[str, Any]:
         owner = getattr(importlib.import_module(module), cls, None)
         return owner is not None and is_shim_wrapper(owner.__dict__.get(attr))
 
-    precision_cls = "FSDPPrecision" if hasattr(importlib.import_module(f"{trainer_ns}.plugins.precision.fsdp"), "FSDPPrecision") else "FSDPPrecisionPlugin"
+    precision_cls = (
+        "FSDPPrecision"
+        if hasattr(importlib.import_module(f"{trainer_ns}.plugins.precision.fsdp"), "FSDPPrecision")
+        else "FSDPPrecisionPlugin"
+    )
     return {
         "trainer_convert_module": wrapped(f"{trainer_ns}.plugins.precision.fsdp", precision_cls, "convert_module"),
         "fabric_convert_module": wrapped(f"{fabric_ns}.plugins.precision.fsdp", "FSDPPrecision", "convert_module"),
@@ -133,7 +141,9 @@ def seed_loss(transformer: nn.Module, batch: torch.Tensor) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- Trainer
-def run_trainer_case(pl: Any, strategy_cls: type, kind: str, precision: str, devices: int, ckpt_dir: str | None) -> dict[str, Any]:
+def run_trainer_case(
+    pl: Any, strategy_cls: type, kind: str, precision: str, devices: int, ckpt_dir: str | None
+) -> dict[str, Any]:
     from torch.utils.data import DataLoader, TensorDataset
 
     transformer_class = importlib.import_module(f"{pl.__name__}.demos").Transformer
@@ -183,8 +193,13 @@ def run_trainer_case(pl: Any, strategy_cls: type, kind: str, precision: str, dev
     data = token_batches() if kind == "seed" else feature_batches()
     loader = DataLoader(TensorDataset(data), batch_size=4)
     common = dict(
-        accelerator="cpu", devices=devices, precision=precision, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, num_sanity_val_steps=0,
+        accelerator="cpu",
+        devices=devices,
+        precision=precision,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
     )
     model = Probe()
     trainer = pl.Trainer(strategy=strategy_cls(), max_steps=2, enable_checkpointing=False, **common)
@@ -316,7 +331,7 @@ def main(argv: list[str]) -> None:
     cases = [tuple(case.split(":")) for case in args.cases.split(",")]
     trainer_ns, fabric_ns = namespaces(args.package)
     if args.shim == "before":
-        import fsdp_shim  # noqa: F401
+        import fsdp_shim
     results: list[dict[str, Any]] = []
     rank = 0
     if args.api == "torch":
@@ -341,7 +356,9 @@ def main(argv: list[str]) -> None:
         else:
             fabric_strategy = importlib.import_module(f"{fabric_ns}.strategies").FSDPStrategy
             for kind, precision in cases:
-                fabric = fabric_module.Fabric(accelerator="cpu", devices=args.devices, strategy=fabric_strategy(), precision=precision)
+                fabric = fabric_module.Fabric(
+                    accelerator="cpu", devices=args.devices, strategy=fabric_strategy(), precision=precision
+                )
                 fabric.launch()
                 results.append({"case": f"{kind}:{precision}", **run_fabric_case(fabric, kind, precision)})
                 rank = fabric.global_rank

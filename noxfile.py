@@ -1,0 +1,147 @@
+"""The compatibility matrix: the whole test suite against every Lightning release line.
+
+torch is installed once (``torch==2.13.0``, see ``.ci/run``) in the environment that runs nox, and
+every session runs in that environment (``venv_backend="none"``): Lightning's wheels are pure
+Python, so each session installs its releases with ``pip install --no-deps --target .matrix/<name>``
+and puts that folder first on ``PYTHONPATH``. The environment itself holds no Lightning, so a
+session sees exactly the layout it installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import nox
+
+nox.options.default_venv_backend = "none"
+nox.options.error_on_missing_interpreters = True
+
+ROOT = Path(__file__).parent
+MATRIX_DIR = ROOT / ".matrix"
+RESULTS_DIR = MATRIX_DIR / "results"
+
+# lightning 2.0.x imports lightning.app at import time, which needs these.
+APP_DEPS_2_0 = [
+    "fastapi",
+    "websockets<13",
+    "deepdiff<8",
+    "click",
+    "lightning-cloud",
+    "backoff",
+    "beautifulsoup4",
+    "croniter<1.5",
+    "requests",
+]
+
+MATRIX: dict[str, list[str]] = {
+    "lightning-2.0.9": ["lightning==2.0.9"],
+    "lightning-2.1.0": ["lightning==2.1.0"],
+    "lightning-2.1.4": ["lightning==2.1.4"],
+    "lightning-2.2.5": ["lightning==2.2.5"],
+    "lightning-2.3.3": ["lightning==2.3.3"],
+    "lightning-2.4.0": ["lightning==2.4.0"],
+    "lightning-2.5.0": ["lightning==2.5.0"],
+    "lightning-2.5.6": ["lightning==2.5.6"],
+    "lightning-2.6.6": ["lightning==2.6.6"],
+    "standalone-2.1.4": ["pytorch-lightning==2.1.4", "lightning-fabric==2.1.4"],
+    "standalone-2.4.0": ["pytorch-lightning==2.4.0", "lightning-fabric==2.4.0"],
+    "standalone-2.6.6": ["pytorch-lightning==2.6.6", "lightning-fabric==2.6.6"],
+    # What `pip install lightning==2.4.0` creates: an affected lightning.* next to the newest,
+    # fixed pytorch_lightning/lightning_fabric. The default development environment.
+    "mixed-2.4.0": ["lightning==2.4.0", "pytorch-lightning==2.6.6"],
+    # wrapt's newest 1.x, on the release that needs all three wrappers (2.1.x).
+    "lightning-2.1.4-wrapt1": ["lightning==2.1.4", "wrapt==1.17.3"],
+    # No Lightning at all: the shim must import and do nothing.
+    "no-lightning": [],
+}
+# Every session but the wrapt-1 one runs on the environment's wrapt, the newest 2.x.
+
+DEFAULT_SESSION = "mixed-2.4.0"
+"""Runs the release-independent tests too (toggles, logging, error isolation); the other sessions
+run everything that depends on the Lightning release."""
+
+
+def install_target(session: nox.Session, name: str) -> Path:
+    target = MATRIX_DIR / name
+    stamp = target / ".installed"
+    specs = MATRIX[name]
+    if stamp.exists() and stamp.read_text() == json.dumps(specs):
+        return target
+    if target.exists():
+        session.run("rm", "-rf", str(target), external=True)
+    target.mkdir(parents=True)
+    if specs:
+        session.run(sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), *specs)
+    if name == "lightning-2.0.9":
+        # Their own dependencies come along, but never torch: none of them asks for it.
+        session.run(sys.executable, "-m", "pip", "install", "-q", "--target", str(target), *APP_DEPS_2_0)
+    stamp.write_text(json.dumps(specs))
+    return target
+
+
+def run_matrix_session(session: nox.Session, name: str) -> None:
+    target = install_target(session, name)
+    env = {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH", "")])),
+        "FSDP_SHIM_TEST_SCOPE": "all" if name in (DEFAULT_SESSION, "no-lightning") else "release",
+    }
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    junit = RESULTS_DIR / f"{name}.xml"
+    try:
+        session.run(
+            sys.executable,
+            "-m",
+            "pytest",
+            "-n",
+            "2",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={junit}",
+            *session.posargs,
+            env=env,
+        )
+    finally:
+        session.run(
+            sys.executable,
+            str(ROOT / "scripts" / "matrix_status.py"),
+            name,
+            str(RESULTS_DIR / f"{name}.json"),
+            str(junit),
+            env=env,
+        )
+
+
+for _name in MATRIX:
+
+    @nox.session(name=f"tests-{_name}")
+    def _matrix_session(session: nox.Session, _name: str = _name) -> None:
+        run_matrix_session(session, _name)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    session.run("ruff", "check", ".")
+    session.run("ruff", "format", "--check", ".")
+
+
+@nox.session(name="compat-table")
+def compat_table(session: nox.Session) -> None:
+    """Write docs/compatibility.md from the results of the matrix sessions run before it."""
+    session.run(
+        sys.executable,
+        str(ROOT / "scripts" / "compat_table.py"),
+        str(RESULTS_DIR),
+        str(ROOT / "docs" / "compatibility.md"),
+    )
+
+
+@nox.session
+def docs(session: nox.Session) -> None:
+    session.run("mkdocs", "build", "--strict", "--site-dir", str(ROOT / "build" / "site"))
+
+
+nox.options.sessions = ["lint", *(f"tests-{name}" for name in MATRIX), "compat-table", "docs"]

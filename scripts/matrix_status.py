@@ -1,0 +1,49 @@
+"""Record one matrix session's outcome: what the shim decided per namespace, and the test counts.
+
+Usage: matrix_status.py SESSION OUT.json JUNIT.xml  (run with the session's PYTHONPATH)
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+PROBE = """
+import importlib, json, warnings
+warnings.simplefilter("ignore")
+import fsdp_shim
+for name in ("lightning", "pytorch_lightning", "lightning_fabric"):
+    try:
+        importlib.import_module(name)
+    except ImportError:
+        pass
+import wrapt
+print(json.dumps({"wrapt": wrapt.__version__, "namespaces": [s.as_dict() for s in fsdp_shim.status().namespaces]}))
+"""
+
+
+def test_counts(junit: Path) -> dict[str, int]:
+    if not junit.exists():
+        return {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
+    root = ET.parse(junit).getroot()
+    suite = root if root.tag == "testsuite" else root.find("testsuite")
+    counts = {key: int(suite.get(key, 0)) for key in ("tests", "failures", "errors", "skipped")}
+    return counts
+
+
+def main(session: str, out: str, junit: str) -> None:
+    probe = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True)
+    state = (
+        json.loads(probe.stdout.strip().splitlines()[-1]) if probe.returncode == 0 else {"error": probe.stderr[-2000:]}
+    )
+    counts = test_counts(Path(junit))
+    counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
+    record = {"session": session, **state, "counts": counts}
+    Path(out).write_text(json.dumps(record, indent=1))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
