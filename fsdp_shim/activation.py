@@ -31,6 +31,17 @@ _active = False
 _hooks_registered = False
 _watcher: FirstImportWatcher | None = None
 _imported_before_activation: set[str] = set()
+_sources: list[str] = []
+
+
+def record_source(source: str) -> None:
+    """Note how the shim was switched on in this process (``status()`` reports it)."""
+    if source not in _sources:
+        _sources.append(source)
+
+
+def activation_sources() -> tuple[str, ...]:
+    return tuple(_sources)
 
 
 def activate() -> bool:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fsdp_shim._version import __version__
-from fsdp_shim.activation import is_active
+from fsdp_shim.activation import activation_sources, is_active
 from fsdp_shim.environment_variables import FSDP_SHIM, FSDP_SHIM_STRICT
 from fsdp_shim.integration import NAMESPACES, NamespaceStatus, current_status
 from fsdp_shim.toggles import shim_enabled, strict_mode
@@ -21,6 +21,7 @@ class ShimStatus:
     enabled: bool
     strict: bool
     active: bool
+    sources: tuple[str, ...]
     environment: dict[str, str | None]
     namespaces: tuple[NamespaceStatus, ...]
 
@@ -36,13 +37,15 @@ class ShimStatus:
             "enabled": self.enabled,
             "strict": self.strict,
             "active": self.active,
+            "sources": list(self.sources),
             "environment": dict(self.environment),
             "namespaces": [status.as_dict() for status in self.namespaces],
         }
 
     def __str__(self) -> str:
         state = "active" if self.active else ("switched off by FSDP_SHIM" if not self.enabled else "inactive")
-        lines = [f"fsdp-shim {self.shim_version}: {state}" + (" (strict)" if self.strict else "")]
+        via = f" via {', '.join(self.sources)}" if self.sources else ""
+        lines = [f"fsdp-shim {self.shim_version}: {state}{via}" + (" (strict)" if self.strict else "")]
         for status in self.namespaces:
             version = status.version or "-"
             lines.append(f"  {status.namespace:<18} {version:<10} {status.reason}")
@@ -69,6 +72,8 @@ def collect_status() -> ShimStatus:
         enabled=enabled,
         strict=strict_mode(),
         active=is_active(),
+        # The start-up file and `fsdp-shim run` record themselves; anything else was a plain import.
+        sources=activation_sources() or ("import fsdp_shim",),
         environment={name: os.environ.get(name) for name in (FSDP_SHIM, FSDP_SHIM_STRICT)},
         namespaces=tuple(namespaces),
     )

@@ -1,0 +1,1 @@
+"""Folder that ``fsdp-shim run`` puts on PYTHONPATH; it holds only the bootstrap ``sitecustomize``."""

@@ -1,0 +1,197 @@
+"""``fsdp-shim status``: what this environment holds and whether the pieces agree.
+
+Without ``--python-check`` nothing is imported: Lightning versions come from package metadata and
+the verdict from the version gate alone. ``--python-check`` starts a fresh interpreter that imports
+Lightning the way a training script would (without importing fsdp_shim itself), so it shows what the
+start-up file or ``fsdp-shim run`` actually achieve, including the class-level gates.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any
+
+from fsdp_shim import startup_files
+from fsdp_shim._version import __version__
+from fsdp_shim.environment_variables import FSDP_SHIM, FSDP_SHIM_STRICT
+from fsdp_shim.runner import BOOTSTRAP_DIRECTORY, bootstrap_on_pythonpath
+from fsdp_shim.toggles import FALSE_VALUES, TRUE_VALUES
+from fsdp_shim.versions import is_affected_release
+
+# Top-level module -> the Lightning namespaces it holds.
+_MODULE_NAMESPACES = {
+    "lightning": ("lightning.fabric", "lightning.pytorch"),
+    "lightning_fabric": ("lightning_fabric",),
+    "pytorch_lightning": ("pytorch_lightning",),
+}
+
+CHILD_CHECK = """
+import importlib, json, sys, warnings
+warnings.simplefilter("ignore")
+imported = []
+for name in ("lightning", "pytorch_lightning", "lightning_fabric"):
+    try:
+        importlib.import_module(name)
+        imported.append(name)
+    except ImportError:
+        pass
+shim = sys.modules.get("fsdp_shim")
+report = {"python": sys.executable, "imported": imported, "shim_loaded": shim is not None}
+if shim is not None:
+    report["status"] = shim.status().as_dict()
+print(json.dumps(report))
+"""
+
+
+@dataclass
+class EnvironmentReport:
+    shim_version: str = __version__
+    python: str = sys.executable
+    toggles: dict[str, str | None] = field(default_factory=dict)
+    startup_files: list[dict[str, Any]] = field(default_factory=list)
+    bootstrap_on_pythonpath: list[str] = field(default_factory=list)
+    lightning: list[dict[str, Any]] = field(default_factory=list)
+    child: dict[str, Any] | None = None
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def consistent(self) -> bool:
+        return not self.problems
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "shim_version": self.shim_version,
+            "python": self.python,
+            "toggles": self.toggles,
+            "startup_files": self.startup_files,
+            "bootstrap_on_pythonpath": self.bootstrap_on_pythonpath,
+            "lightning": self.lightning,
+            "child": self.child,
+            "consistent": self.consistent,
+            "problems": self.problems,
+        }
+
+
+def _distribution_of(module: str) -> tuple[str, str] | None:
+    try:
+        names = metadata.packages_distributions().get(module, [])
+    except AttributeError:  # Python 3.9
+        names = [module.replace("_", "-")]
+    for name in names:
+        try:
+            return name, metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _installed_lightning() -> list[dict[str, Any]]:
+    rows = []
+    for module, namespaces in _MODULE_NAMESPACES.items():
+        found = _distribution_of(module)
+        if found is None:
+            continue
+        distribution, version = found
+        for namespace in namespaces:
+            affected = is_affected_release(version)
+            rows.append(
+                {
+                    "namespace": namespace,
+                    "distribution": distribution,
+                    "version": version,
+                    "affected": affected,
+                    "verdict": "would be patched (release lacks the fix)"
+                    if affected
+                    else "left untouched (fixed upstream, or no 'true' precisions)",
+                }
+            )
+    return sorted(rows, key=lambda row: row["namespace"])
+
+
+def _check_toggles(report: EnvironmentReport) -> None:
+    for name in (FSDP_SHIM, FSDP_SHIM_STRICT):
+        raw = os.environ.get(name)
+        report.toggles[name] = raw
+        if raw is not None and raw.strip() and raw.strip().lower() not in TRUE_VALUES | FALSE_VALUES:
+            valid = ", ".join(sorted(TRUE_VALUES | FALSE_VALUES))
+            report.problems.append(f"{name}={raw!r} is not a valid value ({valid}); the default applies")
+
+
+def _check_activations(report: EnvironmentReport) -> None:
+    for found in startup_files.find():
+        report.startup_files.append({"path": str(found.path), "current": found.current})
+        if not found.current:
+            report.problems.append(f"{found.path} was written by another fsdp-shim version; run `fsdp-shim install`")
+    for entry in bootstrap_on_pythonpath(os.environ):
+        report.bootstrap_on_pythonpath.append(entry)
+        if os.path.realpath(entry) != BOOTSTRAP_DIRECTORY:
+            report.problems.append(
+                f"PYTHONPATH holds another fsdp-shim's bootstrap ({entry}), not this one's ({BOOTSTRAP_DIRECTORY})"
+            )
+
+
+def _check_child(report: EnvironmentReport) -> None:
+    proc = subprocess.run([sys.executable, "-c", CHILD_CHECK], capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        report.problems.append(f"a fresh interpreter failed to import Lightning: {proc.stderr.strip()[-500:]}")
+        return
+    child = json.loads(proc.stdout.strip().splitlines()[-1])
+    report.child = child
+    switched_off = (os.environ.get(FSDP_SHIM) or "").strip().lower() in FALSE_VALUES
+    activation_present = bool(report.startup_files or report.bootstrap_on_pythonpath)
+    if activation_present and not switched_off and not child["shim_loaded"]:
+        report.problems.append("a start-up activation is present but a fresh interpreter did not load the shim")
+    for namespace in (child.get("status") or {}).get("namespaces", []):
+        if namespace["imported"] and namespace["affected"] and not namespace["patched"] and not switched_off:
+            report.problems.append(
+                f"{namespace['namespace']} {namespace['version']} is affected but was not patched: {namespace['reason']}"
+            )
+
+
+def collect(python_check: bool = False) -> EnvironmentReport:
+    report = EnvironmentReport()
+    _check_toggles(report)
+    _check_activations(report)
+    report.lightning = _installed_lightning()
+    if python_check:
+        _check_child(report)
+    return report
+
+
+def render(report: EnvironmentReport) -> str:
+    lines = [f"fsdp-shim {report.shim_version}  (python: {report.python})", ""]
+    shim = report.toggles.get(FSDP_SHIM)
+    lines.append(f"{FSDP_SHIM}={shim!r}" if shim is not None else f"{FSDP_SHIM} unset (shim on)")
+    strict = report.toggles.get(FSDP_SHIM_STRICT)
+    lines.append(f"{FSDP_SHIM_STRICT}={strict!r}" if strict is not None else f"{FSDP_SHIM_STRICT} unset (strict off)")
+    lines += ["", "Activations:"]
+    if report.startup_files:
+        lines += [
+            f"  start-up file  {f['path']}" + ("" if f["current"] else "  (outdated)") for f in report.startup_files
+        ]
+    else:
+        lines.append("  start-up file  not installed (`fsdp-shim install`)")
+    if report.bootstrap_on_pythonpath:
+        lines += [f"  fsdp-shim run  bootstrap on PYTHONPATH: {entry}" for entry in report.bootstrap_on_pythonpath]
+    else:
+        lines.append("  fsdp-shim run  not active in this shell")
+    lines += ["", "Lightning (from package metadata):"]
+    if not report.lightning:
+        lines.append("  none installed")
+    for row in report.lightning:
+        lines.append(f"  {row['namespace']:<18} {row['version']:<10} {row['verdict']}")
+    if report.child is not None:
+        lines += ["", "A fresh interpreter (imports Lightning, not fsdp_shim):"]
+        if not report.child["shim_loaded"]:
+            lines.append("  shim not loaded: no start-up activation reached it")
+        for namespace in (report.child.get("status") or {}).get("namespaces", []):
+            if namespace["imported"]:
+                lines.append(f"  {namespace['namespace']:<18} {namespace['version'] or '-':<10} {namespace['reason']}")
+    lines.append("")
+    lines += [f"PROBLEM: {p}" for p in report.problems] or ["OK: consistent"]
+    return "\n".join(lines)
