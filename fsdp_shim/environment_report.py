@@ -148,9 +148,8 @@ def _check_child(report: EnvironmentReport) -> None:
         report.problems.append("a start-up activation is present but a fresh interpreter did not load the shim")
     for namespace in (child.get("status") or {}).get("namespaces", []):
         if namespace["imported"] and namespace["affected"] and not namespace["patched"] and not switched_off:
-            report.problems.append(
-                f"{namespace['namespace']} {namespace['version']} is affected but was not patched: {namespace['reason']}"
-            )
+            name, version, reason = namespace["namespace"], namespace["version"], namespace["reason"]
+            report.problems.append(f"{name} {version} is affected but was not patched: {reason}")
 
 
 def collect(python_check: bool = False) -> EnvironmentReport:

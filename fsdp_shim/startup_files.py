@@ -12,7 +12,6 @@ cleanly. A stale ``.start`` file cannot be made silent: Python 3.15+ prints one 
 from __future__ import annotations
 
 import site
-
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
