@@ -6,7 +6,8 @@ the patching code load only when a Lightning package is imported, or is already 
 shim is activated.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: it is a real import, and this module runs at every
+# interpreter start. Annotations that need newer syntax are strings instead.
 
 import _thread
 import sys
@@ -29,7 +30,7 @@ NAMESPACE_NAMES = ("lightning.fabric", "lightning.pytorch", "lightning_fabric", 
 _lock = _thread.RLock()
 _active = False
 _hooks_registered = False
-_watcher: FirstImportWatcher | None = None
+_watcher: "FirstImportWatcher | None" = None
 _imported_before_activation: set[str] = set()
 _sources: list[str] = []
 
@@ -83,7 +84,7 @@ def is_active() -> bool:
     return _active
 
 
-def status() -> ShimStatus:
+def status() -> "ShimStatus":
     """Per namespace: version, affected or not, patched or not, and why."""
     from fsdp_shim.report import collect_status
 
@@ -113,8 +114,8 @@ def _register_import_hooks() -> None:
         _report_unexpected(error)
 
 
-def _hook_for(name: str) -> Callable[[ModuleType], None]:
-    def on_import(module: ModuleType) -> None:
+def _hook_for(name: str) -> "Callable[[ModuleType], None]":
+    def on_import(module: "ModuleType") -> None:
         _patch_namespace(name)
 
     on_import.__qualname__ = f"fsdp_shim_on_import[{name}]"

@@ -7,7 +7,8 @@ workers), so the shim arms this stdlib-only finder instead and loads wrapt only 
 actually imports Lightning.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: it is a real import, and this module runs at every
+# interpreter start. Annotations that need newer syntax are strings instead.
 
 import sys
 
@@ -26,16 +27,16 @@ class FirstImportWatcher:
     would otherwise miss this very import.
     """
 
-    def __init__(self, names: Iterable[str], on_first_import: Callable[[], None]) -> None:
+    def __init__(self, names: "Iterable[str]", on_first_import: "Callable[[], None]") -> None:
         self._names = frozenset(names)
         self._on_first_import = on_first_import
 
     def find_spec(
         self,
         fullname: str,
-        path: Sequence[str] | None = None,
-        target: ModuleType | None = None,
-    ) -> ModuleSpec | None:
+        path: "Sequence[str] | None" = None,
+        target: "ModuleType | None" = None,
+    ) -> "ModuleSpec | None":
         if fullname not in self._names:
             return None
         # Off the list before the callback, so imports it makes (wrapt) do not call back again.

@@ -5,8 +5,6 @@ Importing this module has already run ``fsdp_shim/__init__`` and so armed the sh
 import anything heavy, because it runs in every Python process of the environment.
 """
 
-from __future__ import annotations
-
 from fsdp_shim.activation import record_source
 
 SOURCE = "startup file"

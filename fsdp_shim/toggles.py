@@ -5,7 +5,8 @@ start-up file calls it in every Python process of an environment; even ``warning
 only when there is something to warn about.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: it is a real import, and this module runs at every
+# interpreter start. Annotations that need newer syntax are strings instead.
 
 import os
 
@@ -24,7 +25,7 @@ FALSE_VALUES = frozenset({"0", "false", "off"})
 _warned: set[tuple[str, str]] = set()
 
 
-def read_flag(name: str, default: bool, environ: Mapping[str, str] | None = None) -> bool:
+def read_flag(name: str, default: bool, environ: "Mapping[str, str] | None" = None) -> bool:
     """Return the boolean an on/off variable asks for, or ``default`` when unset or invalid.
 
     Case and surrounding whitespace are ignored. An unrecognised value warns once, naming the
@@ -57,11 +58,11 @@ def read_flag(name: str, default: bool, environ: Mapping[str, str] | None = None
     return default
 
 
-def shim_enabled(environ: Mapping[str, str] | None = None) -> bool:
+def shim_enabled(environ: "Mapping[str, str] | None" = None) -> bool:
     """Whether ``FSDP_SHIM`` leaves the shim switched on (the default)."""
     return read_flag(FSDP_SHIM, True, environ)
 
 
-def strict_mode(environ: Mapping[str, str] | None = None) -> bool:
+def strict_mode(environ: "Mapping[str, str] | None" = None) -> bool:
     """Whether ``FSDP_SHIM_STRICT`` turns patch failures into errors (default off)."""
     return read_flag(FSDP_SHIM_STRICT, False, environ)

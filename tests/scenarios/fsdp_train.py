@@ -53,7 +53,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--api", choices=("trainer", "fabric", "torch"), required=True)
     parser.add_argument("--package", choices=("lightning", "standalone"), default="lightning")
     parser.add_argument("--shim", choices=("off", "before", "after"), default="off")
-    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--devices", type=int, default=1, help="per node")
+    parser.add_argument("--num-nodes", type=int, default=1, help="trainer only, under torchrun")
     parser.add_argument("--cases", required=True, help="comma-separated MODEL:PRECISION")
     parser.add_argument("--checkpoint-dir", default=None, help="trainer only: fit, save, resume")
     parser.add_argument("--out", required=True)
@@ -142,7 +143,7 @@ def seed_loss(transformer: nn.Module, batch: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- Trainer
 def run_trainer_case(
-    pl: Any, strategy_cls: type, kind: str, precision: str, devices: int, ckpt_dir: str | None
+    pl: Any, strategy_cls: type, kind: str, precision: str, devices: int, ckpt_dir: str | None, num_nodes: int = 1
 ) -> dict[str, Any]:
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -195,6 +196,7 @@ def run_trainer_case(
     common = dict(
         accelerator="cpu",
         devices=devices,
+        num_nodes=num_nodes,
         precision=precision,
         logger=False,
         enable_progress_bar=False,
@@ -350,7 +352,9 @@ def main(argv: list[str]) -> None:
         if args.api == "trainer":
             strategy_cls = importlib.import_module(f"{trainer_ns}.strategies").FSDPStrategy
             for kind, precision in cases:
-                result = run_trainer_case(pl, strategy_cls, kind, precision, args.devices, args.checkpoint_dir)
+                result = run_trainer_case(
+                    pl, strategy_cls, kind, precision, args.devices, args.checkpoint_dir, args.num_nodes
+                )
                 results.append({"case": f"{kind}:{precision}", **result})
             rank = pl.utilities.rank_zero_only.rank
         else:
