@@ -1,48 +1,41 @@
-"""``activate`` / ``deactivate`` / ``status``: arming the shim, cheaply.
+"""``activate`` / ``deactivate`` / ``status``: switching the shim on and off in this process.
 
-Importing this module costs next to nothing (``sys``, ``_thread`` and the shim's own tiny modules),
-because the start-up file imports it in every Python process. wrapt, ``logging``, ``packaging`` and
-the patching code load only when a Lightning package is imported, or is already imported when the
-shim is activated.
+Activation hands the work to wrapt's post-import hooks: wrapt calls a hook at once for a Lightning
+namespace already imported, and otherwise when its import finishes (after the namespace's
+``__init__`` has imported its strategies and plugins). The patching code itself (``packaging``,
+``logging``, the wrappers) loads only when a hook fires. Start-up cost in processes that never
+import Lightning is the business of :mod:`_fsdp_shim_startup`, which does not import this package
+until Lightning is imported.
 """
 
-# No `from __future__ import annotations`: it is a real import, and this module runs at every
-# interpreter start. Annotations that need newer syntax are strings instead.
+from __future__ import annotations
 
-import _thread
 import sys
+import threading
+from typing import TYPE_CHECKING
 
-from fsdp_shim.import_watch import FirstImportWatcher
 from fsdp_shim.toggles import shim_enabled
 
-TYPE_CHECKING = False
 if TYPE_CHECKING:
     from collections.abc import Callable
     from types import ModuleType
 
     from fsdp_shim.report import ShimStatus
 
-TOP_LEVEL_PACKAGES = ("lightning", "lightning_fabric", "pytorch_lightning")
-"""Importing any Lightning namespace starts with one of these."""
 
 NAMESPACE_NAMES = ("lightning.fabric", "lightning.pytorch", "lightning_fabric", "pytorch_lightning")
 
-_lock = _thread.RLock()
+_lock = threading.RLock()
 _active = False
 _hooks_registered = False
-_watcher: "FirstImportWatcher | None" = None
 _imported_before_activation: set[str] = set()
-_sources: list[str] = []
-
-
-def record_source(source: str) -> None:
-    """Note how the shim was switched on in this process (``status()`` reports it)."""
-    if source not in _sources:
-        _sources.append(source)
 
 
 def activation_sources() -> tuple[str, ...]:
-    return tuple(_sources)
+    """How the shim was armed in this process: the start-up hooks record themselves; anything
+    else was a plain ``import fsdp_shim``."""
+    startup = sys.modules.get("_fsdp_shim_startup")
+    return tuple(getattr(startup, "sources", ())) or ("import fsdp_shim",)
 
 
 def activate() -> bool:
@@ -53,17 +46,13 @@ def activate() -> bool:
     and returns ``False`` while ``FSDP_SHIM`` says off: the variable is the operator's kill switch and
     outranks code.
     """
-    global _active, _watcher
+    global _active
     with _lock:
         if not shim_enabled():
             return False
         _active = True
         _imported_before_activation.update(name for name in NAMESPACE_NAMES if name in sys.modules)
-        if _hooks_registered or any(name in sys.modules for name in TOP_LEVEL_PACKAGES):
-            _register_import_hooks()
-        elif _watcher is None or not _watcher.armed:
-            _watcher = FirstImportWatcher(TOP_LEVEL_PACKAGES, _register_import_hooks)
-            _watcher.arm()
+        _register_import_hooks()
         return True
 
 
@@ -72,8 +61,6 @@ def deactivate() -> None:
     global _active
     with _lock:
         _active = False
-        if _watcher is not None:
-            _watcher.disarm()
         integration = sys.modules.get("fsdp_shim.integration")
         if integration is not None:
             for namespace in integration.NAMESPACES:
@@ -84,7 +71,7 @@ def is_active() -> bool:
     return _active
 
 
-def status() -> "ShimStatus":
+def status() -> ShimStatus:
     """Per namespace: version, affected or not, patched or not, and why."""
     from fsdp_shim.report import collect_status
 
@@ -92,11 +79,7 @@ def status() -> "ShimStatus":
 
 
 def _register_import_hooks() -> None:
-    """Hand over to wrapt's post-import hooks (runs wrapt's import, so only once Lightning is near).
-
-    wrapt calls a hook at once for a namespace already imported and otherwise when its import
-    finishes, i.e. after the namespace's ``__init__`` has imported its strategies and plugins.
-    """
+    """Register wrapt's post-import hooks once; on later activations, patch what is imported."""
     global _hooks_registered
     with _lock:
         if _hooks_registered:
@@ -114,8 +97,8 @@ def _register_import_hooks() -> None:
         _report_unexpected(error)
 
 
-def _hook_for(name: str) -> "Callable[[ModuleType], None]":
-    def on_import(module: "ModuleType") -> None:
+def _hook_for(name: str) -> Callable[[ModuleType], None]:
+    def on_import(module: ModuleType) -> None:
         _patch_namespace(name)
 
     on_import.__qualname__ = f"fsdp_shim_on_import[{name}]"

@@ -7,8 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from fsdp_shim import startup_files
-from fsdp_shim._version import __version__
+from fsdp_shim import __version__, startup_files
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
 
-from fsdp_shim import startup_files
-from fsdp_shim._version import __version__
+from fsdp_shim import __version__, startup_files
 from fsdp_shim.environment_variables import FSDP_SHIM, FSDP_SHIM_STRICT
 from fsdp_shim.runner import BOOTSTRAP_DIRECTORY, bootstrap_on_pythonpath
 from fsdp_shim.toggles import FALSE_VALUES, TRUE_VALUES

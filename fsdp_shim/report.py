@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from fsdp_shim._version import __version__
+from fsdp_shim import __version__
 from fsdp_shim.activation import activation_sources, is_active
 from fsdp_shim.environment_variables import FSDP_SHIM, FSDP_SHIM_STRICT
 from fsdp_shim.integration import NAMESPACES, NamespaceStatus, current_status
@@ -72,8 +72,7 @@ def collect_status() -> ShimStatus:
         enabled=enabled,
         strict=strict_mode(),
         active=is_active(),
-        # The start-up file and `fsdp-shim run` record themselves; anything else was a plain import.
-        sources=activation_sources() or ("import fsdp_shim",),
+        sources=activation_sources(),
         environment={name: os.environ.get(name) for name in (FSDP_SHIM, FSDP_SHIM_STRICT)},
         namespaces=tuple(namespaces),
     )

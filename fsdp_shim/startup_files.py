@@ -4,9 +4,11 @@ Two files with the same stem: ``fsdp_shim.pth`` (an ``import`` line, read by eve
 and ``fsdp_shim.start`` (a PEP 829 entry point; Python 3.15+ reads it and then ignores the ``.pth``
 import line, so the shim is armed once either way).
 
-The ``.pth`` line swallows ``ImportError`` and everything else: if the package is removed while the
-file stays behind (``pip uninstall`` does not know about it), every interpreter must still start
-cleanly. A stale ``.start`` file cannot be made silent: Python 3.15+ prints one error line for it.
+The ``.pth`` line runs :data:`_fsdp_shim_startup.WATCHER_CODE` inline and imports nothing, so it
+costs no measurable start-up time, and if the package is removed while the file stays behind
+(``pip uninstall`` does not know about it) every interpreter still starts cleanly and Lightning
+still imports. A stale ``.start`` file cannot be made silent: Python 3.15+ prints one error line
+for it.
 """
 
 from __future__ import annotations
@@ -16,17 +18,19 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+from _fsdp_shim_startup import WATCHER_CODE
+
 STEM = "fsdp_shim"
 MARKER = "# fsdp-shim start-up file"
 
 PTH_TEXT = (
     f"{MARKER}: written by `fsdp-shim install`, removed by `fsdp-shim uninstall`.\n"
-    "# Arms an import watcher only (no wrapt, torch or Lightning); FSDP_SHIM=0 switches it off.\n"
-    'import sys; exec("try:\\n import fsdp_shim.startup\\nexcept Exception:\\n pass")\n'
+    "# Imports nothing: arms a watcher that loads the shim when a process imports Lightning.\n"
+    f"import sys; exec({WATCHER_CODE!r}, {{'sys': sys, 'SOURCE': 'startup file'}})\n"
 )
 START_TEXT = (
     f"{MARKER} (PEP 829): written by `fsdp-shim install`, removed by `fsdp-shim uninstall`.\n"
-    "fsdp_shim.startup:activate_from_startup_file\n"
+    "_fsdp_shim_startup:arm_from_startup_file\n"
 )
 FILES = {f"{STEM}.pth": PTH_TEXT, f"{STEM}.start": START_TEXT}
 

@@ -1,31 +1,28 @@
 """Parsing of the on/off environment variables.
 
-Kept free of imports beyond ``os`` (loaded by every interpreter before ``site`` runs) because the
-start-up file calls it in every Python process of an environment; even ``warnings`` is imported
-only when there is something to warn about.
+Read at activation and again in every import hook, so a value set in a script before Lightning is
+imported takes effect. The start-up hook (:mod:`_fsdp_shim_startup`) makes only a quick "is it
+off?" check with the same ``OFF_VALUES``; everything else, including the one warning for an
+unrecognised value, happens here.
 """
 
-# No `from __future__ import annotations`: it is a real import, and this module runs at every
-# interpreter start. Annotations that need newer syntax are strings instead.
+from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
+from _fsdp_shim_startup import OFF_VALUES
 from fsdp_shim.environment_variables import FSDP_SHIM, FSDP_SHIM_STRICT
 
-# ``typing`` costs milliseconds to import; type checkers understand this spelling of the flag.
-TYPE_CHECKING = False
-if TYPE_CHECKING:
-    from collections.abc import Mapping
-
 TRUE_VALUES = frozenset({"1", "true", "on"})
-FALSE_VALUES = frozenset({"0", "false", "off"})
+FALSE_VALUES = frozenset(OFF_VALUES)
 
 # (variable, raw value) pairs already warned about: a bad value is read at activation and again at
 # every hook, and the user should hear about it once, not once per Lightning package.
 _warned: set[tuple[str, str]] = set()
 
 
-def read_flag(name: str, default: bool, environ: "Mapping[str, str] | None" = None) -> bool:
+def read_flag(name: str, default: bool, environ: Mapping[str, str] | None = None) -> bool:
     """Return the boolean an on/off variable asks for, or ``default`` when unset or invalid.
 
     Case and surrounding whitespace are ignored. An unrecognised value warns once, naming the
@@ -58,11 +55,11 @@ def read_flag(name: str, default: bool, environ: "Mapping[str, str] | None" = No
     return default
 
 
-def shim_enabled(environ: "Mapping[str, str] | None" = None) -> bool:
+def shim_enabled(environ: Mapping[str, str] | None = None) -> bool:
     """Whether ``FSDP_SHIM`` leaves the shim switched on (the default)."""
     return read_flag(FSDP_SHIM, True, environ)
 
 
-def strict_mode(environ: "Mapping[str, str] | None" = None) -> bool:
+def strict_mode(environ: Mapping[str, str] | None = None) -> bool:
     """Whether ``FSDP_SHIM_STRICT`` turns patch failures into errors (default off)."""
     return read_flag(FSDP_SHIM_STRICT, False, environ)

@@ -14,9 +14,9 @@ import sys
 
 def _arm_shim() -> None:
     try:
-        from fsdp_shim.activation import record_source
+        import _fsdp_shim_startup
 
-        record_source("fsdp-shim run")
+        _fsdp_shim_startup.arm("fsdp-shim run")
     except Exception:  # the shim must never stop an interpreter from starting
         pass
 

@@ -1,0 +1,111 @@
+"""Start-up cost of the shim, as ratios measured in one invocation.
+
+1. ``python -c pass`` with the environment-wide start-up file installed vs without it: two fresh
+   virtual environments that differ only in that file, run in interleaved pairs; the figure is the
+   median of the per-pair ratios (robust to drift in machine load).
+2. ``python -c "import fsdp_shim"`` and ``python -c "import wrapt"`` against ``python -c pass``, the
+   same way, in the environment without the start-up file.
+
+Both environments get the shim the way users do, from a wheel installed into site-packages (pip
+writes the .pyc files), and see this environment's wrapt through a plain path entry.
+
+Usage: python benchmarks/startup_time.py [--pairs N] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def build_wheel(folder: Path) -> Path:
+    """The shim as users get it: a wheel, installed into site-packages with its .pyc files."""
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(folder), str(ROOT)], check=True)
+    return next(folder.glob("fsdp_shim-*.whl"))
+
+
+def make_venv(folder: Path, wheel: Path) -> str:
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(folder)], check=True)
+    python = str(folder / "bin" / "python")
+    purelib = subprocess.check_output(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True
+    ).strip()
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "install", "--no-deps", "--target", purelib, str(wheel)], check=True)
+    # wrapt and the rest of this environment as a plain path entry: no start-up code of theirs runs.
+    (Path(purelib) / "zz_outer_environment.pth").write_text(f"{sysconfig.get_paths()['purelib']}\n")
+    return python
+
+
+def elapsed(command: list[str]) -> float:
+    start = time.perf_counter()
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - start
+
+
+def paired(baseline: list[str], candidate: list[str], pairs: int) -> dict[str, float]:
+    for _ in range(3):  # warm the page cache for both
+        elapsed(baseline)
+        elapsed(candidate)
+    base_times, cand_times, ratios = [], [], []
+    for index in range(pairs):
+        order = (baseline, candidate) if index % 2 == 0 else (candidate, baseline)
+        first, second = elapsed(order[0]), elapsed(order[1])
+        base, cand = (first, second) if order[0] is baseline else (second, first)
+        base_times.append(base)
+        cand_times.append(cand)
+        ratios.append(cand / base)
+    return {
+        "baseline_median_ms": round(statistics.median(base_times) * 1000, 2),
+        "candidate_median_ms": round(statistics.median(cand_times) * 1000, 2),
+        "median_ratio": round(statistics.median(ratios), 3),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pairs", type=int, default=60)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        wheel = build_wheel(Path(tmp) / "wheel")
+        plain = make_venv(Path(tmp) / "plain", wheel)
+        with_file = make_venv(Path(tmp) / "with-startup-file", wheel)
+        subprocess.run([with_file, "-m", "fsdp_shim", "install"], check=True, stdout=subprocess.DEVNULL)
+        results = {
+            "python -c pass: start-up file / none": paired(
+                [plain, "-c", "pass"], [with_file, "-c", "pass"], args.pairs
+            ),
+            "import fsdp_shim / python -c pass": paired(
+                [plain, "-c", "pass"], [plain, "-c", "import fsdp_shim"], args.pairs
+            ),
+            "import wrapt / python -c pass": paired([plain, "-c", "pass"], [plain, "-c", "import wrapt"], args.pairs),
+        }
+    import wrapt
+
+    results["_environment"] = {"python": sys.version.split()[0], "wrapt": wrapt.__version__, "pairs": args.pairs}
+    if args.json:
+        print(json.dumps(results, indent=2))
+        return
+    print(f"{'comparison':<42} {'baseline ms':>12} {'candidate ms':>13} {'median ratio':>13}")
+    for name, row in results.items():
+        if not name.startswith("_"):
+            print(
+                f"{name:<42} {row['baseline_median_ms']:>12} {row['candidate_median_ms']:>13} {row['median_ratio']:>13}"
+            )
+    environment = results["_environment"]
+    print(f"python {environment['python']}, wrapt {environment['wrapt']}, {args.pairs} interleaved pairs each")
+
+
+if __name__ == "__main__":
+    main()
