@@ -29,15 +29,21 @@ def fsdp_shim_watcher(name, path=None, target=None):
         except Exception:
             return None
 fsdp_shim_watcher.find_spec = fsdp_shim_watcher
-sys.meta_path.insert(0, fsdp_shim_watcher)
+for finder in sys.meta_path:
+    if getattr(finder, "__name__", None) == "fsdp_shim_watcher":
+        break
+else:
+    sys.meta_path.insert(0, fsdp_shim_watcher)
 """
 """The watcher, as source, so the start-up file can run it with ``exec`` and no import. It is
 executed in a namespace holding ``sys`` and ``SOURCE`` (how the shim was armed, for ``status()``).
 
 A function that is its own ``find_spec`` attribute is a complete ``sys.meta_path`` finder, and
 compiling and creating it costs measurably less at start-up than a class (about 1% of a bare
-``python -c pass`` here). It never finds a module itself; if this module or the shim is gone
-(``pip uninstall`` left the start-up file behind), the import of Lightning simply proceeds."""
+``python -c pass`` here). It is armed once even when ``site`` reads the start-up file twice (a venv
+whose ``lib64`` is a symlink to ``lib`` lists the same site-packages under both names). It never
+finds a module itself; if this module or the shim is gone (``pip uninstall`` left the start-up file
+behind), the import of Lightning simply proceeds."""
 
 sources = []
 """How the hook was armed in this process ("startup file", "fsdp-shim run"); status() reports it."""
@@ -65,7 +71,12 @@ def on_first_lightning_import(name: str, source: str) -> "ModuleSpec | None":
 
 
 def arm(source: str) -> None:
-    """Arm the watcher from code that is already running (the ``fsdp-shim run`` bootstrap, PEP 829)."""
+    """Arm the watcher from code that is already running (the ``fsdp-shim run`` bootstrap, PEP 829).
+
+    The source is recorded now: if the start-up file armed a watcher first, this one is not added.
+    """
+    if source not in sources:
+        sources.append(source)
     if any(name in sys.modules for name in ("lightning", "lightning_fabric", "pytorch_lightning")):
         on_first_lightning_import("", source)  # Lightning came first (another sitecustomize): patch at once
         return
