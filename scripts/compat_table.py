@@ -1,6 +1,6 @@
 """Write the compatibility table (docs/compatibility.md) from a matrix run's results.
 
-Usage: compat_table.py RESULTS_DIR OUT.md   (the nox session ``compat-table`` runs it)
+Usage: compat_table.py RESULTS_DIR OUT.md SESSION...   (the nox session ``compat-table`` runs it)
 
 Each ``RESULTS_DIR/<session>.json`` is written by ``scripts/matrix_status.py`` at the end of a
 matrix session: what the shim decided per Lightning namespace in that environment, and the test
@@ -50,14 +50,15 @@ def rows(record: dict) -> list[str]:
     return lines
 
 
-def main(results_dir: str, out: str) -> None:
-    records = [json.loads(p.read_text()) for p in sorted(Path(results_dir).glob("*.json"))]
-    if not records:
-        raise SystemExit(f"no matrix results in {results_dir}; run the matrix sessions first")
+def main(results_dir: str, out: str, *sessions: str) -> None:
+    missing = [name for name in sessions if not (Path(results_dir) / f"{name}.json").exists()]
+    if missing:
+        raise SystemExit(f"no results for {', '.join(missing)} in {results_dir}; run the matrix sessions first")
+    records = [json.loads((Path(results_dir) / f"{name}.json").read_text()) for name in sessions]
     body = HEADER + "\n".join(line for record in records for line in rows(record)) + "\n"
     Path(out).write_text(body)
     print(f"wrote {out} from {len(records)} sessions")
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main(*sys.argv[1:])
