@@ -14,7 +14,8 @@ ALL_NAMESPACES = ("lightning.pytorch", "lightning.fabric", "pytorch_lightning", 
 PRELUDE = '''
 import importlib, json, os, sys, warnings
 MISSING = "<missing>"
-TARGETS = (("plugins.precision.fsdp", ("FSDPPrecision", "FSDPPrecisionPlugin"), ("convert_module",)),
+# 2.0.x's Trainer class is FSDPMixedPrecisionPlugin; it is snapshotted too, to prove it is untouched.
+TARGETS = (("plugins.precision.fsdp", ("FSDPPrecision", "FSDPPrecisionPlugin", "FSDPMixedPrecisionPlugin"), ("convert_module",)),
            ("strategies.fsdp", ("FSDPStrategy",), ("setup", "connect")))
 
 def snapshot():
@@ -25,8 +26,8 @@ def snapshot():
             continue
         for module, classes, attributes in TARGETS:
             mod = importlib.import_module(ns + "." + module)
-            cls = next(c for c in (getattr(mod, name, None) for name in classes) if isinstance(c, type))
-            for attribute in attributes:
+            cls = next((c for c in (getattr(mod, name, None) for name in classes) if isinstance(c, type)), None)
+            for attribute in attributes if cls is not None else ():
                 out[ns + ":" + cls.__name__ + "." + attribute] = cls.__dict__.get(attribute, MISSING)
     return out
 
@@ -137,7 +138,9 @@ for ns in ("lightning.pytorch", "pytorch_lightning"):
     if ns in sys.modules:
         fsdp = importlib.import_module(ns + ".plugins.precision.fsdp")
         base = importlib.import_module(ns + ".plugins.precision").Precision if hasattr(fsdp, "FSDPPrecision") else None
-        cls = getattr(fsdp, "FSDPPrecision", None) or fsdp.FSDPPrecisionPlugin
+        cls = getattr(fsdp, "FSDPPrecision", None) or getattr(fsdp, "FSDPPrecisionPlugin", None)
+        if cls is None:  # 2.0.x: no true-precision FSDP plugin at all
+            continue
         inherits[ns] = "convert_module" in cls.__dict__ or (base is not None and cls.convert_module is base.convert_module)
 print(json.dumps({"patched": patched, "restored": restored, "repatched": repatched,
                   "final": changed(pristine, snapshot()), "inherits": inherits,
