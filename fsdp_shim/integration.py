@@ -240,7 +240,9 @@ def _instances_of(classes: tuple[type, ...]) -> Iterable[object]:
 
 
 def _holds_fsdp_model(holder: object) -> bool:
-    model = getattr(holder, "_model", None) or getattr(holder, "_forward_module", None)
+    model = getattr(holder, "_model", None)  # Trainer strategy
+    if model is None:
+        model = getattr(holder, "_forward_module", None)  # Fabric's module wrapper
     fsdp = sys.modules.get("torch.distributed.fsdp")
     fsdp_class = getattr(fsdp, "FullyShardedDataParallel", None)
     return isinstance(fsdp_class, type) and isinstance(model, fsdp_class)

@@ -347,3 +347,57 @@ for name in ("lightning", "pytorch_lightning", "lightning_fabric"):
         for ns in affected:
             assert sum(f"patched {ns} {versions[ns]}" in line for line in info) == 1
     assert len(debug) == len(versions) - len(affected)
+
+
+@pytest.mark.release_independent
+def test_late_activation_warns_about_models_fsdp_already_wrapped(layouts: dict[str, Layout]) -> None:
+    """Activation after Lightning's import patches at once and says so; a model FSDP wrapped before
+    keeps its dtype, and the user is told once."""
+    namespace, _ = an_affected_namespace(layouts)
+    if namespace not in ("lightning.pytorch", "pytorch_lightning"):
+        pytest.skip("needs an affected Trainer namespace")
+    result = child(
+        """
+import torch
+pl = importlib.import_module(%r)
+fabric_ns = "lightning.fabric" if %r == "lightning.pytorch" else "lightning_fabric"
+sys.path.insert(0, "tests/scenarios")
+from cpu_fsdp_harness import lift_gpu_guards
+lift_gpu_guards(%r, fabric_ns)
+
+class Tiny(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.layer = torch.nn.Linear(8, 8)
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch[0]).float().pow(2).mean()
+    def configure_optimizers(self):
+        return torch.optim.Adam(self.trainer.model.parameters())
+
+def fit():
+    model = Tiny()
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=importlib.import_module(%r + ".strategies").FSDPStrategy(),
+                         precision="bf16-true", max_steps=1, logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(model, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, 8)), batch_size=4))
+    return model, trainer
+
+before, before_trainer = fit()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    import fsdp_shim
+after, _ = fit()
+status = fsdp_shim.status().namespace(%r)
+print(json.dumps({
+    "warnings": [str(w.message) for w in caught if w.category.__name__ == "FSDPShimWarning"],
+    "late": status.activated_after_import, "patched": status.patched,
+    "before": str(before.dtype), "after": str(after.dtype),
+}))
+"""
+        % (namespace, namespace, namespace, namespace, namespace),
+        PYTHONWARNINGS="ignore",
+    )
+    assert result["late"] is True and result["patched"] is True
+    assert len(result["warnings"]) == 1
+    assert "already set up 1 FSDP model" in result["warnings"][0] and "next setup" in result["warnings"][0]
+    assert (result["before"], result["after"]) == ("torch.float32", "torch.bfloat16")
