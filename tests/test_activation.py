@@ -137,11 +137,14 @@ inherits = {}
 for ns in ("lightning.pytorch", "pytorch_lightning"):
     if ns in sys.modules:
         fsdp = importlib.import_module(ns + ".plugins.precision.fsdp")
-        base = importlib.import_module(ns + ".plugins.precision").Precision if hasattr(fsdp, "FSDPPrecision") else None
         cls = getattr(fsdp, "FSDPPrecision", None) or getattr(fsdp, "FSDPPrecisionPlugin", None)
         if cls is None:  # 2.0.x: no true-precision FSDP plugin at all
             continue
-        inherits[ns] = "convert_module" in cls.__dict__ or (base is not None and cls.convert_module is base.convert_module)
+        if "convert_module" in cls.__dict__:  # fixed upstream: its own method, never ours
+            inherits[ns] = True
+            continue
+        base = next(b for b in cls.__mro__[1:] if "convert_module" in b.__dict__)
+        inherits[ns] = cls.convert_module is base.__dict__["convert_module"]
 print(json.dumps({"patched": patched, "restored": restored, "repatched": repatched,
                   "final": changed(pristine, snapshot()), "inherits": inherits,
                   "status": statuses()}))
