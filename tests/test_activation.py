@@ -141,7 +141,8 @@ for ns in ("lightning.pytorch", "pytorch_lightning"):
         if cls is None:  # 2.0.x: no true-precision FSDP plugin at all
             continue
         if "convert_module" in cls.__dict__:  # fixed upstream: its own method, never ours
-            inherits[ns] = True
+            from fsdp_shim.patching import is_shim_wrapper
+            inherits[ns] = not is_shim_wrapper(cls.__dict__["convert_module"])
             continue
         base = next(b for b in cls.__mro__[1:] if "convert_module" in b.__dict__)
         inherits[ns] = cls.convert_module is base.__dict__["convert_module"]
