@@ -34,6 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from fsdp_shim.verify.probe import flat_parameters, nbytes
+
 ROOT = Path(__file__).resolve().parent.parent
 WIDTH = 2048
 LAYERS = 12  # 12 x (2048 x 2048 + 2048) = 50.36M parameters
@@ -50,20 +52,6 @@ def build_model() -> Any:
     from torch import nn
 
     return nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)])
-
-
-def flat_parameters(root: Any) -> list[Any]:
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    return [
-        m._handle.flat_param
-        for m in root.modules()
-        if isinstance(m, FullyShardedDataParallel) and m._handle is not None
-    ]
-
-
-def nbytes(tensors: list[Any]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def measure(root: Any, optimizer: Any, grad_bytes: int, step_times: list[float]) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from typing import Any
 
@@ -63,17 +63,7 @@ class EnvironmentReport:
         return not self.problems
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "shim_version": self.shim_version,
-            "python": self.python,
-            "toggles": self.toggles,
-            "startup_files": self.startup_files,
-            "bootstrap_on_pythonpath": self.bootstrap_on_pythonpath,
-            "lightning": self.lightning,
-            "child": self.child,
-            "consistent": self.consistent,
-            "problems": self.problems,
-        }
+        return {**asdict(self), "consistent": self.consistent}
 
 
 def _distribution_of(module: str) -> tuple[str, str] | None:

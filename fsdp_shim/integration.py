@@ -13,7 +13,7 @@ import gc
 import importlib
 import sys
 import warnings
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from fsdp_shim import patching
@@ -41,16 +41,7 @@ class NamespaceStatus:
     activated_after_import: bool = False
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "namespace": self.namespace,
-            "imported": self.imported,
-            "version": self.version,
-            "affected": self.affected,
-            "patched": self.patched,
-            "reason": self.reason,
-            "targets": list(self.targets),
-            "activated_after_import": self.activated_after_import,
-        }
+        return asdict(self)
 
 
 @dataclass

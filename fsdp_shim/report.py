@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from fsdp_shim import __version__
@@ -32,15 +32,7 @@ class ShimStatus:
         raise KeyError(name)
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "shim_version": self.shim_version,
-            "enabled": self.enabled,
-            "strict": self.strict,
-            "active": self.active,
-            "sources": list(self.sources),
-            "environment": dict(self.environment),
-            "namespaces": [status.as_dict() for status in self.namespaces],
-        }
+        return asdict(self)
 
     def __str__(self) -> str:
         state = "active" if self.active else ("switched off by FSDP_SHIM" if not self.enabled else "inactive")
