@@ -31,7 +31,7 @@ def trainer_version(layouts: dict[str, Layout]) -> str:
     pytest.skip("no Lightning installed")
 
 
-@pytest.mark.parametrize("precision", ["bf16-true", "16-true"])
+@pytest.mark.parametrize("precision", ["bf16-true", pytest.param("16-true", marks=pytest.mark.release_independent)])
 def test_verify_gives_the_verdict_this_release_deserves(precision: str, layouts: dict[str, Layout]) -> None:
     version = trainer_version(layouts)
     proc = verify("--precision", precision, "--json")
@@ -55,6 +55,7 @@ def test_verify_gives_the_verdict_this_release_deserves(precision: str, layouts:
             assert report["shim_off"][0]["param_bytes"] == report["shim_on"][0]["param_bytes"]
 
 
+@pytest.mark.release_independent
 def test_verify_table_and_two_processes(layouts: dict[str, Layout]) -> None:
     version = trainer_version(layouts)
     if not is_affected_release(version):
