@@ -176,3 +176,24 @@ def test_the_2_1_trainer_gets_the_setup_path(layouts: dict[str, Layout], scenari
         expected = is_affected_release(layout.trainer_version) and converts_only_in_connect(layout.trainer_version)
         assert on["trainer_setup"] is expected
         assert on["trainer_connect"] is expected
+
+
+@pytest.mark.parametrize("api", ["trainer", "fabric"])
+def test_patched_release_equals_the_fixed_release_next_to_it(
+    api: str, layouts: dict[str, Layout], scenarios: Scenarios
+) -> None:
+    """In the environment `pip install lightning==2.4.0` creates, the same program through the
+    patched `lightning` and through the fixed `pytorch_lightning` gives the same dtypes and bytes."""
+    if not {"lightning", "standalone"} <= set(layouts):
+        pytest.skip("needs both layouts")
+    versions = {package: layouts[package].version(api) for package in ("lightning", "standalone")}
+    affected = [p for p, v in versions.items() if is_affected_release(v)]
+    fixed = [p for p, v in versions.items() if base_release(v) >= (2, 5, 0)]
+    if not (affected and fixed):
+        pytest.skip(f"needs one affected and one fixed layout, have {versions}")
+    cases = cases_for(api, versions[affected[0]])
+    patched = scenarios.run(api, affected[0], "before", cases)[0]
+    upstream = scenarios.run(api, fixed[0], "off", cases)[0]
+    for case in cases:
+        assert measurements(patched[case]) == measurements(upstream[case]), case
+        assert patched[case].get("module_dtype") == upstream[case].get("module_dtype"), case
