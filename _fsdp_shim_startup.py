@@ -50,9 +50,18 @@ sources = []
 
 
 def on_first_lightning_import(name: str, source: str) -> "ModuleSpec | None":
-    """Load the shim (which activates itself) unless ``FSDP_SHIM`` says off, then repeat the lookup
-    of ``name``: finders the shim inserted ahead of the watcher (wrapt's post-import hook finder)
-    were skipped by the search already under way and would otherwise miss this very import.
+    """Load the shim, then repeat the lookup of ``name``: finders the shim inserted ahead of the
+    watcher (wrapt's post-import hook finder) were skipped by the search already under way and would
+    otherwise miss this very import."""
+    if not load_shim(source):
+        return None
+    import importlib.util
+
+    return importlib.util.find_spec(name)
+
+
+def load_shim(source: str) -> bool:
+    """Import the shim (which activates itself) unless ``FSDP_SHIM`` says off; never raises.
 
     ``FSDP_SHIM`` is read here, not at start-up, so a script can still switch the shim off
     (``os.environ["FSDP_SHIM"] = "0"`` before ``import lightning``).
@@ -60,14 +69,12 @@ def on_first_lightning_import(name: str, source: str) -> "ModuleSpec | None":
     if source not in sources:
         sources.append(source)
     if os.environ.get("FSDP_SHIM", "").strip().lower() in OFF_VALUES:
-        return None
-    import importlib.util
-
+        return False
     try:
         import fsdp_shim  # noqa: F401
     except Exception:  # a broken shim must not stop Lightning from importing
-        return None
-    return importlib.util.find_spec(name)
+        return False
+    return True
 
 
 def arm(source: str) -> None:
@@ -78,7 +85,7 @@ def arm(source: str) -> None:
     if source not in sources:
         sources.append(source)
     if any(name in sys.modules for name in ("lightning", "lightning_fabric", "pytorch_lightning")):
-        on_first_lightning_import("", source)  # Lightning came first (another sitecustomize): patch at once
+        load_shim(source)  # Lightning came first (another start-up hook imported it): patch at once
         return
     exec(WATCHER_CODE, {"sys": sys, "SOURCE": source})
 

@@ -396,3 +396,12 @@ def test_two_nodes_on_loopback_each_wrapped_with_run(tmp_path: Path, layouts: di
         _, stderr = node.communicate(timeout=600)
         assert node.returncode == 0, stderr[-4000:]
     assert flat_dtypes(out, 2) == [["torch.bfloat16"], ["torch.bfloat16"]]
+
+
+def test_arming_after_lightning_was_imported_patches_at_once(layouts: dict[str, Layout]) -> None:
+    """A start-up hook that runs after something already imported Lightning patches it at once."""
+    affected_lightning(layouts)
+    code = "import lightning, _fsdp_shim_startup\n_fsdp_shim_startup.arm('fsdp-shim run')\n" + PROBE
+    result = probe(run([sys.executable, "-c", code]))
+    assert result["sources"] == ["fsdp-shim run"]
+    assert result["patched"]["lightning.pytorch"] is True
