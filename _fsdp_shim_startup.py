@@ -21,38 +21,34 @@ OFF_VALUES = ("0", "false", "off")
 WATCHER_CODE = """\
 def fsdp_shim_watcher(name, path=None, target=None):
     if name in ("lightning", "lightning_fabric", "pytorch_lightning"):
-        if fsdp_shim_watcher in sys.meta_path:
-            sys.meta_path.remove(fsdp_shim_watcher)
         try:
             import _fsdp_shim_startup
             return _fsdp_shim_startup.on_first_lightning_import(name, SOURCE)
         except Exception:
             return None
 fsdp_shim_watcher.find_spec = fsdp_shim_watcher
-for finder in sys.meta_path:
-    if getattr(finder, "__name__", None) == "fsdp_shim_watcher":
-        break
-else:
-    sys.meta_path.insert(0, fsdp_shim_watcher)
+sys.meta_path.insert(0, fsdp_shim_watcher)
 """
 """The watcher, as source, so the start-up file can run it with ``exec`` and no import. It is
 executed in a namespace holding ``sys`` and ``SOURCE`` (how the shim was armed, for ``status()``).
 
 A function that is its own ``find_spec`` attribute is a complete ``sys.meta_path`` finder, and
 compiling and creating it costs measurably less at start-up than a class (about 1% of a bare
-``python -c pass`` here). It is armed once even when ``site`` reads the start-up file twice (a venv
-whose ``lib64`` is a symlink to ``lib`` lists the same site-packages under both names). It never
-finds a module itself; if this module or the shim is gone (``pip uninstall`` left the start-up file
-behind), the import of Lightning simply proceeds."""
+``python -c pass`` here); so the code is kept to the minimum, and the rest happens in
+:func:`on_first_lightning_import`, which takes every watcher off ``sys.meta_path`` (``site`` reads
+the start-up file twice in a venv whose ``lib64`` is a symlink to ``lib``, arming two). A watcher
+never finds a module itself; if this module or the shim is gone (``pip uninstall`` left the start-up
+file behind), the import of Lightning simply proceeds."""
 
 sources = []
 """How the hook was armed in this process ("startup file", "fsdp-shim run"); status() reports it."""
 
 
 def on_first_lightning_import(name: str, source: str) -> "ModuleSpec | None":
-    """Load the shim, then repeat the lookup of ``name``: finders the shim inserted ahead of the
-    watcher (wrapt's post-import hook finder) were skipped by the search already under way and would
-    otherwise miss this very import."""
+    """Disarm every watcher, load the shim, then repeat the lookup of ``name``: finders the shim
+    inserted ahead of the watcher (wrapt's post-import hook finder) were skipped by the search
+    already under way and would otherwise miss this very import."""
+    sys.meta_path[:] = [f for f in sys.meta_path if getattr(f, "__name__", None) != "fsdp_shim_watcher"]
     if not load_shim(source):
         return None
     import importlib.util
@@ -87,7 +83,8 @@ def arm(source: str) -> None:
     if any(name in sys.modules for name in ("lightning", "lightning_fabric", "pytorch_lightning")):
         load_shim(source)  # Lightning came first (another start-up hook imported it): patch at once
         return
-    exec(WATCHER_CODE, {"sys": sys, "SOURCE": source})
+    if not any(getattr(f, "__name__", None) == "fsdp_shim_watcher" for f in sys.meta_path):
+        exec(WATCHER_CODE, {"sys": sys, "SOURCE": source})
 
 
 def arm_from_startup_file() -> None:

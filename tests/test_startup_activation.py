@@ -145,7 +145,9 @@ def test_the_startup_file_imports_nothing(venv: Venv) -> None:
     venv.run("-m", "fsdp_shim", "install")
     with_file, finders_with = json.loads(venv.run("-c", listing).stdout)
     assert set(with_file) == set(without)
-    assert finders_with == ["fsdp_shim_watcher", *finders_without]
+    # One watcher per time site reads the file (twice where lib64 links to lib), nothing else.
+    watchers = [f for f in finders_with if f == "fsdp_shim_watcher"]
+    assert watchers and finders_with == [*watchers, *finders_without]
 
 
 def test_install_target_and_user(tmp_path: Path) -> None:
