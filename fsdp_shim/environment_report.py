@@ -8,6 +8,7 @@ start-up file or ``fsdp-shim run`` actually achieve, including the class-level g
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -116,9 +117,13 @@ def _check_activations(report: EnvironmentReport) -> None:
         report.startup_files.append({"path": str(found.path), "current": found.current})
         if not found.current:
             report.problems.append(f"{found.path} was written by another fsdp-shim version; run `fsdp-shim install`")
+    if report.startup_files and importlib.util.find_spec("_fsdp_shim_startup") is None:
+        report.problems.append("a start-up file is installed but its module _fsdp_shim_startup cannot be imported")
     for entry in bootstrap_on_pythonpath(os.environ):
         report.bootstrap_on_pythonpath.append(entry)
-        if os.path.realpath(entry) != BOOTSTRAP_DIRECTORY:
+        if not os.path.isdir(entry):
+            report.problems.append(f"PYTHONPATH holds an fsdp-shim bootstrap folder that does not exist: {entry}")
+        elif os.path.realpath(entry) != BOOTSTRAP_DIRECTORY:
             report.problems.append(
                 f"PYTHONPATH holds another fsdp-shim's bootstrap ({entry}), not this one's ({BOOTSTRAP_DIRECTORY})"
             )

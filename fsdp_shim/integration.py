@@ -48,6 +48,8 @@ class NamespaceStatus:
 class _Record:
     status: NamespaceStatus
     installed: list[patching.InstalledWrapper] = field(default_factory=list)
+    failed: bool = False
+    """A target was missing or changed: warned once; later activations do not retry or warn again."""
 
 
 _records: dict[str, _Record] = {ns.name: _Record(NamespaceStatus(ns.name)) for ns in NAMESPACES}
@@ -114,9 +116,10 @@ def patch(namespace: Namespace, *, activated_after_import: bool = False) -> Name
     record = _records[namespace.name]
     if namespace.name not in sys.modules:
         return record.status
-    if record.status.patched:
+    if record.status.patched or record.failed:
         return record.status
     status = _patch(namespace)
+    record.failed = status.affected is True and not status.patched
     if activated_after_import:
         status = replace(status, activated_after_import=True)
         if status.patched:

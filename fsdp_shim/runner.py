@@ -33,13 +33,8 @@ def bootstrap_on_pythonpath(environ: Mapping[str, str]) -> list[str]:
     """Entries of PYTHONPATH that look like an fsdp-shim bootstrap folder (this one or another)."""
     found = []
     for entry in environ.get("PYTHONPATH", "").split(os.pathsep):
-        if (
-            entry
-            and (Path(entry) / "sitecustomize.py").is_file()
-            and Path(entry).name == "bootstrap"
-            and Path(entry).parent.name == "fsdp_shim"
-        ):
-            found.append(entry)
+        if entry and Path(entry).name == "bootstrap" and Path(entry).parent.name == "fsdp_shim":
+            found.append(entry)  # existing or not: a stale entry is worth reporting too
     return found
 
 

@@ -231,6 +231,8 @@ object.__setattr__(targets.PRECISION_CONVERT_MODULE, "class_names", ("RenamedPre
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     importlib.import_module(%r)
+    fsdp_shim.activate()  # activating again neither retries nor warns again
+    fsdp_shim.activate()
 shim_warnings = [str(w.message) for w in caught if w.category.__name__ == "FSDPShimWarning"]
 print(json.dumps({"warnings": shim_warnings, "wrappers": wrappers(), "status": statuses()}))
 """

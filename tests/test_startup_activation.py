@@ -304,6 +304,13 @@ def test_status_reports_and_exit_code(venv: Venv, layouts: dict[str, Layout]) ->
     in_run = json.loads(run([*shim_cli("run"), *shim_cli("status", "--json")]).stdout)
     assert in_run["bootstrap_on_pythonpath"] and in_run["consistent"] is True
 
+    stale_env = clean_env()
+    stale_env["PYTHONPATH"] = os.pathsep.join(
+        ["/nonexistent/site-packages/fsdp_shim/bootstrap", stale_env.get("PYTHONPATH", "")]
+    )
+    stale = run(shim_cli("status"), env=stale_env, check=False)
+    assert stale.returncode == 1 and "bootstrap folder that does not exist" in stale.stdout
+
 
 # ----------------------------------------------------------------------------- multi-process FSDP
 def flat_dtypes(out: Path, ranks: int) -> list[list[str]]:
