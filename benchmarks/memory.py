@@ -160,6 +160,7 @@ def child_torch(steps: int, out: str) -> None:
         step_times.append(time.perf_counter() - start)
     report = {"version": f"torch {torch.__version__}", **measure(fsdp, optimizer, grads, step_times)}
     Path(f"{out}.rank{rank}.json").write_text(json.dumps(report))
+    dist.barrier()  # leave together: a rank exiting under its peer's gloo threads aborts
     dist.destroy_process_group()
 
 
