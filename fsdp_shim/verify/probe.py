@@ -148,6 +148,9 @@ def main(argv: list[str]) -> None:
         "peak_memory_kind": "torch.cuda.max_memory_allocated" if cuda else "peak RSS",
     }
     Path(f"{args.out}.rank{trainer.global_rank}.json").write_text(json.dumps(report))
+    if torch.distributed.is_initialized():  # leave together: a rank exiting under its peer's gloo threads can abort
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -369,11 +369,15 @@ def main(argv: list[str]) -> None:
         results.append({"case": "_shim", **(shim_facts(trainer_ns, fabric_ns) if "fsdp_shim" in sys.modules else {})})
         results.append({"case": "_versions", "trainer": pl.__version__, "fabric": fabric_module.__version__})
     Path(f"{args.out}.rank{rank}.json").write_text(json.dumps(results, indent=1))
-    if args.api == "torch":
-        # Leave together and tear gloo down: a rank exiting while its peer's gloo threads still talk
-        # to it aborts with "terminate called without an active exception".
-        import torch.distributed as dist
+    leave_process_group()
 
+
+def leave_process_group() -> None:
+    """Leave together and tear gloo down: a rank exiting while its peer's gloo threads still talk
+    to it can abort with "terminate called without an active exception"."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
 
