@@ -136,6 +136,7 @@ def compat_table(session: nox.Session) -> None:
         str(ROOT / "scripts" / "compat_table.py"),
         str(RESULTS_DIR),
         str(ROOT / "docs" / "compatibility.md"),
+        *MATRIX,
     )
 
 

@@ -51,6 +51,8 @@ def rows(record: dict) -> list[str]:
 
 
 def main(results_dir: str, out: str, *sessions: str) -> None:
+    if not sessions:
+        raise SystemExit("name the matrix sessions whose results make the table")
     missing = [name for name in sessions if not (Path(results_dir) / f"{name}.json").exists()]
     if missing:
         raise SystemExit(f"no results for {', '.join(missing)} in {results_dir}; run the matrix sessions first")
