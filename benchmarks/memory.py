@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fsdp_shim.verify.probe import flat_parameters, nbytes
+from fsdp_shim.verify.probe import flat_parameters, nbytes, sharded_grad_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 WIDTH = 2048
@@ -67,11 +67,6 @@ def measure(root: Any, optimizer: Any, grad_bytes: int, step_times: list[float])
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "step_seconds": statistics.median(step_times[1:]),  # the first step includes lazy set-up
     }
-
-
-def sharded_grad_bytes(root: Any) -> int:
-    grads = [p.grad for p in flat_parameters(root) if p.grad is not None]
-    return nbytes(grads or [p.grad for p in root.parameters() if p.grad is not None])
 
 
 def child_lightning(namespace: str, steps: int, out: str) -> None:

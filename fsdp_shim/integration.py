@@ -139,11 +139,14 @@ def _patch(namespace: Namespace) -> NamespaceStatus:
         return NamespaceStatus(namespace.name, True, version, False, False, reason)
 
     plan = patch_plan(namespace, version)
-    resolved: list[tuple[type, Any, PatchTarget]] = []
+    resolved: list[tuple[type, Any, PatchTarget, str]] = []
+    labels: list[str] = []
     try:
         for target in plan:
             owner = _resolve_class(namespace, target)
             own = owner.__dict__.get(target.attribute)
+            label = target.describe(namespace, owner)
+            labels.append(label)
             if patching.is_shim_wrapper(own):
                 # Installed by an earlier copy of the shim's modules (a reload): take it over rather
                 # than wrap the wrapper, so one deactivate() still restores Lightning's own objects.
@@ -153,28 +156,25 @@ def _patch(namespace: Namespace) -> NamespaceStatus:
                 reason = f"{owner.__qualname__} defines convert_module itself (fixed in this build); left untouched"
                 debug("%s: %s", namespace.name, reason)
                 return NamespaceStatus(namespace.name, True, version, False, False, reason)
-            label = target.describe(namespace)
             function = patching.function_to_wrap(owner, target.attribute, target.inherited, label)
-            resolved.append((owner, function, target))
+            resolved.append((owner, function, target, label))
     except (ImportError, patching.TargetChanged) as error:
         return _fail(namespace, version, str(error))
 
     try:
-        for owner, function, target in resolved:
-            label = target.describe(namespace)
+        for owner, function, target, label in resolved:
             record.installed.append(patching.install(owner, target.attribute, function, target.wrapper, label))
     except Exception as error:  # setattr on a class can fail (slots, metaclasses); undo what was done
         _remove_installed(record)
         return _fail(namespace, version, f"installing a wrapper failed ({type(error).__name__}: {error})")
 
-    labels = tuple(target.describe(namespace) for target in plan)
     info_on_rank_zero(
         "fsdp-shim: patched %s %s so FSDP 'true' precisions cast the model as Lightning 2.5.0 does (%s)",
         namespace.name,
         version,
         ", ".join(labels),
     )
-    return NamespaceStatus(namespace.name, True, version, True, True, "patched", labels)
+    return NamespaceStatus(namespace.name, True, version, True, True, "patched", tuple(labels))
 
 
 def _remove_installed(record: _Record) -> bool:

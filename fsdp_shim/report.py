@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from fsdp_shim import __version__
@@ -50,14 +50,7 @@ def collect_status() -> ShimStatus:
     for namespace in NAMESPACES:
         status = current_status(namespace)
         if not enabled and not status.patched:
-            status = NamespaceStatus(
-                namespace.name,
-                status.imported,
-                status.version,
-                status.affected,
-                False,
-                f"switched off by {FSDP_SHIM}={os.environ.get(FSDP_SHIM, '')!r}",
-            )
+            status = replace(status, reason=f"switched off by {FSDP_SHIM}={os.environ.get(FSDP_SHIM, '')!r}")
         namespaces.append(status)
     return ShimStatus(
         shim_version=__version__,

@@ -61,8 +61,9 @@ class PatchTarget:
     def module_in(self, namespace: Namespace) -> str:
         return f"{namespace.name}.{self.module}"
 
-    def describe(self, namespace: Namespace) -> str:
-        return f"{self.module_in(namespace)}.{self.class_names[0]}.{self.attribute}"
+    def describe(self, namespace: Namespace, owner: type) -> str:
+        """Name the target by the class actually found (2.1.0's is ``FSDPPrecisionPlugin``)."""
+        return f"{self.module_in(namespace)}.{owner.__name__}.{self.attribute}"
 
 
 # 2.1.0 names the Trainer's class FSDPPrecisionPlugin; 2.1.1+ renamed it to FSDPPrecision and keeps

@@ -69,6 +69,10 @@ def expected_wrappers(namespace: str, version: str) -> list[str]:
     return sorted(keys)
 
 
+def all_expected_wrappers(layouts: dict[str, Layout]) -> list[str]:
+    return sorted(k for ns, v in installed_versions(layouts).items() for k in expected_wrappers(ns, v))
+
+
 def an_affected_namespace(layouts: dict[str, Layout]) -> tuple[str, str]:
     for namespace, version in installed_versions(layouts).items():
         if is_affected_release(version):
@@ -117,7 +121,7 @@ print(json.dumps({"changed": changed(first, after), "nested": nested, "wrappers"
     )
     assert result["changed"] == []
     assert result["nested"] == []
-    expected = sorted(k for ns, v in installed_versions(layouts).items() for k in expected_wrappers(ns, v))
+    expected = all_expected_wrappers(layouts)
     assert result["wrappers"] == expected
 
 
@@ -151,7 +155,7 @@ print(json.dumps({"patched": patched, "restored": restored, "repatched": repatch
                   "status": statuses()}))
 """
     )
-    expected = sorted(k for ns, v in installed_versions(layouts).items() for k in expected_wrappers(ns, v))
+    expected = all_expected_wrappers(layouts)
     assert result["patched"] == expected
     assert result["restored"] == []
     assert result["repatched"] == expected

@@ -49,6 +49,12 @@ def nbytes(tensors: list[Any]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+def sharded_grad_bytes(root: Any) -> int:
+    """Bytes of the sharded gradients; with ``use_orig_params`` they sit on the original parameters."""
+    grads = [p.grad for p in flat_parameters(root) if p.grad is not None]
+    return nbytes(grads or [p.grad for p in root.parameters() if p.grad is not None])
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--precision", default="bf16-true")
@@ -101,8 +107,7 @@ def main(argv: list[str]) -> None:
             return losses[0] + losses[1]
 
         def on_before_optimizer_step(self, optimizer: Any) -> None:
-            grads = [p.grad for p in flat_parameters(self.trainer.strategy.model) if p.grad is not None]
-            self.grad_bytes = nbytes(grads or [p.grad for p in self.trainer.model.parameters() if p.grad is not None])
+            self.grad_bytes = sharded_grad_bytes(self.trainer.strategy.model)
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.Adam(self.trainer.model.parameters(), lr=1e-4)
