@@ -200,7 +200,10 @@ class Scenarios:
             timeout=600,
         )
         if proc.returncode != 0:
-            raise AssertionError(f"scenario failed: {' '.join(command)}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+            raise AssertionError(
+                f"scenario failed (exit {proc.returncode}): {' '.join(command)}\n"
+                f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+            )
         results = {}
         for rank in range(devices):
             rows = json.loads(Path(f"{out}.rank{rank}.json").read_text())

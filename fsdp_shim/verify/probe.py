@@ -153,9 +153,26 @@ def main(argv: list[str]) -> None:
         "peak_memory_kind": "torch.cuda.max_memory_allocated" if cuda else "peak RSS",
     }
     Path(f"{args.out}.rank{trainer.global_rank}.json").write_text(json.dumps(report))
-    if torch.distributed.is_initialized():  # leave together: a rank exiting under its peer's gloo threads can abort
+    leave_process_group()
+
+
+def leave_process_group() -> None:
+    """Leave together, then end this probe process without interpreter finalization.
+
+    The report is written before the barrier. Finalization can free objects that still hold
+    torch.distributed state after the interpreter is half gone; a C++ thread that needs the GIL then
+    aborts the process ("terminate called without an active exception"), intermittently, which
+    `verify` would report as a failed check although the run was complete. This is the probe's own
+    child process, never the user's.
+    """
+    import torch
+
+    if torch.distributed.is_initialized():
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -373,13 +373,23 @@ def main(argv: list[str]) -> None:
 
 
 def leave_process_group() -> None:
-    """Leave together and tear gloo down: a rank exiting while its peer's gloo threads still talk
-    to it can abort with "terminate called without an active exception"."""
+    """Leave together, tear gloo down, then end the process without interpreter finalization.
+
+    Every rank has written its report before the barrier, so nothing is left to do. Finalization
+    is skipped because it is not what these runs measure and it is not reliable: objects still
+    holding torch.distributed state are freed while the interpreter is half gone, and a C++ thread
+    that needs the GIL then aborts the process ("terminate called without an active exception"),
+    intermittently, after a run whose results were complete (seen in CI in 3 of 15 matrix
+    sessions with the barrier and destroy_process_group already in place).
+    """
     import torch.distributed as dist
 
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
