@@ -126,6 +126,7 @@ def child_lightning(namespace: str, steps: int, out: str) -> None:
         **measure(trainer.strategy.model, trainer.optimizers[0], model.grad_bytes, model.step_times),
     }
     Path(f"{out}.rank{trainer.global_rank}.json").write_text(json.dumps(report))
+    leave_process_group()
 
 
 def child_torch(steps: int, out: str) -> None:
@@ -155,8 +156,21 @@ def child_torch(steps: int, out: str) -> None:
         step_times.append(time.perf_counter() - start)
     report = {"version": f"torch {torch.__version__}", **measure(fsdp, optimizer, grads, step_times)}
     Path(f"{out}.rank{rank}.json").write_text(json.dumps(report))
-    dist.barrier()  # leave together: a rank exiting under its peer's gloo threads aborts
-    dist.destroy_process_group()
+    leave_process_group()
+
+
+def leave_process_group() -> None:
+    """Leave together, then skip interpreter finalization: freeing torch.distributed state while the
+    interpreter is half gone can abort a finished rank ("terminate called without an active
+    exception"), which would fail the benchmark after its numbers were written."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_all(steps: int) -> dict[str, list[dict[str, Any]]]:
@@ -222,7 +236,7 @@ def render(results: dict[str, list[dict[str, Any]]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
