@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fsdp_shim.verify.probe import flat_parameters, nbytes, sharded_grad_bytes
+from fsdp_shim.verify.probe import flat_parameters, leave_process_group, nbytes, sharded_grad_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 WIDTH = 2048
@@ -157,20 +157,6 @@ def child_torch(steps: int, out: str) -> None:
     report = {"version": f"torch {torch.__version__}", **measure(fsdp, optimizer, grads, step_times)}
     Path(f"{out}.rank{rank}.json").write_text(json.dumps(report))
     leave_process_group()
-
-
-def leave_process_group() -> None:
-    """Leave together, then skip interpreter finalization: freeing torch.distributed state while the
-    interpreter is half gone can abort a finished rank ("terminate called without an active
-    exception"), which would fail the benchmark after its numbers were written."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def run_all(steps: int) -> dict[str, list[dict[str, Any]]]:

@@ -380,7 +380,8 @@ def leave_process_group() -> None:
     holding torch.distributed state are freed while the interpreter is half gone, and a C++ thread
     that needs the GIL then aborts the process ("terminate called without an active exception"),
     intermittently, after a run whose results were complete (seen in CI in 3 of 15 matrix
-    sessions with the barrier and destroy_process_group already in place).
+    sessions with the barrier and destroy_process_group already in place). It mirrors
+    ``fsdp_shim.verify.probe.leave_process_group`` because ``--shim off`` must never import fsdp_shim.
     """
     import torch.distributed as dist
 
