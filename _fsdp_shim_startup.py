@@ -1,11 +1,25 @@
-"""fsdp-shim's start-up hook: what the environment-wide start-up file and ``fsdp-shim run`` put in
-every Python process.
+"""The part of fsdp-shim that runs before the ``fsdp_shim`` package is imported.
 
-Start-up code runs in *every* interpreter of an environment (pip, compilers, data-loader workers),
-so it must cost nothing measurable. The start-up file therefore carries :data:`WATCHER_CODE` inline
-and imports nothing at all: the watcher sits on ``sys.meta_path`` and, when a process first imports
-a Lightning package, imports this module, which imports the shim (wrapt and all). This module lives
-outside the ``fsdp_shim`` package so that importing it does not run the package's ``__init__``.
+It is a top-level module, not ``fsdp_shim.something``, because importing anything inside the
+package runs the package's ``__init__``, which activates the shim. It imports only ``os`` and
+``sys``, so start-up code and the package can share what must be written once:
+
+* :data:`LIGHTNING_NAMESPACES`, the one table of Lightning namespaces the shim knows;
+* :func:`switch_state`, the one parser for the values of ``FSDP_SHIM`` and ``FSDP_SHIM_STRICT``;
+* an import watcher that runs callbacks right before and right after a module's code executes.
+
+Why the shim has its own watcher instead of wrapt's post-import hooks: the import system calls every
+``sys.meta_path`` finder while holding the global import lock (CPython's ``_find_spec``), and wrapt's
+finder calls ``importlib.util.find_spec``, which imports the parent package. When another thread is
+still importing that parent, each thread waits for the other forever: importlib's deadlock detection
+sees module locks, not the global lock. Ten threads importing Lightning names at once hung that way.
+The watcher here never imports in ``find_spec``: it asks the finders after it for the spec and wraps
+the loader, and the callbacks run in ``exec_module``, where only the module's own lock is held.
+
+The environment-wide start-up file does not import even this module (a ``.pth`` line is run by
+every interpreter, and a module that cannot keep a ``.pyc`` costs milliseconds to compile on every
+start). It runs :data:`WATCHER_CODE` inline: a trampoline that wraps the loader of the first
+Lightning package imported and calls :func:`hand_over` from that loader, outside the lock.
 """
 
 import os
@@ -13,80 +27,323 @@ import sys
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
     from importlib.machinery import ModuleSpec
+    from types import ModuleType
 
-OFF_VALUES = ("0", "false", "off")
-"""Values of ``FSDP_SHIM`` that switch the shim off (the full parser is ``fsdp_shim.toggles``)."""
+    Callback = Callable[[ModuleType], None]
 
-WATCHER_CODE = """\
-def fsdp_shim_watcher(name, path=None, target=None):
-    if name in ("lightning", "lightning_fabric", "pytorch_lightning"):
-        try:
-            import _fsdp_shim_startup
-            return _fsdp_shim_startup.on_first_lightning_import(name, SOURCE)
-        except Exception:
-            return None
-fsdp_shim_watcher.find_spec = fsdp_shim_watcher
-sys.meta_path.insert(0, fsdp_shim_watcher)
-"""
-"""The watcher, as source, so the start-up file can run it with ``exec`` and no import. It is
-executed in a namespace holding ``sys`` and ``SOURCE`` (how the shim was armed, for ``status()``).
+LIGHTNING_NAMESPACES = (
+    ("lightning.fabric", "fabric"),
+    ("lightning.pytorch", "trainer"),
+    ("lightning_fabric", "fabric"),
+    ("pytorch_lightning", "trainer"),
+)
+"""Every importable copy of Lightning's Trainer and Fabric code, as ``(module, kind)``.
 
-A function that is its own ``find_spec`` attribute is a complete ``sys.meta_path`` finder, and
-compiling and creating it costs measurably less at start-up than a class (about 1% of a bare
-``python -c pass`` here); so the code is kept to the minimum, and the rest happens in
-:func:`on_first_lightning_import`, which takes every watcher off ``sys.meta_path`` (``site`` reads
-the start-up file twice in a venv whose ``lib64`` is a symlink to ``lib``, arming two). A watcher
-never finds a module itself; if this module or the shim is gone (``pip uninstall`` left the start-up
-file behind), the import of Lightning simply proceeds."""
+The unified ``lightning`` package and the standalone ``pytorch_lightning`` / ``lightning_fabric``
+packages are generated from one source but hold different class objects, and one environment can
+hold an affected ``lightning`` next to a fixed ``pytorch_lightning``: each is gated and patched on
+its own. Everything else that names these modules derives from this table."""
 
-sources = []
-"""How the hook was armed in this process ("startup file", "fsdp-shim run"); status() reports it."""
+LIGHTNING_PACKAGES = tuple(dict.fromkeys(name.partition(".")[0] for name, _ in LIGHTNING_NAMESPACES))
+"""The top-level packages that hold :data:`LIGHTNING_NAMESPACES`; importing any of them loads the shim."""
+
+SHIM_VARIABLE = "FSDP_SHIM"
+STRICT_VARIABLE = "FSDP_SHIM_STRICT"
+ON_VALUES = ("1", "true", "on", "yes", "y", "enable", "enabled")
+OFF_VALUES = ("0", "false", "off", "no", "n", "disable", "disabled")
 
 
-def on_first_lightning_import(name: str, source: str) -> "ModuleSpec | None":
-    """Disarm every watcher, load the shim, then repeat the lookup of ``name``: finders the shim
-    inserted ahead of the watcher (wrapt's post-import hook finder) were skipped by the search
-    already under way and would otherwise miss this very import."""
-    sys.meta_path[:] = [f for f in sys.meta_path if getattr(f, "__name__", None) != "fsdp_shim_watcher"]
-    if not load_shim(source):
-        return None
-    import importlib.util
+def switch_state(raw: "str | None") -> str:
+    """``"on"``, ``"off"``, ``"unset"`` (missing or blank) or ``"invalid"``; case and spaces ignored.
 
-    return importlib.util.find_spec(name)
-
-
-def load_shim(source: str) -> bool:
-    """Import the shim (which activates itself) unless ``FSDP_SHIM`` says off; never raises.
-
-    ``FSDP_SHIM`` is read here, not at start-up, so a script can still switch the shim off
-    (``os.environ["FSDP_SHIM"] = "0"`` before ``import lightning``).
+    What an invalid value means is the caller's decision, and both decisions fail closed:
+    ``FSDP_SHIM`` counts it as off (Lightning as shipped), ``FSDP_SHIM_STRICT`` as on (loud).
     """
-    if source not in sources:
-        sources.append(source)
-    if os.environ.get("FSDP_SHIM", "").strip().lower() in OFF_VALUES:
-        return False
+    if raw is None or not raw.strip():
+        return "unset"
+    value = raw.strip().lower()
+    if value in ON_VALUES:
+        return "on"
+    if value in OFF_VALUES:
+        return "off"
+    return "invalid"
+
+
+def shim_switched_on(environ: "dict[str, str] | None" = None) -> bool:
+    """Whether ``FSDP_SHIM`` leaves the shim on: unset or a recognised "on" value."""
+    env = os.environ if environ is None else environ
+    return switch_state(env.get(SHIM_VARIABLE)) in ("on", "unset")
+
+
+def strict_switched_on(environ: "dict[str, str] | None" = None) -> bool:
+    """Whether ``FSDP_SHIM_STRICT`` asks for errors: a recognised "on" value or an unrecognised one."""
+    env = os.environ if environ is None else environ
+    return switch_state(env.get(STRICT_VARIABLE)) in ("on", "invalid")
+
+
+class FSDPShimWarning(RuntimeWarning):
+    """The shim could not do something it should have, said so, and left Lightning as shipped.
+
+    Defined here so that even a shim that fails to import can warn with its own category;
+    ``fsdp_shim.FSDPShimWarning`` is this class."""
+
+
+FSDPShimWarning.__module__ = "fsdp_shim"
+
+# ----------------------------------------------------------------------------- the import watcher
+_before: "dict[str, list[Callback]]" = {}
+_after: "dict[str, list[Callback]]" = {}
+_executing: "set[str]" = set()
+# Guards the three containers above. Never held while a callback runs or anything is imported.
+_lock = __import__("_thread").allocate_lock()
+
+sources: "list[str]" = []
+"""How the shim was armed in this process ("startup file", "fsdp-shim run"); ``status()`` reports it."""
+
+
+class _CallbackLoader:
+    """Wraps a module's real loader: runs the ``before`` callbacks, the module's code, then the
+    ``after`` callbacks (only when the code ran without error, so a failed import keeps them)."""
+
+    def __init__(self, name: str, loader: object) -> None:
+        self.name = name
+        self.loader = loader
+
+    def create_module(self, spec: "ModuleSpec") -> "ModuleType | None":
+        create = getattr(self.loader, "create_module", None)
+        return create(spec) if create is not None else None
+
+    def exec_module(self, module: "ModuleType") -> None:
+        # The module keeps its real loader, as if nobody had watched (pkg_resources and
+        # importlib.resources read it; wrapt's chained loader broke them by leaking itself).
+        module.__loader__ = self.loader
+        if getattr(module, "__spec__", None) is not None:
+            module.__spec__.loader = self.loader
+        with _lock:
+            _executing.add(self.name)
+        try:
+            for callback in _take(_before, self.name):
+                callback(module)
+            self.loader.exec_module(module)  # type: ignore[attr-defined]
+        finally:
+            with _lock:
+                _executing.discard(self.name)
+        for callback in _take(_after, self.name):
+            callback(module)
+
+    def __getattr__(self, attribute: str) -> object:
+        return getattr(self.loader, attribute)
+
+
+class _ImportWatcher:
+    """The ``sys.meta_path`` finder for watched names. It finds nothing itself."""
+
+    def find_spec(self, name: str, path: "Sequence[str] | None" = None, target: object = None) -> "ModuleSpec | None":
+        if name not in _before and name not in _after:
+            return None
+        return _watched_spec(self, name, path, target)
+
+    def __repr__(self) -> str:
+        return "<fsdp-shim import watcher>"
+
+
+def _watched_spec(watcher: object, name: str, path: object, target: object) -> "ModuleSpec | None":
+    """The spec the finders after ``watcher`` give ``name``, with its loader wrapped.
+
+    Only finders are asked, as the import system itself would ask them; nothing is imported."""
+    found = False
+    for finder in list(sys.meta_path):
+        if finder is watcher:
+            found = True
+            continue
+        if (found or watcher not in sys.meta_path) and not _is_inline_watcher(finder):
+            find = getattr(finder, "find_spec", None)
+            spec = find(name, path, target) if find is not None else None
+            if spec is not None:
+                break
+    else:
+        return None
+    loader = spec.loader
+    if loader is not None and hasattr(loader, "exec_module") and not isinstance(loader, _CallbackLoader):
+        spec.loader = _CallbackLoader(name, loader)
+    return spec
+
+
+def _take(callbacks: "dict[str, list[Callback]]", name: str) -> "list[Callback]":
+    with _lock:
+        return callbacks.pop(name, [])
+
+
+_watcher = _ImportWatcher()
+
+
+def _ensure_watcher() -> None:
+    # Inserted once and never removed: removing a finder while another thread iterates
+    # sys.meta_path can make that thread skip the next finder (and fail its import).
+    if _watcher not in sys.meta_path:
+        sys.meta_path.insert(0, _watcher)
+
+
+def when_imported(name: str, callback: "Callback") -> None:
+    """Call ``callback(module)`` once the module ``name`` has executed; at once if it has.
+
+    A module another thread is still executing outside this watcher is called at once as well (its
+    classes may not all exist yet, and the callback must say so); :func:`fire_pending` catches a
+    registration that raced with an import already past the finders.
+    """
+    with _lock:
+        module = sys.modules.get(name)
+        pending = module is None or name in _executing
+        if pending:
+            _after.setdefault(name, []).append(callback)
+            _ensure_watcher()
+    if not pending:
+        callback(module)  # type: ignore[arg-type]
+
+
+def before_executed(name: str, callback: "Callback") -> None:
+    """Call ``callback(module)`` right before the module ``name`` executes (once, next import)."""
+    with _lock:
+        callbacks = _before.setdefault(name, [])
+        if callback not in callbacks:
+            callbacks.append(callback)
+        _ensure_watcher()
+
+
+def fire_pending() -> None:
+    """Run the callbacks of modules that finished importing without this watcher seeing them."""
+    for name in list(_after):
+        module = sys.modules.get(name)
+        spec = getattr(module, "__spec__", None)
+        if module is not None and name not in _executing and not getattr(spec, "_initializing", False):
+            for callback in _take(_after, name):
+                callback(module)
+
+
+def is_imported(name: str) -> bool:
+    """Whether ``name`` is in ``sys.modules`` and not executing under this watcher right now."""
+    return name in sys.modules and name not in _executing
+
+
+def pending() -> "list[str]":
+    """Names with callbacks still waiting for their import."""
+    with _lock:
+        return sorted(name for name, callbacks in _after.items() if callbacks)
+
+
+# ----------------------------------------------------------------------------- loading the shim
+def load_shim(module: "ModuleType | None" = None) -> None:
+    """Import the shim (which activates itself) unless ``FSDP_SHIM`` is a recognised "off".
+
+    Read here, at the first Lightning import, so a script can still switch the shim off with
+    ``os.environ["FSDP_SHIM"] = "0"`` before ``import lightning``. An unrecognised value loads the
+    package anyway, which warns about it and stays off. The shim failing to import never passes
+    silently: a warning, or in strict mode an ImportError from the user's ``import lightning``.
+    """
+    if switch_state(os.environ.get(SHIM_VARIABLE)) == "off":
+        return
     try:
         import fsdp_shim  # noqa: F401
-    except Exception:  # a broken shim must not stop Lightning from importing
-        return False
-    return True
+    except Exception as error:
+        message = (
+            f"fsdp-shim: the shim could not be loaded ({type(error).__name__}: {error}), "
+            "so Lightning runs without its FSDP 'true'-precision fix"
+        )
+        if strict_switched_on():
+            raise ImportError(f"{message}; {STRICT_VARIABLE} is on, so this import fails instead") from error
+        import warnings
+
+        warnings.warn(f"{message}. Reinstall fsdp-shim, or set {SHIM_VARIABLE}=0.", FSDPShimWarning, stacklevel=2)
+
+
+def _record_source(source: str) -> None:
+    if source not in sources:
+        sources.append(source)
+
+
+def _arm_lightning_packages() -> None:
+    for name in LIGHTNING_PACKAGES:
+        before_executed(name, load_shim)
 
 
 def arm(source: str) -> None:
-    """Arm the watcher from code that is already running (the ``fsdp-shim run`` bootstrap, PEP 829).
+    """Arm the shim from code already running: the ``fsdp-shim run`` bootstrap, PEP 829's entry point.
 
-    The source is recorded now: if the start-up file armed a watcher first, this one is not added.
+    If Lightning was imported first (another start-up hook did it), the shim is loaded at once.
     """
-    if source not in sources:
-        sources.append(source)
-    if any(name in sys.modules for name in ("lightning", "lightning_fabric", "pytorch_lightning")):
-        load_shim(source)  # Lightning came first (another start-up hook imported it): patch at once
-        return
-    if not any(getattr(f, "__name__", None) == "fsdp_shim_watcher" for f in sys.meta_path):
-        exec(WATCHER_CODE, {"sys": sys, "SOURCE": source})
+    _record_source(source)
+    _take_over_inline_watchers()
+    if any(name in sys.modules for name in LIGHTNING_PACKAGES):
+        load_shim()
+    else:
+        _arm_lightning_packages()
 
 
 def arm_from_startup_file() -> None:
     """PEP 829 entry point (``_fsdp_shim_startup:arm_from_startup_file``)."""
     arm("startup file")
+
+
+def _is_inline_watcher(finder: object) -> bool:
+    return getattr(finder, "__name__", None) == "fsdp_shim_watcher"
+
+
+def _take_over_inline_watchers() -> None:
+    """Record how each start-up file trampoline armed the shim and make it inert: this module's
+    watcher does the work from now on. Inert, not removed (see :func:`_ensure_watcher`); there can
+    be two, since site reads the start-up file twice where ``lib64`` links to ``lib``."""
+    for finder in list(sys.meta_path):
+        if _is_inline_watcher(finder):
+            namespace = finder.__globals__  # type: ignore[attr-defined]
+            if namespace.get("WATCHED"):
+                _record_source(namespace.get("SOURCE", "startup file"))
+                namespace["WATCHED"].clear()
+
+
+def hand_over(module: "ModuleType", loader: object, source: str) -> None:
+    """Called by the start-up file's trampoline when the first Lightning package is about to execute."""
+    _record_source(source)
+    _take_over_inline_watchers()
+    _arm_lightning_packages()
+    real = loader if isinstance(loader, _CallbackLoader) else _CallbackLoader(module.__name__, loader)
+    real.exec_module(module)
+
+
+WATCHER_CODE = """\
+def fsdp_shim_watcher(name, path=None, target=None):
+    if name not in WATCHED:
+        return None
+    for finder in sys.meta_path:
+        find = getattr(finder, "find_spec", None)
+        if find is not None and getattr(finder, "__name__", "") != "fsdp_shim_watcher":
+            spec = find(name, path, target)
+            if spec is not None:
+                break
+    else:
+        return None
+    real = spec.loader
+    if real is None or not hasattr(real, "exec_module"):
+        return spec
+    def exec_module(module):
+        try:
+            import _fsdp_shim_startup
+        except ImportError:
+            module.__loader__ = module.__spec__.loader = real
+            return real.exec_module(module)
+        _fsdp_shim_startup.hand_over(module, real, SOURCE)
+    exec_module.create_module = getattr(real, "create_module", lambda spec: None)
+    exec_module.exec_module = exec_module
+    spec.loader = exec_module
+    return spec
+fsdp_shim_watcher.find_spec = fsdp_shim_watcher
+sys.meta_path.insert(0, fsdp_shim_watcher)
+"""
+"""The start-up file's trampoline, as source: run with ``exec`` in a namespace holding ``sys``,
+``SOURCE`` (how the shim was armed) and ``WATCHED`` (a list of :data:`LIGHTNING_PACKAGES`).
+
+A function that is its own ``find_spec`` is a complete finder, and so is a function that is its own
+``exec_module`` a loader: no class is compiled at start-up. It imports nothing until a watched
+package executes, and then outside the global import lock. If this module is gone (``pip uninstall``
+left the start-up file behind), Lightning imports as if the file were not there."""

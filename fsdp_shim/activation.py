@@ -1,11 +1,9 @@
 """``activate`` / ``deactivate`` / ``status``: switching the shim on and off in this process.
 
-Activation hands the work to wrapt's post-import hooks: wrapt calls a hook at once for a Lightning
-namespace already imported, and otherwise when its import finishes (after the namespace's
-``__init__`` has imported its strategies and plugins). The patching code itself (``packaging``,
-``logging``, the wrappers) loads only when a hook fires. Start-up cost in processes that never
-import Lightning is the business of :mod:`_fsdp_shim_startup`, which does not import this package
-until Lightning is imported.
+Activation registers one hook per Lightning namespace with the start-up module's import watcher
+(:func:`_fsdp_shim_startup.when_imported`): it runs at once for a namespace already imported, and
+otherwise right after the namespace's ``__init__`` has executed (its strategies and plugins are then
+imported). The patching code itself (wrapt, ``packaging``, ``logging``) loads only when a hook runs.
 """
 
 from __future__ import annotations
@@ -14,28 +12,21 @@ import sys
 import threading
 from typing import TYPE_CHECKING
 
+import _fsdp_shim_startup as startup
+from fsdp_shim.errors import FSDPShimError
 from fsdp_shim.toggles import shim_enabled
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
     from types import ModuleType
 
     from fsdp_shim.report import ShimStatus
 
+_NAMESPACE_NAMES = tuple(name for name, _ in startup.LIGHTNING_NAMESPACES)
 
-NAMESPACE_NAMES = ("lightning.fabric", "lightning.pytorch", "lightning_fabric", "pytorch_lightning")
-
-_lock = threading.RLock()
+_lock = threading.Lock()  # guards the three globals below; never held while patching or importing
 _active = False
 _hooks_registered = False
 _imported_before_activation: set[str] = set()
-
-
-def activation_sources() -> tuple[str, ...]:
-    """How the shim was armed in this process: the start-up hooks record themselves; anything
-    else was a plain ``import fsdp_shim``."""
-    startup = sys.modules.get("_fsdp_shim_startup")
-    return tuple(getattr(startup, "sources", ())) or ("import fsdp_shim",)
 
 
 def activate() -> bool:
@@ -43,28 +34,41 @@ def activate() -> bool:
 
     Idempotent. Namespaces already imported are patched at once (the methods live on the classes,
     so existing instances are covered); the others are patched when they are imported. Does nothing
-    and returns ``False`` while ``FSDP_SHIM`` says off: the variable is the operator's kill switch and
-    outranks code.
+    and returns ``False`` while ``FSDP_SHIM`` says off (or cannot be read): the variable is the
+    operator's kill switch and outranks code.
     """
-    global _active
+    global _active, _hooks_registered
+    if not shim_enabled():
+        return False
     with _lock:
-        if not shim_enabled():
-            return False
         _active = True
-        _imported_before_activation.update(name for name in NAMESPACE_NAMES if name in sys.modules)
-        _register_import_hooks()
-        return True
+        _imported_before_activation.update(name for name in _NAMESPACE_NAMES if startup.is_imported(name))
+        first = not _hooks_registered
+        _hooks_registered = True
+    for name in _NAMESPACE_NAMES:
+        if first:
+            startup.when_imported(name, _on_import)
+        elif name in sys.modules:
+            _patch_namespace(name)
+    startup.fire_pending()
+    return True
 
 
 def deactivate() -> None:
-    """Switch the shim off and put back the exact objects Lightning shipped on its classes."""
+    """Switch the shim off and put back the exact objects that were on Lightning's classes.
+
+    A wrapper of the shim's that another library has wrapped since is switched off in place instead
+    (a warning says so), so that library's patch stays intact.
+    """
     global _active
     with _lock:
         _active = False
-        integration = sys.modules.get("fsdp_shim.integration")
-        if integration is not None:
-            for namespace in integration.NAMESPACES:
-                integration.unpatch(namespace)
+    integration = sys.modules.get("fsdp_shim.integration")
+    if integration is not None:
+        from fsdp_shim.targets import NAMESPACES
+
+        for namespace in NAMESPACES:
+            integration.unpatch(namespace)
 
 
 def is_active() -> bool:
@@ -78,62 +82,35 @@ def status() -> ShimStatus:
     return collect_status()
 
 
-def _register_import_hooks() -> None:
-    """Register wrapt's post-import hooks once; on later activations, patch what is imported."""
-    global _hooks_registered
-    with _lock:
-        if _hooks_registered:
-            for name in NAMESPACE_NAMES:
-                if name in sys.modules:
-                    _patch_namespace(name)
-            return
-        _hooks_registered = True
-    try:
-        import wrapt
-
-        for name in NAMESPACE_NAMES:
-            wrapt.register_post_import_hook(_hook_for(name), name)
-    except Exception as error:
-        _report_unexpected(error)
-
-
-def _hook_for(name: str) -> Callable[[ModuleType], None]:
-    def on_import(module: ModuleType) -> None:
-        _patch_namespace(name)
-
-    on_import.__qualname__ = f"fsdp_shim_on_import[{name}]"
-    return on_import
+def _on_import(module: ModuleType) -> None:
+    _patch_namespace(module.__name__)
 
 
 def _patch_namespace(name: str) -> None:
-    """Patch one namespace; nothing may escape to the user's import except a strict-mode error."""
-    from fsdp_shim.errors import FSDPShimError
+    """Patch one namespace. Nothing escapes to the user's import except what they asked for: a
+    strict-mode error, or a warning they turned into an error."""
+    from fsdp_shim import failures
 
     try:
-        with _lock:
-            # Re-read here: FSDP_SHIM may have been set after activation but before this import.
-            if not _active or not shim_enabled():
-                return
-            from fsdp_shim import integration
+        if not _active or not shim_enabled():
+            return
+        from fsdp_shim import integration
+        from fsdp_shim.targets import namespace_named
 
-            integration.patch(
-                integration.namespace_named(name),
-                activated_after_import=name in _imported_before_activation,
-            )
-    except FSDPShimError:
+        integration.patch(namespace_named(name), activated_after_import=name in _imported_before_activation)
+    except (FSDPShimError, Warning):
         raise
+    except ImportError as error:  # the shim's own dependencies (wrapt, packaging) are missing
+        failures.report(
+            f"fsdp-shim: cannot patch {name}: {type(error).__name__}: {error}",
+            "Lightning was left unchanged, so FSDP 'true' precisions keep the memory bug",
+            key=f"import:{name}",
+            cause=error,
+        )
     except Exception as error:
-        _report_unexpected(error)
-
-
-def _report_unexpected(error: Exception) -> None:
-    """Last line of defence: a bug in the shim becomes a warning (or a strict-mode error)."""
-    import warnings
-
-    from fsdp_shim.errors import FSDPShimError, FSDPShimWarning
-    from fsdp_shim.toggles import strict_mode
-
-    message = f"fsdp-shim: internal error, Lightning left unpatched: {type(error).__name__}: {error}"
-    if strict_mode():
-        raise FSDPShimError(message) from error
-    warnings.warn(message, FSDPShimWarning, stacklevel=2)
+        failures.report(
+            f"fsdp-shim: internal error while patching {name} ({type(error).__name__}: {error})",
+            "see fsdp_shim.status() for what is in effect",
+            key=f"internal:{name}",
+            cause=error,
+        )

@@ -1,15 +1,23 @@
 """Names of the environment variables fsdp-shim reads.
 
-Constants only, so that code running at interpreter start-up can import this module for free.
+Constants only. The names themselves live in the start-up module (:mod:`_fsdp_shim_startup`), which
+reads them before the package is imported; they are documented here.
 """
 
-FSDP_SHIM = "FSDP_SHIM"
-"""Master switch. Unset, ``1``, ``true`` or ``on`` enable the shim; ``0``, ``false`` or ``off`` disable it.
+from _fsdp_shim_startup import SHIM_VARIABLE, STRICT_VARIABLE
+
+FSDP_SHIM = SHIM_VARIABLE
+"""Master switch. Unset, ``1``, ``true``, ``on``, ``yes``, ``y``, ``enable`` or ``enabled`` leave the
+shim on; ``0``, ``false``, ``off``, ``no``, ``n``, ``disable`` or ``disabled`` switch it off. Case and
+surrounding spaces are ignored. Any other value switches the shim **off** and warns once: a kill
+switch that cannot be read fails closed.
 
 It is read when the shim is activated and again whenever a Lightning package is imported, so a job
 launched under ``fsdp-shim run`` can still be switched off by setting it before Lightning is imported.
 """
 
-FSDP_SHIM_STRICT = "FSDP_SHIM_STRICT"
-"""When true, a patch target that is missing or changed raises :class:`fsdp_shim.FSDPShimError`
-instead of warning and leaving Lightning untouched. Same values as :data:`FSDP_SHIM`; default off."""
+FSDP_SHIM_STRICT = STRICT_VARIABLE
+"""When on, every problem that would otherwise be an ``FSDPShimWarning`` and an untouched Lightning
+(a patch target missing or changed, a shim that cannot be loaded, a call that had to fall back) raises
+``fsdp_shim.FSDPShimError`` instead. Same values as ``FSDP_SHIM``; default off. Any other value
+turns strict mode **on** and warns once: strict is for wanting failures loud."""
