@@ -1,19 +1,19 @@
 """The behaviour the shim injects: Lightning 2.5.0's FSDP precision conversion.
 
-Each function here is a wrapt wrapper, ``(wrapped, instance, args, kwargs)``, installed on a
-Lightning class by :mod:`fsdp_shim.patching`. Errors raised by ``Module.to`` propagate exactly as
-they would on 2.5.0; only the shim's own glue (reading attributes that a future Lightning might
-rename) is caught, reported once, and answered with Lightning's original behaviour.
+Each function here is the body of a wrapt wrapper, ``(wrapped, instance, args, kwargs)``, run by
+:class:`fsdp_shim.patching.WrapperState`. ``wrapped`` is whatever the class held or inherited: Lightning's
+method, or another library's wrapper of it, which therefore still runs. When the shim's own glue fails
+(an attribute a future Lightning renamed), a function raises :class:`GlueError`
+*before* changing anything, and the wrapper falls back to ``wrapped``; errors from the user's model or
+from ``Module.to`` propagate exactly as they would on 2.5.0.
 """
 
 from __future__ import annotations
 
 import contextvars
-import warnings
 from typing import TYPE_CHECKING, Any
 
-from fsdp_shim.errors import FSDPShimError, FSDPShimWarning
-from fsdp_shim.toggles import strict_mode
+from fsdp_shim import log
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -29,25 +29,20 @@ _conversion_deferred: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "fsdp_shim_conversion_deferred", default=False
 )
 
-_reported_glue_failures: set[str] = set()
+
+class GlueError(Exception):
+    """The shim's own glue failed inside a wrapper (a Lightning attribute it reads was renamed).
+
+    Raised before anything was changed, so the wrapper can fall back to calling Lightning's method as
+    it was found.
+    """
+
+    def __init__(self, where: str, error: Exception) -> None:
+        super().__init__(f"{where}: {type(error).__name__}: {error}")
+        self.where = where
 
 
-def _report_glue_failure(where: str, error: Exception) -> None:
-    """Warn once per call site; in strict mode raise instead."""
-    message = (
-        f"fsdp-shim: {where} failed ({type(error).__name__}: {error}); "
-        "falling back to Lightning's own behaviour for this call."
-    )
-    if strict_mode():
-        raise FSDPShimError(message) from error
-    if where not in _reported_glue_failures:
-        _reported_glue_failures.add(where)
-        warnings.warn(message, FSDPShimWarning, stacklevel=3)
-
-
-def _module_argument(module: torch.nn.Module) -> torch.nn.Module:
-    """Bind ``convert_module``'s single argument whether it came positionally or by keyword."""
-    return module
+NUMERICS_PAGE = "docs/numerics.md ('16-true keeps weights in float16')"
 
 
 def true_precision_dtype(precision_plugin: Any) -> torch.dtype | None:
@@ -67,18 +62,27 @@ def convert_module_as_in_2_5(
 ) -> Any:
     """``FSDPPrecision.convert_module`` as Lightning 2.5.0 defines it.
 
-    Installed over the identity method the affected classes inherit from ``Precision``.
+    On Lightning the wrapped method is the identity every affected class inherits from ``Precision``,
+    so calling it first changes nothing; where another library wrapped it, its code runs too.
     """
     if instance is None or _conversion_deferred.get():
         return wrapped(*args, **kwargs)
     try:
-        module = _module_argument(*args, **kwargs)
         dtype = true_precision_dtype(instance)
-    except Exception as error:  # a renamed Lightning attribute, not a user error
-        _report_glue_failure(f"{type(instance).__name__}.convert_module", error)
-        return wrapped(*args, **kwargs)
+    except Exception as error:
+        raise GlueError(f"{type(instance).__name__}.convert_module", error) from error
+    module = wrapped(*args, **kwargs)
     if dtype is None:
         return module
+    if str(dtype) == "torch.float16":
+        log.warn_once_on_rank_zero(
+            "float16",
+            "fsdp-shim: precision='16-true' now keeps the model's weights and optimizer state in float16, "
+            "as Lightning 2.5+ does (unpatched 2.1-2.4 kept them in float32). Optimizer settings below "
+            "float16's range then break training: AdamW's default eps=1e-8 is 0 in float16 and gives NaN "
+            "losses. Use precision='bf16-true', or eps >= 1e-4. See %s.",
+            NUMERICS_PAGE,
+        )
     return module.to(dtype=dtype)
 
 
@@ -106,7 +110,11 @@ def convert_before_setup(
     equivalent because neither touches parameter dtypes and the SyncBatchNorm conversion reuses the
     same parameter tensors.
     """
-    model = getattr(instance, "model", None) if instance is not None else None
+    try:
+        model = instance.model
+        convert_module = instance.precision_plugin.convert_module
+    except Exception as error:
+        raise GlueError("FSDPStrategy.setup", error) from error
     if model is not None:
-        instance.model = instance.precision_plugin.convert_module(model)
+        instance.model = convert_module(model)
     return wrapped(*args, **kwargs)

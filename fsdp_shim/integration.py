@@ -1,242 +1,295 @@
 """Patching one Lightning namespace: the ddtrace-style ``patch`` / ``unpatch`` / ``get_version``
-contract, with the version and feature gates and the failure isolation around it.
+contract, with the version and class gates, and a status read from the classes themselves.
 
 Everything here runs inside import hooks, where an exception would make the user's
-``import lightning`` fail. So every failure ends in one of two ways: a warning and an untouched
-Lightning, or, in strict mode only, an :class:`~fsdp_shim.errors.FSDPShimError` naming the target
-and the release.
+``import lightning`` fail, so every problem goes through :func:`fsdp_shim.failures.report`: a warning
+and an untouched Lightning, or in strict mode an error naming the target and the release.
+
+Threads: imports happen without any lock held (another thread may be importing the same Lightning
+modules, and a lock held across an import is how deadlocks start); the lock only guards the
+bookkeeping and the few ``setattr`` calls on the classes.
 """
 
 from __future__ import annotations
 
-import gc
 import importlib
 import sys
-import warnings
-from dataclasses import asdict, dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+import threading
+from dataclasses import dataclass, field, replace
+from typing import Any
 
-from fsdp_shim import patching
-from fsdp_shim.errors import FSDPShimError, FSDPShimWarning
+from _fsdp_shim_startup import pending as pending_imports
+from fsdp_shim import failures, late_activation, patching
 from fsdp_shim.log import debug, info_on_rank_zero
-from fsdp_shim.targets import NAMESPACES, PRECISION_CONVERT_MODULE, Namespace, PatchTarget, patch_plan
-from fsdp_shim.toggles import strict_mode
-from fsdp_shim.versions import FIRST_AFFECTED, base_release, is_affected_release
-
-if TYPE_CHECKING:
-    from collections.abc import Iterable
-
-
-@dataclass(frozen=True)
-class NamespaceStatus:
-    """What the shim decided for one namespace, and why."""
-
-    namespace: str
-    imported: bool = False
-    version: str | None = None
-    affected: bool | None = None
-    patched: bool = False
-    reason: str = "not imported yet; it is checked when it is imported"
-    targets: tuple[str, ...] = ()
-    activated_after_import: bool = False
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+from fsdp_shim.report import NOT_IMPORTED, NamespaceStatus
+from fsdp_shim.targets import NAMESPACES, Namespace, PatchTarget, patch_plan
+from fsdp_shim.versions import base_release, is_affected_release, unaffected_reason
 
 
 @dataclass
 class _Record:
-    status: NamespaceStatus
-    installed: list[patching.InstalledWrapper] = field(default_factory=list)
-    failed: bool = False
-    """A target was missing or changed: warned once; later activations do not retry or warn again."""
+    decision: NamespaceStatus | None = None
+    """What the gates decided when the namespace was checked; ``None`` until then."""
+    installed: list[patching.Installed] = field(default_factory=list)
+    deactivated: bool = False
+    activated_after_import: bool = False
 
 
-_records: dict[str, _Record] = {ns.name: _Record(NamespaceStatus(ns.name)) for ns in NAMESPACES}
+@dataclass
+class _Step:
+    target: PatchTarget
+    owner: type
+    function: Any
+    composed_with: str | None
+    label: str
 
 
-def namespace_named(name: str) -> Namespace:
-    for namespace in NAMESPACES:
-        if namespace.name == name:
-            return namespace
-    raise KeyError(name)
+@dataclass
+class _Plan:
+    version: str
+    steps: list[_Step]
+    adopted: list[patching.Installed]
+
+
+@dataclass
+class _Refusal:
+    """A namespace that must be left alone, and why (reported once through the failure policy)."""
+
+    version: str | None
+    affected: bool | None
+    problem: str
+
+
+_records: dict[str, _Record] = {ns.name: _Record() for ns in NAMESPACES}
+_lock = threading.Lock()
 
 
 def get_version(namespace: Namespace) -> str | None:
     """The version of the *imported* namespace, read from the module rather than from package
     metadata, which can describe a different copy than the one on ``sys.path``."""
-    module = sys.modules.get(namespace.name)
-    version = getattr(module, "__version__", None)
+    version = getattr(sys.modules.get(namespace.name), "__version__", None)
     return version if isinstance(version, str) else None
-
-
-def current_status(namespace: Namespace) -> NamespaceStatus:
-    record = _records[namespace.name]
-    if record.status.imported or namespace.name not in sys.modules:
-        return record.status
-    return replace(record.status, imported=True, version=get_version(namespace), reason="imported; not checked yet")
-
-
-def _unaffected_reason(version: str) -> str:
-    release = base_release(version)
-    if release is None:
-        return f"version {version!r} is not a PEP 440 version; left untouched"
-    if release < FIRST_AFFECTED:
-        return f"Lightning {version} has no 'true' precisions for FSDP; nothing to fix"
-    return f"Lightning {version} already contains the fix (Lightning #20323, 2.5.0); left untouched"
-
-
-def _resolve_class(namespace: Namespace, target: PatchTarget) -> type:
-    module = importlib.import_module(target.module_in(namespace))
-    for class_name in target.class_names:
-        owner = getattr(module, class_name, None)
-        if isinstance(owner, type):
-            return owner
-    names = " or ".join(target.class_names)
-    raise patching.TargetChanged(f"{target.module_in(namespace)} has no class {names}")
-
-
-def _fail(namespace: Namespace, version: str, problem: str) -> NamespaceStatus:
-    message = (
-        f"fsdp-shim: cannot patch {namespace.name} {version}: {problem}. "
-        "Lightning was left unchanged, so FSDP 'true' precisions keep the memory bug."
-    )
-    if strict_mode():
-        raise FSDPShimError(message)
-    warnings.warn(message, FSDPShimWarning, stacklevel=2)
-    debug("%s", message)
-    return NamespaceStatus(namespace.name, True, version, True, False, f"not patched: {problem}")
 
 
 def patch(namespace: Namespace, *, activated_after_import: bool = False) -> NamespaceStatus:
     """Make an imported, affected namespace behave like Lightning 2.5.0; leave any other alone.
 
-    Idempotent: a namespace already carrying the shim's wrappers is not wrapped a second time.
+    Idempotent: a namespace is checked once; after ``deactivate()`` it is checked again, and a
+    wrapper that had to stay under another library's wrapper is switched back on, not stacked.
     """
     record = _records[namespace.name]
     if namespace.name not in sys.modules:
-        return record.status
-    if record.status.patched or record.failed:
-        return record.status
-    status = _patch(namespace)
-    record.failed = status.affected is True and not status.patched
-    if activated_after_import:
-        status = replace(status, activated_after_import=True)
-        if status.patched:
-            _warn_about_models_already_wrapped(namespace)
-    record.status = status
-    return status
+        return current_status(namespace)
+    with _lock:
+        if activated_after_import:
+            record.activated_after_import = True
+        if _switch_back_on(record) or (record.decision is not None and not record.deactivated):
+            return current_status(namespace)
+    outcome = _plan(namespace)
+    problem = None
+    with _lock:
+        if record.installed or (record.decision is not None and not record.deactivated):
+            return current_status(namespace)  # another thread got here first
+        if isinstance(outcome, NamespaceStatus):
+            record.decision = outcome
+        elif isinstance(outcome, _Refusal):
+            record.decision = _not_patched(namespace, outcome)
+            problem = outcome.problem
+        else:
+            problem = _install(record, namespace, outcome)
+        record.deactivated = False
+    if problem is not None:
+        failures.report(
+            f"fsdp-shim: cannot patch {namespace.name} {get_version(namespace) or '(unknown version)'}: {problem}",
+            "Lightning was left unchanged, so FSDP 'true' precisions keep the memory bug",
+            key=f"patch:{namespace.name}",
+        )
+    elif record.installed:
+        info_on_rank_zero(
+            "fsdp-shim: patched %s %s so FSDP 'true' precisions cast the model as Lightning 2.5.0 does (%s)",
+            namespace.name,
+            get_version(namespace),
+            ", ".join(item.label for item in record.installed),
+        )
+        if activated_after_import:
+            late_activation.warn_about_models_already_wrapped(namespace)
+    else:
+        debug("%s: %s", namespace.name, current_status(namespace).reason)
+    return current_status(namespace)
 
 
-def _patch(namespace: Namespace) -> NamespaceStatus:
-    record = _records[namespace.name]
+def _switch_back_on(record: _Record) -> bool:
+    """Wrappers left switched off under another library's wrapper by ``unpatch`` are reused."""
+    if not record.installed:
+        return False
+    for item in record.installed:
+        item.state.enabled = True
+    record.deactivated = False
+    return True
+
+
+def _plan(namespace: Namespace) -> NamespaceStatus | _Refusal | _Plan:
+    """Gate the namespace and resolve every target; nothing is changed yet."""
     version = get_version(namespace)
     if version is None:
-        return _fail(namespace, "(unknown version)", f"{namespace.name}.__version__ is missing")
+        return _Refusal(None, None, f"{namespace.name}.__version__ is missing")
+    if base_release(version) is None:
+        return _Refusal(version, None, f"its version {version!r} is not PEP 440, so the shim cannot tell its release")
     if not is_affected_release(version):
-        reason = _unaffected_reason(version)
-        debug("%s: %s", namespace.name, reason)
-        return NamespaceStatus(namespace.name, True, version, False, False, reason)
-
-    plan = patch_plan(namespace, version)
-    resolved: list[tuple[type, Any, PatchTarget, str]] = []
-    labels: list[str] = []
+        return NamespaceStatus(
+            namespace=namespace.name, imported=True, version=version, affected=False, reason=unaffected_reason(version)
+        )
+    steps: list[_Step] = []
+    adopted: list[patching.Installed] = []
     try:
-        for target in plan:
+        for target in patch_plan(namespace, version):
             owner = _resolve_class(namespace, target)
-            own = owner.__dict__.get(target.attribute)
-            label = target.describe(namespace, owner)
-            labels.append(label)
-            if patching.is_shim_wrapper(own):
-                # Installed by an earlier copy of the shim's modules (a reload): take it over rather
-                # than wrap the wrapper, so one deactivate() still restores Lightning's own objects.
-                record.installed.append(patching.adopt(owner, target.attribute, target.inherited, own))
+            label = target.label(namespace)
+            mine = patching.find_own_wrapper(owner, target.attribute)
+            if mine is not None:  # installed by an earlier copy of these modules (a reload): take it over
+                adopted.append(patching.adopt(owner, target.attribute, target.inherited, mine, label))
                 continue
-            if target is PRECISION_CONVERT_MODULE and own is not None:
-                reason = f"{owner.__qualname__} defines convert_module itself (fixed in this build); left untouched"
-                debug("%s: %s", namespace.name, reason)
-                return NamespaceStatus(namespace.name, True, version, False, False, reason)
-            function = patching.function_to_wrap(owner, target.attribute, target.inherited, label)
-            resolved.append((owner, function, target, label))
+            function, composed_with = patching.function_to_wrap(owner, target.attribute, target.inherited, label)
+            steps.append(_Step(target, owner, function, composed_with, label))
     except (ImportError, patching.TargetChanged) as error:
-        return _fail(namespace, version, str(error))
+        return _Refusal(version, True, str(error))
+    return _Plan(version, steps, adopted)
 
-    try:
-        for owner, function, target, label in resolved:
-            record.installed.append(patching.install(owner, target.attribute, function, target.wrapper, label))
-    except Exception as error:  # setattr on a class can fail (slots, metaclasses); undo what was done
-        _remove_installed(record)
-        return _fail(namespace, version, f"installing a wrapper failed ({type(error).__name__}: {error})")
 
-    info_on_rank_zero(
-        "fsdp-shim: patched %s %s so FSDP 'true' precisions cast the model as Lightning 2.5.0 does (%s)",
-        namespace.name,
-        version,
-        ", ".join(labels),
+def _not_patched(namespace: Namespace, refusal: _Refusal) -> NamespaceStatus:
+    return NamespaceStatus(
+        namespace=namespace.name,
+        imported=True,
+        version=refusal.version,
+        affected=refusal.affected,
+        reason=f"not patched: {refusal.problem}",
     )
-    return NamespaceStatus(namespace.name, True, version, True, True, "patched", tuple(labels))
 
 
-def _remove_installed(record: _Record) -> bool:
-    """Remove wrappers newest first; ``False`` if any had been replaced by someone else."""
-    all_removed = True
-    while record.installed:
-        all_removed = record.installed.pop().remove() and all_removed
-    return all_removed
+def _resolve_class(namespace: Namespace, target: PatchTarget) -> type:
+    module = importlib.import_module(target.module_in(namespace))
+    owner = getattr(module, target.class_name, None)
+    if not isinstance(owner, type):
+        raise patching.TargetChanged(f"{target.module_in(namespace)} has no class {target.class_name}")
+    return owner
+
+
+def _install(record: _Record, namespace: Namespace, plan: _Plan) -> str | None:
+    """Install every wrapper or none; returns the problem when none could be."""
+    installed = list(plan.adopted)
+    try:
+        for step in plan.steps:
+            installed.append(
+                patching.install(
+                    step.owner,
+                    step.target.attribute,
+                    step.function,
+                    step.target.conversion,
+                    step.label,
+                    step.composed_with,
+                )
+            )
+    except Exception as error:  # setattr on a class can fail (slots, metaclasses): undo what was done
+        for item in reversed(installed[len(plan.adopted) :]):
+            item.remove()
+        refusal = _Refusal(plan.version, True, f"installing a wrapper failed ({type(error).__name__}: {error})")
+        record.decision = _not_patched(namespace, refusal)
+        return refusal.problem
+    record.installed = installed
+    record.decision = NamespaceStatus(
+        namespace=namespace.name,
+        imported=True,
+        version=plan.version,
+        affected=True,
+        patched=True,
+        reason="patched",
+        targets=tuple(item.label for item in installed),
+    )
+    return None
 
 
 def unpatch(namespace: Namespace) -> NamespaceStatus:
-    """Put back the exact objects Lightning shipped on this namespace's classes."""
-    record = _records[namespace.name]
-    if not record.installed:
-        return record.status
-    if not _remove_installed(record):
-        warnings.warn(
-            f"fsdp-shim: a wrapper on {namespace.name} was replaced by other code after the shim "
-            "installed it; that attribute was left as it is.",
-            FSDPShimWarning,
-            stacklevel=2,
-        )
-    record.status = replace(record.status, patched=False, targets=(), reason="deactivated")
-    return record.status
+    """Put back the exact objects that were on the classes before the shim patched them.
 
-
-def _warn_about_models_already_wrapped(namespace: Namespace) -> None:
-    """Tell the user if FSDP wrapped a model before the shim arrived: that model keeps its dtype.
-
-    The methods live on the classes, so every strategy and plugin instance, old or new, uses the fix
-    from its next ``setup`` on; only parameters FSDP already flattened cannot change.
+    A wrapper of the shim's that other code has wrapped since is not torn out from under that code:
+    it is switched off in place (it passes every call through), and a warning says so.
     """
-    count = sum(1 for obj in _instances_of(_wrapped_model_holders(namespace)) if _holds_fsdp_model(obj))
-    if count:
-        warnings.warn(
-            f"fsdp-shim was activated after {namespace.name} had already set up {count} FSDP model(s); "
-            "their parameters keep the dtype they were wrapped with. The fix applies from the next "
-            "setup on. Import fsdp_shim before Lightning, or use `fsdp-shim run` or the start-up file.",
-            FSDPShimWarning,
-            stacklevel=3,
+    record = _records[namespace.name]
+    with _lock:
+        results = [(item, item.remove()) for item in reversed(record.installed)]
+        record.installed = [item for item, placement in results if placement == "under another wrapper"]
+        if record.decision is not None:
+            record.deactivated = True
+    for item, placement in results:
+        if placement == "under another wrapper":
+            failures.warn_once(
+                f"fsdp-shim: deactivated its wrapper on {item.label} in place, because other code "
+                f"({item.found_on_top()}) has wrapped it since; it now passes every call through, and "
+                "the other code's wrapper is left as it is",
+                key=f"buried:{item.label}",
+            )
+        elif placement == "gone":
+            failures.warn_once(
+                f"fsdp-shim: its wrapper on {item.label} had already been replaced by other code "
+                f"({item.found_on_top()}); nothing of the shim's is left there to remove",
+                key=f"gone:{item.label}",
+            )
+    return current_status(namespace)
+
+
+def current_status(namespace: Namespace) -> NamespaceStatus:
+    """The namespace's state, read from the classes: another library replacing or wrapping the
+    shim's wrapper, or a call that fell back, changes what this says."""
+    record = _records[namespace.name]
+    if namespace.name not in sys.modules:
+        return NamespaceStatus(namespace=namespace.name, reason=NOT_IMPORTED)
+    decision = record.decision
+    if decision is None:
+        reason = "imported; not checked yet"
+        if namespace.name in pending_imports():
+            reason += " (its import finished while fsdp-shim was being activated; call fsdp_shim.activate())"
+        return NamespaceStatus(
+            namespace=namespace.name,
+            imported=True,
+            version=get_version(namespace),
+            reason=reason,
+            activated_after_import=record.activated_after_import,
         )
+    status = NamespaceStatus(
+        namespace=decision.namespace,
+        imported=True,
+        version=decision.version,
+        affected=decision.affected,
+        patched=decision.patched,
+        reason=decision.reason,
+        targets=decision.targets,
+        activated_after_import=record.activated_after_import,
+    )
+    if not decision.patched:
+        return status
+    if record.deactivated and not record.installed:
+        return replace(status, patched=False, reason="deactivated")
+    problems, notes = _inspect(record.installed)
+    if record.deactivated:
+        return replace(status, patched=False, reason="deactivated; " + "; ".join(problems))
+    if problems:
+        return replace(status, patched=False, reason="not patched: " + "; ".join(problems))
+    return replace(status, reason="patched" + (f" ({'; '.join(notes)})" if notes else ""))
 
 
-def _wrapped_model_holders(namespace: Namespace) -> tuple[type, ...]:
-    names = ("strategies.fsdp", "FSDPStrategy") if namespace.kind == "trainer" else ("wrappers", "_FabricModule")
-    module = sys.modules.get(f"{namespace.name}.{names[0]}")
-    holder = getattr(module, names[1], None)
-    return (holder,) if isinstance(holder, type) else ()
-
-
-def _instances_of(classes: tuple[type, ...]) -> Iterable[object]:
-    if not classes:
-        return ()
-    # type(), not isinstance(): isinstance reads __class__, which some module-level proxies (torch's
-    # deprecated aliases) answer with a FutureWarning.
-    return (obj for obj in gc.get_objects() if issubclass(type(obj), classes))
-
-
-def _holds_fsdp_model(holder: object) -> bool:
-    model = getattr(holder, "_model", None)  # Trainer strategy
-    if model is None:
-        model = getattr(holder, "_forward_module", None)  # Fabric's module wrapper
-    fsdp = sys.modules.get("torch.distributed.fsdp")
-    fsdp_class = getattr(fsdp, "FullyShardedDataParallel", None)
-    return isinstance(fsdp_class, type) and isinstance(model, fsdp_class)
+def _inspect(installed: list[patching.Installed]) -> tuple[list[str], list[str]]:
+    problems, notes = [], []
+    for item in installed:
+        placement = item.placement()
+        if placement == "gone":
+            problems.append(f"other code replaced its wrapper on {item.label} (the class holds {item.found_on_top()})")
+        elif not item.state.enabled:
+            problems.append(f"its wrapper on {item.label} stays under {item.found_on_top()} and passes calls through")
+        elif item.state.fallback is not None:
+            problems.append(f"{item.label} fell back to Lightning's own method at call time ({item.state.fallback})")
+        else:
+            if placement == "under another wrapper":
+                notes.append(f"its wrapper on {item.label} is under {item.found_on_top()}")
+            if item.composed_with is not None:
+                notes.append(f"on {item.label} it wraps {item.composed_with}, which was there before")
+    return problems, notes

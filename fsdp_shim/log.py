@@ -8,12 +8,16 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 logger = logging.getLogger("fsdp_shim")
 
 # The same variables, in the same order, that Lightning's ``rank_zero_only`` reads, so the shim's
-# INFO line appears on exactly the process where Lightning prints its own rank-zero messages.
+# messages appear on exactly the process where Lightning prints its own rank-zero messages.
 _RANK_VARIABLES = ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
+
+_logged_once: set[str] = set()
+_logged_once_lock = threading.Lock()
 
 
 def process_rank() -> int:
@@ -30,6 +34,17 @@ def process_rank() -> int:
 def info_on_rank_zero(message: str, *args: object) -> None:
     if process_rank() == 0:
         logger.info(message, *args)
+
+
+def warn_once_on_rank_zero(key: str, message: str, *args: object) -> None:
+    """A WARNING record, once per process and ``key``, on rank zero only. With no logging
+    configured, Python prints WARNING records to stderr, so it is seen by default."""
+    with _logged_once_lock:
+        if key in _logged_once:
+            return
+        _logged_once.add(key)
+    if process_rank() == 0:
+        logger.warning(message, *args)
 
 
 def debug(message: str, *args: object) -> None:

@@ -1,8 +1,26 @@
-"""What the shim patches: the Lightning namespaces and, per release, the methods it wraps.
+"""Every Lightning internal fsdp-shim touches in a training process, and which it wraps on which release.
 
-This is the one place that names Lightning internals. Every name below is checked before anything
-is changed (:func:`fsdp_shim.integration.patch`), so a Lightning release that renames one is left
-untouched with a warning instead of half-patched.
+Read this file to answer "what does the shim change on my Lightning?":
+
+=================  ===================================================  ==================================
+Lightning          Trainer (``lightning.pytorch``, ``pytorch_lightning``)  Fabric (``lightning.fabric``,
+                                                                         ``lightning_fabric``)
+=================  ===================================================  ==================================
+2.0.x              nothing (no "true" precisions for FSDP)              nothing
+2.1.0              ``FSDPPrecisionPlugin.convert_module``,              ``FSDPPrecision.convert_module``
+                   ``FSDPStrategy.connect``, ``FSDPStrategy.setup``
+2.1.1–2.1.4        ``FSDPPrecision.convert_module``,                    ``FSDPPrecision.convert_module``
+                   ``FSDPStrategy.connect``, ``FSDPStrategy.setup``
+2.2.0–2.4.x        ``FSDPPrecision.convert_module``                     ``FSDPPrecision.convert_module``
+2.5.0rc0 and on    nothing (fixed upstream)                             nothing
+=================  ===================================================  ==================================
+
+Every target is resolved and checked before anything is changed (:func:`fsdp_shim.integration.patch`),
+so a Lightning that renamed one is left untouched, with a warning, instead of half-patched. The
+namespaces come from :data:`_fsdp_shim_startup.LIGHTNING_NAMESPACES`, the one table of them, which the
+start-up code reads without importing this package. The only other Lightning names the shim reads are
+in :data:`MODEL_HOLDERS`. (``fsdp-shim verify`` lifts Lightning's GPU checks in its own processes;
+those names are in :mod:`fsdp_shim.verify.cpu_guards`, which training processes never import.)
 """
 
 from __future__ import annotations
@@ -11,85 +29,90 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from _fsdp_shim_startup import LIGHTNING_NAMESPACES
 from fsdp_shim import conversion
-from fsdp_shim.versions import converts_only_in_connect
+from fsdp_shim.versions import converts_only_in_connect, has_fsdp_precision_class
 
-Wrapper = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
+Conversion = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
+Kind = Literal["trainer", "fabric"]
 
 
 @dataclass(frozen=True)
 class Namespace:
-    """One importable copy of Lightning's Trainer or Fabric code.
-
-    The unified ``lightning`` package and the standalone ``pytorch_lightning`` / ``lightning_fabric``
-    packages are generated from the same source but hold *different* class objects, and one
-    environment can hold an affected ``lightning`` next to a fixed ``pytorch_lightning``
-    (``pip install lightning==2.4.0`` does exactly that), so each is gated and patched on its own.
-    """
+    """One importable copy of Lightning's Trainer or Fabric code (see ``LIGHTNING_NAMESPACES``)."""
 
     name: str
-    kind: Literal["trainer", "fabric"]
+    kind: Kind
 
     @property
-    def top_level(self) -> str:
+    def package(self) -> str:
+        """The top-level package holding it: ``lightning`` for ``lightning.pytorch``."""
         return self.name.partition(".")[0]
 
 
-NAMESPACES: tuple[Namespace, ...] = (
-    Namespace("lightning.fabric", "fabric"),
-    Namespace("lightning.pytorch", "trainer"),
-    Namespace("lightning_fabric", "fabric"),
-    Namespace("pytorch_lightning", "trainer"),
-)
+NAMESPACES: tuple[Namespace, ...] = tuple(Namespace(name, kind) for name, kind in LIGHTNING_NAMESPACES)  # type: ignore[arg-type]
+
+
+def namespace_named(name: str) -> Namespace:
+    for namespace in NAMESPACES:
+        if namespace.name == name:
+            return namespace
+    raise KeyError(name)
 
 
 @dataclass(frozen=True)
 class PatchTarget:
     """A method on a Lightning class that the shim wraps.
 
-    ``inherited`` says what the unpatched class must look like: ``True`` means the class inherits the
-    method (the shim adds a wrapper of the inherited function to the class, and removing it restores
-    inheritance); ``False`` means the class defines it (the shim replaces it with a wrapper of it).
+    ``inherited`` says how Lightning ships it: ``True``, the class inherits it (the shim puts a
+    wrapper of the inherited function on the class, and removing it restores inheritance); ``False``,
+    the class defines it (the shim replaces it with a wrapper of it, and puts it back on removal).
     """
 
     module: str
-    class_names: tuple[str, ...]
+    class_name: str
     attribute: str
     inherited: bool
-    wrapper: Wrapper
+    conversion: Conversion
 
     def module_in(self, namespace: Namespace) -> str:
         return f"{namespace.name}.{self.module}"
 
-    def describe(self, namespace: Namespace, owner: type) -> str:
-        """Name the target by the class actually found (2.1.0's is ``FSDPPrecisionPlugin``)."""
-        return f"{self.module_in(namespace)}.{owner.__name__}.{self.attribute}"
+    def label(self, namespace: Namespace) -> str:
+        return f"{self.module_in(namespace)}.{self.class_name}.{self.attribute}"
 
 
-# 2.1.0 names the Trainer's class FSDPPrecisionPlugin; 2.1.1+ renamed it to FSDPPrecision and keeps
-# the old name as an alias of the same object.
-PRECISION_CONVERT_MODULE = PatchTarget(
-    module="plugins.precision.fsdp",
-    class_names=("FSDPPrecision", "FSDPPrecisionPlugin"),
-    attribute="convert_module",
-    inherited=True,
-    wrapper=conversion.convert_module_as_in_2_5,
-)
+def precision_convert_module(namespace: Namespace, version: str) -> PatchTarget:
+    """Lightning 2.5.0's ``FSDPPrecision.convert_module``, on the class the release uses.
+
+    2.1.0 names the Trainer's class ``FSDPPrecisionPlugin``. From 2.2.0 that name is a deprecated
+    subclass of ``FSDPPrecision``: patching it would leave the class the Trainer uses unfixed, so the
+    old name is used on 2.1.0 only, and a release without ``FSDPPrecision`` fails loudly.
+    """
+    trainer_2_1_0 = namespace.kind == "trainer" and not has_fsdp_precision_class(version)
+    return PatchTarget(
+        module="plugins.precision.fsdp",
+        class_name="FSDPPrecisionPlugin" if trainer_2_1_0 else "FSDPPrecision",
+        attribute="convert_module",
+        inherited=True,
+        conversion=conversion.convert_module_as_in_2_5,
+    )
+
 
 STRATEGY_CONNECT = PatchTarget(
     module="strategies.fsdp",
-    class_names=("FSDPStrategy",),
+    class_name="FSDPStrategy",
     attribute="connect",
     inherited=True,
-    wrapper=conversion.connect_without_early_conversion,
+    conversion=conversion.connect_without_early_conversion,
 )
 
 STRATEGY_SETUP = PatchTarget(
     module="strategies.fsdp",
-    class_names=("FSDPStrategy",),
+    class_name="FSDPStrategy",
     attribute="setup",
     inherited=False,
-    wrapper=conversion.convert_before_setup,
+    conversion=conversion.convert_before_setup,
 )
 
 
@@ -100,6 +123,22 @@ def patch_plan(namespace: Namespace, version: str) -> tuple[PatchTarget, ...]:
     missing method is all they need. The 2.1.x Trainer calls it only in ``Strategy.connect``, too
     early, so it also needs 2.2.0's call site in ``FSDPStrategy.setup`` and none in ``connect``.
     """
+    precision = precision_convert_module(namespace, version)
     if namespace.kind == "trainer" and converts_only_in_connect(version):
-        return (PRECISION_CONVERT_MODULE, STRATEGY_CONNECT, STRATEGY_SETUP)
-    return (PRECISION_CONVERT_MODULE,)
+        return (precision, STRATEGY_CONNECT, STRATEGY_SETUP)
+    return (precision,)
+
+
+@dataclass(frozen=True)
+class ModelHolder:
+    """Where an FSDP-wrapped model lives after setup: read by the late-activation check only."""
+
+    module: str
+    class_name: str
+    attributes: tuple[str, ...]
+
+
+MODEL_HOLDERS: dict[Kind, ModelHolder] = {
+    "trainer": ModelHolder("strategies.fsdp", "FSDPStrategy", ("_model",)),
+    "fabric": ModelHolder("wrappers", "_FabricModule", ("_forward_module",)),
+}
