@@ -1,9 +1,14 @@
 """Start-up hook that ``fsdp-shim run`` puts first on ``PYTHONPATH``.
 
 Python imports one module named ``sitecustomize`` at start-up; this one arms the shim and then
-runs the ``sitecustomize`` it shadows (module or package form), exactly once, so an environment's
-own start-up customisation keeps working. Every Python child inherits ``PYTHONPATH`` and so gets the
-same treatment: torchrun workers, Lightning's launcher re-running the script, multiprocessing spawn.
+imports the ``sitecustomize`` it shadows (module or package form), exactly once, so that an
+environment's own start-up customisation keeps working: its ``sys.path`` changes stay, and
+``import sitecustomize`` afterwards gives that module, not this one. Every Python child inherits
+``PYTHONPATH`` and so gets the same treatment: torchrun workers, Lightning's launcher re-running the
+script, multiprocessing spawn.
+
+If the shim cannot be armed (the interpreter ``run`` started belongs to another environment, without
+fsdp-shim), the first import of Lightning says so, and fails in strict mode.
 
 Do not import anything heavy here: it runs in every Python process the command starts.
 """
@@ -11,23 +16,46 @@ Do not import anything heavy here: it runs in every Python process the command s
 import os
 import sys
 
+LIGHTNING_PACKAGES = ("lightning", "lightning_fabric", "pytorch_lightning")  # as _fsdp_shim_startup's
+
 
 def _arm_shim() -> None:
     try:
         import _fsdp_shim_startup
 
         _fsdp_shim_startup.arm("fsdp-shim run")
-    except Exception:  # the shim must never stop an interpreter from starting
-        pass
+    except Exception as error:  # never stop an interpreter from starting; say so at Lightning's import
+        sys.meta_path.insert(0, _NotArmed(error))
+
+
+class _NotArmed:
+    """Finder that reports, once, at the first Lightning import, that the shim could not be armed."""
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> None:
+        if name not in LIGHTNING_PACKAGES or self.error is None:
+            return None
+        error, self.error = self.error, None
+        message = (
+            f"fsdp-shim run: the shim could not be armed in {sys.executable} ({type(error).__name__}: {error}), "
+            "so Lightning runs without its FSDP 'true'-precision fix. Install fsdp-shim in this interpreter's "
+            "environment."
+        )
+        strict = os.environ.get("FSDP_SHIM_STRICT", "").strip().lower()
+        if strict and strict not in ("0", "false", "off", "no", "n", "disable", "disabled"):
+            raise ImportError(message + " FSDP_SHIM_STRICT is on, so this import fails instead.")
+        sys.stderr.write(message + "\n")
+        return None
 
 
 def _run_shadowed_sitecustomize() -> None:
-    """Import the next ``sitecustomize`` on the path, with this folder (and any alias of it) hidden."""
+    """Import the next ``sitecustomize`` on the path, with this folder (and any alias of it) removed
+    from ``sys.path`` for good: only that folder, so entries the other module adds stay."""
     here = os.path.realpath(os.path.dirname(os.path.abspath(__file__)))
-    this_module = sys.modules.get(__name__)
-    saved_path = list(sys.path)
+    this_module = sys.modules.pop(__name__, None)
     sys.path[:] = [entry for entry in sys.path if os.path.realpath(entry or os.curdir) != here]
-    sys.modules.pop(__name__, None)
     try:
         import sitecustomize  # noqa: F401 - the shadowed one, if there is one
     except ImportError as error:
@@ -35,12 +63,8 @@ def _run_shadowed_sitecustomize() -> None:
             _report(error)
     except Exception as error:
         _report(error)
-    finally:
-        shadowed = sys.modules.get(__name__)
-        sys.path[:] = saved_path
-        if this_module is not None:
-            sys.modules[__name__] = this_module
-            this_module.shadowed_sitecustomize = shadowed  # type: ignore[attr-defined]
+    if __name__ not in sys.modules and this_module is not None:
+        sys.modules[__name__] = this_module  # there was none to shadow: the import system expects one
 
 
 def _report(error: BaseException) -> None:
@@ -48,6 +72,5 @@ def _report(error: BaseException) -> None:
     sys.stderr.write(f"Error in sitecustomize; set PYTHONVERBOSE for traceback:\n{type(error).__name__}: {error}\n")
 
 
-shadowed_sitecustomize = None
 _arm_shim()
 _run_shadowed_sitecustomize()
