@@ -26,6 +26,10 @@ def _parser() -> argparse.ArgumentParser:
         where = sub.add_mutually_exclusive_group()
         where.add_argument("--user", action="store_true", help="the user site-packages instead")
         where.add_argument("--target", type=Path, metavar="DIR", help="this directory instead")
+        if name == "install":
+            sub.add_argument(
+                "--force", action="store_true", help="write even where this Python does not read start-up files"
+            )
 
     status = commands.add_parser("status", help="what is installed and active, and whether it agrees")
     status.add_argument("--json", action="store_true", help="machine-readable output")
@@ -43,23 +47,56 @@ def _directory(args: argparse.Namespace) -> Path:
     return args.target if args.target is not None else startup_files.default_directory(user=args.user)
 
 
+def _where_to_instead(args: argparse.Namespace) -> str:
+    if args.user:
+        return "Run `fsdp-shim install` for this environment's site-packages, or use --target DIR"
+    if startup_files.user_site_is_read():
+        return "Use --user, or --target DIR for a folder this Python reads at start-up"
+    return "Use --target DIR for a folder this Python reads at start-up"
+
+
+def _not_read_here(args: argparse.Namespace, directory: Path) -> str | None:
+    """Why writing to ``directory`` would change nothing for this interpreter, if it would not."""
+    if startup_files.read_by_this_interpreter(directory):
+        return None
+    if args.user:
+        return (
+            f"this Python ({sys.executable}) does not read the user site-packages ({directory}): "
+            "it runs in a virtual environment or with the user site disabled. "
+            "Run `fsdp-shim install` without --user for this environment"
+        )
+    reads = ", ".join(str(d) for d in startup_files.site_directories())
+    return (
+        f"this Python ({sys.executable}) does not read start-up files from {directory} (it reads {reads}). "
+        "Use one of those, or no --target for this environment's site-packages"
+    )
+
+
 def _install(args: argparse.Namespace) -> int:
     directory = _directory(args)
-    written, unchanged = startup_files.install(directory)
+    refusal = _not_read_here(args, directory)
+    if refusal is not None and not args.force:
+        print(f"fsdp-shim install: refusing: {refusal}; --force writes there anyway.", file=sys.stderr)
+        return 1
+    try:
+        written, unchanged = startup_files.install(directory, create=args.force or args.user)
+    except startup_files.StartupFileError as error:
+        print(f"fsdp-shim install: {error}; nothing was written. {_where_to_instead(args)}.", file=sys.stderr)
+        return 1
     for path in written:
         print(f"wrote {path}")
     for path in unchanged:
         print(f"already installed: {path}")
-    if args.target is None and directory.resolve() not in {
-        d.resolve() for d in startup_files.site_directories() if d.exists()
-    }:
-        print(f"note: {sys.executable} does not read {directory} at start-up", file=sys.stderr)
     return 0
 
 
 def _uninstall(args: argparse.Namespace) -> int:
     directory = _directory(args)
-    removed = startup_files.uninstall(directory)
+    try:
+        removed = startup_files.uninstall(directory)
+    except startup_files.StartupFileError as error:
+        print(f"fsdp-shim uninstall: {error}.", file=sys.stderr)
+        return 1
     for path in removed:
         print(f"removed {path}")
     if not removed:

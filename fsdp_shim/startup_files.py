@@ -13,12 +13,13 @@ for it.
 
 from __future__ import annotations
 
+import os
 import site
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from _fsdp_shim_startup import WATCHER_CODE
+from _fsdp_shim_startup import LIGHTNING_PACKAGES, WATCHER_CODE
 
 STEM = "fsdp_shim"
 MARKER = "# fsdp-shim start-up file"
@@ -26,13 +27,18 @@ MARKER = "# fsdp-shim start-up file"
 PTH_TEXT = (
     f"{MARKER}: written by `fsdp-shim install`, removed by `fsdp-shim uninstall`.\n"
     "# Imports nothing: arms a watcher that loads the shim when a process imports Lightning.\n"
-    f"import sys; exec({WATCHER_CODE!r}, {{'sys': sys, 'SOURCE': 'startup file'}})\n"
+    f"import sys; exec({WATCHER_CODE!r}, "
+    f"{{'sys': sys, 'SOURCE': 'startup file', 'WATCHED': {list(LIGHTNING_PACKAGES)!r}}})\n"
 )
 START_TEXT = (
     f"{MARKER} (PEP 829): written by `fsdp-shim install`, removed by `fsdp-shim uninstall`.\n"
     "_fsdp_shim_startup:arm_from_startup_file\n"
 )
 FILES = {f"{STEM}.pth": PTH_TEXT, f"{STEM}.start": START_TEXT}
+
+
+class StartupFileError(Exception):
+    """Writing or removing a start-up file failed; the message names the folder and what to do."""
 
 
 def default_directory(user: bool = False) -> Path:
@@ -42,12 +48,26 @@ def default_directory(user: bool = False) -> Path:
     return Path(sysconfig.get_paths()["purelib"])
 
 
+def user_site_is_read() -> bool:
+    """Whether this interpreter reads the user site-packages (not inside a virtual environment)."""
+    return bool(site.ENABLE_USER_SITE)
+
+
 def site_directories() -> list[Path]:
     """Directories whose start-up files this interpreter reads, in the order ``site`` reads them."""
     directories = [Path(p) for p in site.getsitepackages()]
-    if site.ENABLE_USER_SITE:
+    if user_site_is_read():
         directories.insert(0, Path(site.getusersitepackages()))
     return directories
+
+
+def read_by_this_interpreter(directory: Path) -> bool:
+    """Whether ``site`` reads start-up files from ``directory`` when this interpreter starts."""
+    return _canonical(directory) in {_canonical(d) for d in site_directories()}
+
+
+def _canonical(path: Path) -> str:
+    return os.path.normcase(os.path.realpath(path))
 
 
 @dataclass(frozen=True)
@@ -56,25 +76,38 @@ class StartupFile:
     current: bool
     """Whether the content is what this version of fsdp-shim writes."""
 
-    @property
-    def read_by_this_interpreter(self) -> bool:
-        return self.path.parent.resolve() in {d.resolve() for d in site_directories() if d.exists()}
 
+def install(directory: Path, create: bool = False) -> tuple[list[Path], list[Path]]:
+    """Write both files, or neither; returns (written, already current). Idempotent.
 
-def install(directory: Path) -> tuple[list[Path], list[Path]]:
-    """Write both files; returns (written, already current). Idempotent."""
-    directory.mkdir(parents=True, exist_ok=True)
-    written, unchanged = [], []
-    for name, text in FILES.items():
-        path = directory / name
-        if path.exists() and path.read_text() == text:
-            unchanged.append(path)
-            continue
-        temporary = path.with_name(f".{name}.tmp")
-        temporary.write_text(text)
-        temporary.replace(path)  # atomic: a concurrently starting interpreter sees old or new, never half
-        written.append(path)
-    return written, unchanged
+    ``create`` makes a missing directory first. Each file is written to a temporary name and renamed
+    into place, so a starting interpreter sees the old file or the new one, never half of one.
+    """
+    if not directory.is_dir():
+        if directory.exists():
+            raise StartupFileError(f"{directory} is not a directory")
+        if not create:
+            raise StartupFileError(f"{directory} does not exist")
+        try:
+            directory.mkdir(parents=True)
+        except OSError as error:
+            raise _cannot_write(directory, error) from error
+    pending = [(directory / name, text) for name, text in FILES.items()]
+    unchanged = [path for path, text in pending if _read(path) == text]
+    pending = [(path, text) for path, text in pending if path not in unchanged]
+    temporaries: list[tuple[Path, Path]] = []
+    try:
+        for path, text in pending:
+            temporary = path.with_name(f".{path.name}.tmp")
+            temporaries.append((temporary, path))
+            temporary.write_text(text)
+    except OSError as error:
+        for temporary, _ in temporaries:
+            temporary.unlink(missing_ok=True)
+        raise _cannot_write(directory, error) from error
+    for temporary, path in temporaries:  # renames within one directory: both succeed once writes did
+        temporary.replace(path)
+    return [path for _, path in temporaries], unchanged
 
 
 def uninstall(directory: Path) -> list[Path]:
@@ -82,8 +115,11 @@ def uninstall(directory: Path) -> list[Path]:
     removed = []
     for name in FILES:
         path = directory / name
-        if path.exists() and path.read_text().startswith(MARKER):
-            path.unlink()
+        if _read(path).startswith(MARKER):
+            try:
+                path.unlink()
+            except OSError as error:
+                raise _cannot_write(directory, error) from error
             removed.append(path)
     return removed
 
@@ -93,9 +129,18 @@ def find(directories: list[Path] | None = None) -> list[StartupFile]:
     found = []
     for directory in directories if directories is not None else site_directories():
         for name, text in FILES.items():
-            path = directory / name
-            if path.is_file():
-                content = path.read_text(errors="replace")
-                if content.startswith(MARKER):
-                    found.append(StartupFile(path, content == text))
+            content = _read(directory / name)
+            if content.startswith(MARKER):
+                found.append(StartupFile(directory / name, content == text))
     return found
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text(errors="replace") if path.is_file() else ""
+    except OSError:
+        return ""
+
+
+def _cannot_write(directory: Path, error: OSError) -> StartupFileError:
+    return StartupFileError(f"cannot write to {directory} ({type(error).__name__}: {error.strerror or error})")
