@@ -16,7 +16,7 @@ patched / unpatched. It needs the environment that ``pip install lightning==2.4.
 
     PYTHONPATH=.matrix/mixed-2.4.0 python benchmarks/memory.py
 
-The GPU guards are lifted with the test suite's CPU harness (tests/scenarios), as in the tests.
+The GPU guards are lifted in the benchmark's own processes with ``fsdp_shim.verify.cpu_guards``.
 """
 
 from __future__ import annotations
@@ -73,13 +73,10 @@ def child_lightning(namespace: str, steps: int, out: str) -> None:
     import torch
 
     import fsdp_shim  # noqa: F401  (FSDP_SHIM decides)
+    from fsdp_shim.verify import cpu_guards
 
     pl = importlib.import_module(namespace)
-    fabric_namespace = "lightning.fabric" if namespace == "lightning.pytorch" else "lightning_fabric"
-    sys.path.insert(0, str(ROOT / "tests" / "scenarios"))
-    from cpu_fsdp_harness import lift_gpu_guards
-
-    lift_gpu_guards(namespace, fabric_namespace)
+    cpu_guards.lift(namespace)
 
     class Model(pl.LightningModule):
         def __init__(self) -> None:
