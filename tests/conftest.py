@@ -9,7 +9,6 @@ import os
 import socket
 import subprocess
 import sys
-import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +34,10 @@ def free_port() -> int:
 def clean_env(**overrides: str | None) -> dict[str, str]:
     """The test environment minus the shim's own variables, plus ``overrides`` (None removes)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FSDP_SHIM")}
+    if env.get("PYTHONPATH"):  # children may run elsewhere than the checkout: absolute entries only
+        env["PYTHONPATH"] = os.pathsep.join(
+            str(ROOT / entry) if entry else entry for entry in env["PYTHONPATH"].split(os.pathsep)
+        )
     env["PYTHONWARNINGS"] = env.get("PYTHONWARNINGS", "")
     env["MASTER_ADDR"] = "127.0.0.1"
     env["MASTER_PORT"] = str(free_port())
@@ -46,25 +49,41 @@ def clean_env(**overrides: str | None) -> dict[str, str]:
     return env
 
 
-def run_python(
-    code: str, *, env: dict[str, str] | None = None, expect_ok: bool = True, args: tuple[str, ...] = ()
+CHILD = ROOT / "tests" / "child.py"
+
+
+def run_child(
+    target: str,
+    arguments: dict[str, Any] | None = None,
+    *,
+    env: dict[str, str] | None = None,
+    expect_ok: bool = True,
+    python: str = sys.executable,
+    python_args: tuple[str, ...] = (),
+    sys_path: tuple[str, ...] = (),
+    launcher: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess[str]:
+    """Run ``tests/children`` function ``target`` ("module:function") in a fresh interpreter.
+
+    ``launcher`` goes before the interpreter (``fsdp-shim run``); ``python_args`` after it (``-I``).
+    """
+    prefix = [item for path in sys_path for item in ("--sys-path", path)]
+    command = [*launcher, python, *python_args, str(CHILD), *prefix, f"children.{target}", json.dumps(arguments or {})]
     proc = subprocess.run(
-        [sys.executable, *args, "-c", textwrap.dedent(code)],
-        capture_output=True,
-        text=True,
-        env=env if env is not None else clean_env(),
-        cwd=ROOT,
-        timeout=300,
+        command, capture_output=True, text=True, env=env if env is not None else clean_env(), cwd=ROOT, timeout=600
     )
     if expect_ok and proc.returncode != 0:
         raise AssertionError(f"child failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
 
 
+def child_json(target: str, arguments: dict[str, Any] | None = None, **options: Any) -> Any:
+    return last_json(run_child(target, arguments, **options))
+
+
 def last_json(proc: subprocess.CompletedProcess[str]) -> Any:
     for line in reversed(proc.stdout.splitlines()):
-        if line.startswith(("{", "[")):
+        if line.startswith(("{", "[", "null", "true", "false")):
             return json.loads(line)
     raise AssertionError(f"no JSON in child output:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
 
@@ -104,22 +123,8 @@ class Layout:
 @pytest.fixture(scope="session")
 def layouts() -> dict[str, Layout]:
     """The Lightning layouts importable here, probed in a child without the shim."""
-    proc = run_python(
-        """
-        import importlib, json
-        found = {}
-        for package, (trainer, fabric) in %r.items():
-            try:
-                versions = [importlib.import_module(ns).__version__ for ns in (trainer, fabric)]
-            except Exception:
-                continue
-            found[package] = versions
-        print(json.dumps(found))
-        """
-        % (NAMESPACES,),
-        args=("-W", "ignore"),
-    )
-    return {package: Layout(package, *versions) for package, versions in last_json(proc).items()}
+    found = child_json("environment:layouts", {"namespaces": NAMESPACES}, python_args=("-W", "ignore"))
+    return {package: Layout(package, *versions) for package, versions in found.items()}
 
 
 def layout_or_skip(layouts: dict[str, Layout], package: str) -> Layout:

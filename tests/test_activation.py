@@ -1,51 +1,18 @@
-"""activate / deactivate / status, gates, toggles, failure isolation and import order, each in a
-fresh interpreter with real Lightning."""
+"""activate / deactivate / status, gates, toggles, failure isolation, messages and import order, each
+in a fresh interpreter with real Lightning (the code they run is in ``tests/children/activation.py``)."""
 
 from __future__ import annotations
 
 import pytest
-from conftest import NAMESPACES, Layout, clean_env, last_json, run_python
+from conftest import NAMESPACES, Layout, child_json, clean_env, run_child
 
-from fsdp_shim.versions import base_release, converts_only_in_connect, is_affected_release
+from fsdp_shim.versions import converts_only_in_connect, has_fsdp_precision_class, is_affected_release
 
-ALL_NAMESPACES = ("lightning.pytorch", "lightning.fabric", "pytorch_lightning", "lightning_fabric")
-
-# Helpers pasted into each child: they read the classes directly, never the shim's bookkeeping.
-PRELUDE = '''
-import importlib, json, os, sys, warnings
-MISSING = "<missing>"
-# 2.0.x's Trainer class is FSDPMixedPrecisionPlugin; it is snapshotted too, to prove it is untouched.
-TARGETS = (("plugins.precision.fsdp", ("FSDPPrecision", "FSDPPrecisionPlugin", "FSDPMixedPrecisionPlugin"), ("convert_module",)),
-           ("strategies.fsdp", ("FSDPStrategy",), ("setup", "connect")))
-
-def snapshot():
-    """Every class attribute the shim could touch, as the objects themselves."""
-    out = {}
-    for ns in %r:
-        if ns not in sys.modules:
-            continue
-        for module, classes, attributes in TARGETS:
-            mod = importlib.import_module(ns + "." + module)
-            cls = next((c for c in (getattr(mod, name, None) for name in classes) if isinstance(c, type)), None)
-            for attribute in attributes if cls is not None else ():
-                out[ns + ":" + cls.__name__ + "." + attribute] = cls.__dict__.get(attribute, MISSING)
-    return out
-
-def changed(before, after):
-    return sorted(key for key in set(before) | set(after) if before.get(key) is not after.get(key))
-
-def wrappers():
-    from fsdp_shim.patching import is_shim_wrapper
-    return sorted(key for key, obj in snapshot().items() if is_shim_wrapper(obj))
-
-def statuses():
-    import fsdp_shim
-    return {s.namespace: s.as_dict() for s in fsdp_shim.status().namespaces}
-''' % (ALL_NAMESPACES,)
+QUIET = ("-W", "ignore::DeprecationWarning")
 
 
-def child(body: str, **env: str | None) -> dict:
-    return last_json(run_python(PRELUDE + body, env=clean_env(**env), args=("-W", "ignore::DeprecationWarning")))
+def child(target: str, arguments: dict | None = None, **env: str | None) -> dict:
+    return child_json(f"activation:{target}", arguments, env=clean_env(**env), python_args=QUIET)
 
 
 def installed_versions(layouts: dict[str, Layout]) -> dict[str, str]:
@@ -61,8 +28,7 @@ def expected_wrappers(namespace: str, version: str) -> list[str]:
     if not is_affected_release(version):
         return []
     trainer = namespace in ("lightning.pytorch", "pytorch_lightning")
-    # 2.1.0 names the Trainer's class FSDPPrecisionPlugin; 2.1.1 renamed it.
-    precision = "FSDPPrecisionPlugin" if trainer and base_release(version) == (2, 1, 0) else "FSDPPrecision"
+    precision = "FSDPPrecision" if not trainer or has_fsdp_precision_class(version) else "FSDPPrecisionPlugin"
     keys = [f"{namespace}:{precision}.convert_module"]
     if trainer and converts_only_in_connect(version):
         keys += [f"{namespace}:FSDPStrategy.connect", f"{namespace}:FSDPStrategy.setup"]
@@ -73,32 +39,17 @@ def all_expected_wrappers(layouts: dict[str, Layout]) -> list[str]:
     return sorted(k for ns, v in installed_versions(layouts).items() for k in expected_wrappers(ns, v))
 
 
-def an_affected_namespace(layouts: dict[str, Layout]) -> tuple[str, str]:
+def an_affected_namespace(layouts: dict[str, Layout], kind: str = "any") -> tuple[str, str]:
     for namespace, version in installed_versions(layouts).items():
-        if is_affected_release(version):
+        trainer = namespace in ("lightning.pytorch", "pytorch_lightning")
+        if is_affected_release(version) and (kind == "any" or trainer == (kind == "trainer")):
             return namespace, version
-    pytest.skip("no affected Lightning release is installed in this environment")
+    pytest.skip(f"no affected Lightning ({kind}) is installed in this environment")
 
 
-IMPORT_ALL = "\nfor name in ('lightning', 'pytorch_lightning', 'lightning_fabric'):\n    try:\n        importlib.import_module(name)\n    except ImportError:\n        pass\n"
-
-
+@pytest.mark.release_independent
 def test_import_needs_neither_torch_nor_lightning() -> None:
-    result = child(
-        """
-class Block:
-    def find_spec(self, name, path=None, target=None):
-        if name.partition(".")[0] in ("torch", "lightning", "pytorch_lightning", "lightning_fabric"):
-            raise ImportError("blocked: " + name)
-sys.meta_path.insert(0, Block())
-import fsdp_shim
-# The patching code (packaging, logging, the wrappers) waits for Lightning's import.
-loaded = sorted(m for m in ("torch", "lightning", "packaging", "fsdp_shim.integration") if m in sys.modules)
-status = fsdp_shim.status()
-print(json.dumps({"loaded": loaded, "active": status.active, "version": fsdp_shim.__version__,
-                  "after_status": sorted(m for m in ("torch", "lightning") if m in sys.modules)}))
-"""
-    )
+    result = child("import_needs_neither_torch_nor_lightning")
     assert result["loaded"] == []
     assert result["after_status"] == []
     assert result["active"] is True
@@ -106,55 +57,14 @@ print(json.dumps({"loaded": loaded, "active": status.active, "version": fsdp_shi
 
 
 def test_activate_many_times_installs_one_layer(layouts: dict[str, Layout]) -> None:
-    result = child(
-        "import fsdp_shim"
-        + IMPORT_ALL
-        + """
-from fsdp_shim.patching import is_shim_wrapper
-first = snapshot()
-for _ in range(5):
-    fsdp_shim.activate()
-after = snapshot()
-nested = [k for k, obj in after.items() if is_shim_wrapper(obj) and is_shim_wrapper(obj.__wrapped__)]
-print(json.dumps({"changed": changed(first, after), "nested": nested, "wrappers": wrappers()}))
-"""
-    )
+    result = child("activate_many_times")
     assert result["changed"] == []
-    assert result["nested"] == []
-    expected = all_expected_wrappers(layouts)
-    assert result["wrappers"] == expected
+    assert all(count <= 1 for count in result["layers"].values()), result["layers"]
+    assert result["wrappers"] == all_expected_wrappers(layouts)
 
 
 def test_deactivate_puts_back_the_identical_objects(layouts: dict[str, Layout]) -> None:
-    result = child(
-        IMPORT_ALL
-        + """
-pristine = snapshot()
-import fsdp_shim
-patched = changed(pristine, snapshot())
-fsdp_shim.deactivate()
-restored = changed(pristine, snapshot())
-fsdp_shim.activate()
-repatched = changed(pristine, snapshot())
-fsdp_shim.deactivate()
-inherits = {}
-for ns in ("lightning.pytorch", "pytorch_lightning"):
-    if ns in sys.modules:
-        fsdp = importlib.import_module(ns + ".plugins.precision.fsdp")
-        cls = getattr(fsdp, "FSDPPrecision", None) or getattr(fsdp, "FSDPPrecisionPlugin", None)
-        if cls is None:  # 2.0.x: no true-precision FSDP plugin at all
-            continue
-        if "convert_module" in cls.__dict__:  # fixed upstream: its own method, never ours
-            from fsdp_shim.patching import is_shim_wrapper
-            inherits[ns] = not is_shim_wrapper(cls.__dict__["convert_module"])
-            continue
-        base = next(b for b in cls.__mro__[1:] if "convert_module" in b.__dict__)
-        inherits[ns] = cls.convert_module is base.__dict__["convert_module"]
-print(json.dumps({"patched": patched, "restored": restored, "repatched": repatched,
-                  "final": changed(pristine, snapshot()), "inherits": inherits,
-                  "status": statuses()}))
-"""
-    )
+    result = child("deactivate_restores_identity")
     expected = all_expected_wrappers(layouts)
     assert result["patched"] == expected
     assert result["restored"] == []
@@ -169,15 +79,15 @@ print(json.dumps({"patched": patched, "restored": restored, "repatched": repatch
 
 
 @pytest.mark.parametrize(
-    "imports",
+    "modules",
     [
-        "import fsdp_shim\nimport lightning",
-        "import lightning\nimport fsdp_shim",
-        "import fsdp_shim\nfrom lightning.fabric.plugins.precision.fsdp import FSDPPrecision",
-        "from lightning.pytorch.strategies.fsdp import FSDPStrategy\nimport fsdp_shim\nimport lightning.fabric",
-        "import fsdp_shim\nimport pytorch_lightning\nimport lightning_fabric",
-        "import fsdp_shim\nimport lightning_fabric\nimport lightning.pytorch",
-        "import lightning_fabric\nimport fsdp_shim\nfrom pytorch_lightning.plugins.precision.fsdp import FSDPPrecision",
+        ["fsdp_shim", "lightning"],
+        ["lightning", "fsdp_shim"],
+        ["fsdp_shim", "lightning.fabric.plugins.precision.fsdp"],
+        ["lightning.pytorch.strategies.fsdp", "fsdp_shim", "lightning.fabric"],
+        ["fsdp_shim", "pytorch_lightning", "lightning_fabric"],
+        ["fsdp_shim", "lightning_fabric", "lightning.pytorch"],
+        ["lightning_fabric", "fsdp_shim", "pytorch_lightning.plugins.precision.fsdp"],
     ],
     ids=[
         "shim-lightning",
@@ -189,31 +99,20 @@ print(json.dumps({"patched": patched, "restored": restored, "repatched": repatch
         "fabric-shim-trainer-submodule",
     ],
 )
-def test_import_order_does_not_matter(imports: str, layouts: dict[str, Layout]) -> None:
+def test_import_order_does_not_matter(modules: list[str], layouts: dict[str, Layout]) -> None:
     versions = installed_versions(layouts)
-    needed = {line.split()[1].partition(".")[0] for line in imports.splitlines() if "fsdp_shim" not in line}
+    needed = {name.partition(".")[0] for name in modules if name != "fsdp_shim"}
     available = {ns.partition(".")[0] for ns in versions}
     if not needed <= available:
         pytest.skip(f"needs {sorted(needed - available)}")
-    result = child(
-        imports
-        + '\nprint(json.dumps({"wrappers": wrappers(), "imported": [n for n in %r if n in sys.modules]}))'
-        % (ALL_NAMESPACES,)
-    )
+    result = child("import_in_order", {"modules": modules})
     expected = sorted(k for ns in result["imported"] for k in expected_wrappers(ns, versions[ns]))
     assert result["wrappers"] == expected
 
 
 def test_fixed_and_unsupported_releases_are_left_alone(layouts: dict[str, Layout]) -> None:
     """Imported first, then the shim: every object on an unaffected namespace is the very same."""
-    result = child(
-        IMPORT_ALL
-        + """
-pristine = snapshot()
-import fsdp_shim
-print(json.dumps({"changed": changed(pristine, snapshot()), "status": statuses()}))
-"""
-    )
+    result = child("shim_after_lightning")
     for namespace, version in installed_versions(layouts).items():
         mine = [k for k in result["changed"] if k.startswith(namespace + ":")]
         assert mine == expected_wrappers(namespace, version)
@@ -226,103 +125,125 @@ print(json.dumps({"changed": changed(pristine, snapshot()), "status": statuses()
             assert "left untouched" in status["reason"] or "nothing to fix" in status["reason"]
 
 
-def test_a_renamed_target_warns_once_and_leaves_lightning_untouched(layouts: dict[str, Layout]) -> None:
-    namespace, version = an_affected_namespace(layouts)
-    result = child(
-        """
-import fsdp_shim, fsdp_shim.targets as targets
-object.__setattr__(targets.PRECISION_CONVERT_MODULE, "class_names", ("RenamedPrecision",))
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    importlib.import_module(%r)
-    fsdp_shim.activate()  # activating again neither retries nor warns again
-    fsdp_shim.activate()
-shim_warnings = [str(w.message) for w in caught if w.category.__name__ == "FSDPShimWarning"]
-print(json.dumps({"warnings": shim_warnings, "wrappers": wrappers(), "status": statuses()}))
-"""
-        % (namespace,)
+def test_a_class_lightning_renamed_warns_once_and_the_deprecated_subclass_stays_untouched(
+    layouts: dict[str, Layout],
+) -> None:
+    """Issue 8.3: from 2.2 on, FSDPPrecisionPlugin is a deprecated *subclass* of FSDPPrecision. When
+    FSDPPrecision is missing, patching the subclass would leave the Trainer's class unfixed."""
+    namespace, version = an_affected_namespace(layouts, "trainer")
+    if not has_fsdp_precision_class(version):
+        pytest.skip("2.1.0 has no FSDPPrecision; its FSDPPrecisionPlugin is the real class")
+    result = child("without_class", {"namespace": namespace, "class_name": "FSDPPrecision"})
+    own = [w for w in result["warnings"] if namespace in w]
+    assert len(own) == 1, result["warnings"]
+    assert (
+        f"cannot patch {namespace} {version}: {namespace}.plugins.precision.fsdp has no class FSDPPrecision" in own[0]
     )
+    assert [k for k in result["changed"] if k.startswith(namespace + ":")] == []
+    assert result["status"][namespace]["patched"] is False
+    assert result["status"][namespace]["reason"].startswith("not patched: ")
+
+
+@pytest.mark.release_independent
+def test_strict_error_from_a_later_activation_is_not_wrapped_twice(layouts: dict[str, Layout]) -> None:
+    """Issue 8.10: the strict error surfaces as itself, not as "internal error ... FSDPShimError"."""
+    namespace, version = an_affected_namespace(layouts, "trainer")
+    class_name = "FSDPPrecision" if has_fsdp_precision_class(version) else "FSDPPrecisionPlugin"
+    result = child("without_class", {"namespace": namespace, "class_name": class_name}, FSDP_SHIM_STRICT="1")
+    assert result["error"] == (
+        f"fsdp-shim: cannot patch {namespace} {version}: {namespace}.plugins.precision.fsdp has no class "
+        f"{class_name} (FSDP_SHIM_STRICT is on)"
+    )
+
+
+def test_a_renamed_target_warns_once_at_the_users_import_line(layouts: dict[str, Layout]) -> None:
+    namespace, version = an_affected_namespace(layouts)
+    result = child("with_renamed_target", {"namespace": namespace})
     own = [w for w in result["warnings"] if namespace in w]
     assert len(own) == 1
     assert "RenamedPrecision" in own[0] and version in own[0]
+    assert own[0].endswith("Lightning was left unchanged, so FSDP 'true' precisions keep the memory bug")
     assert [k for k in result["wrappers"] if k.startswith(namespace + ":")] == []
     assert result["status"][namespace]["patched"] is False
     assert result["status"][namespace]["reason"].startswith("not patched")
+    # Issue 8.10: the warning points at the user's `import`, not at fsdp_shim's own files.
+    assert result["locations"] and all(location == result["expected_location"] for location in result["locations"])
 
 
 @pytest.mark.release_independent
 def test_strict_mode_turns_a_renamed_target_into_an_error(layouts: dict[str, Layout]) -> None:
     namespace, _ = an_affected_namespace(layouts)
-    proc = run_python(
-        """
-import importlib, fsdp_shim, fsdp_shim.targets as targets
-object.__setattr__(targets.PRECISION_CONVERT_MODULE, "class_names", ("RenamedPrecision",))
-importlib.import_module(%r)
-"""
-        % (namespace,),
+    proc = run_child(
+        "activation:import_with_renamed_target",
+        {"namespace": namespace},
         env=clean_env(FSDP_SHIM_STRICT="1"),
         expect_ok=False,
     )
     assert proc.returncode != 0
-    assert "FSDPShimError" in proc.stderr
-    # The first affected namespace imported fails (``lightning.fabric`` before ``lightning.pytorch``).
     error = proc.stderr.strip().splitlines()[-1]
     assert error.startswith("fsdp_shim.errors.FSDPShimError: fsdp-shim: cannot patch ")
     assert ".plugins.precision.fsdp has no class RenamedPrecision" in error
-    assert any(f"{ns} {v}:" in error for ns, v in installed_versions(layouts).items() if is_affected_release(v))
+    assert error.endswith("(FSDP_SHIM_STRICT is on)")
+    assert "internal error" not in proc.stderr and "left unchanged" not in error
+
+
+@pytest.mark.release_independent
+def test_minus_w_error_with_the_message_prefix_turns_warnings_into_errors(layouts: dict[str, Layout]) -> None:
+    """Issue 8.10: what the docs recommend works from the command line; the category form cannot."""
+    namespace, _ = an_affected_namespace(layouts)
+    proc = run_child(
+        "activation:import_with_renamed_target",
+        {"namespace": namespace},
+        python_args=("-W", "error:fsdp-shim"),
+        expect_ok=False,
+    )
+    assert proc.returncode != 0
+    assert "FSDPShimWarning: fsdp-shim: cannot patch" in proc.stderr
+    category = run_child(
+        "activation:import_with_renamed_target",
+        {"namespace": namespace},
+        python_args=("-W", "error::fsdp_shim.FSDPShimWarning"),
+    )
+    assert "Invalid -W option ignored: invalid module name: 'fsdp_shim'" in category.stderr
 
 
 @pytest.mark.release_independent
 def test_an_internal_error_never_reaches_the_users_import(layouts: dict[str, Layout]) -> None:
     namespace, _ = an_affected_namespace(layouts)
-    body = """
-import fsdp_shim, fsdp_shim.integration as integration
-def broken(*args, **kwargs):
-    raise RuntimeError("simulated bug in the shim")
-integration.patch = broken
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    importlib.import_module(%r)
-print(json.dumps({"warnings": [str(w.message) for w in caught if w.category.__name__ == "FSDPShimWarning"], "wrappers": wrappers()}))
-""" % (namespace,)
-    result = child(body)
+    result = child("with_broken_patch", {"namespace": namespace})
     assert result["wrappers"] == []
     assert result["warnings"] and all("simulated bug" in w for w in result["warnings"])
-    strict = run_python(PRELUDE + body, env=clean_env(FSDP_SHIM_STRICT="true"), expect_ok=False)
-    assert strict.returncode != 0 and "FSDPShimError" in strict.stderr
+    strict = run_child(
+        "activation:with_broken_patch",
+        {"namespace": namespace},
+        env=clean_env(FSDP_SHIM_STRICT="true"),
+        expect_ok=False,
+    )
+    assert strict.returncode != 0 and "FSDPShimError: fsdp-shim: internal error while patching" in strict.stderr
 
 
 @pytest.mark.release_independent
 @pytest.mark.parametrize(
-    ("env", "script_sets", "expect_patched"),
+    ("env", "set_in_script", "expect_patched"),
     [
         ({"FSDP_SHIM": " OFF "}, None, False),  # the parsing itself is unit-tested in test_toggles
-        ({}, "false", False),  # set in the script after `import fsdp_shim`, before Lightning
-        ({"FSDP_SHIM": "maybe"}, None, True),
+        ({"FSDP_SHIM": "disabled"}, None, False),
+        ({}, "no", False),  # set in the script after `import fsdp_shim`, before Lightning
+        ({"FSDP_SHIM": "maybe"}, None, False),  # unreadable kill switch: fails closed
+        ({"FSDP_SHIM": "yes"}, None, True),
     ],
-    ids=["env-OFF", "script-false", "env-invalid"],
+    ids=["env-OFF", "env-disabled", "script-no", "env-invalid", "env-yes"],
 )
 def test_the_environment_toggle(
-    env: dict, script_sets: str | None, expect_patched: bool, layouts: dict[str, Layout]
+    env: dict, set_in_script: str | None, expect_patched: bool, layouts: dict[str, Layout]
 ) -> None:
     namespace, _ = an_affected_namespace(layouts)
-    result = child(
-        """
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    import fsdp_shim
-    if %r is not None:
-        os.environ["FSDP_SHIM"] = %r
-    importlib.import_module(%r)
-shim_warnings = [str(w.message) for w in caught if w.category.__name__ == "FSDPShimWarning"]
-print(json.dumps({"wrappers": wrappers(), "warnings": shim_warnings, "status": statuses()}))
-"""
-        % (script_sets, script_sets, namespace),
-        **env,
-    )
+    result = child("toggle", {"namespace": namespace, "set_in_script": set_in_script}, **env)
     assert bool(result["wrappers"]) is expect_patched
     if env.get("FSDP_SHIM") == "maybe":
-        assert len(result["warnings"]) == 1 and "FSDP_SHIM='maybe'" in result["warnings"][0]
+        assert len(result["warnings"]) == 1
+        assert "FSDP_SHIM='maybe' is not a valid value and switched the shim OFF" in result["warnings"][0]
+        assert result["locations"] == [result["expected_location"]]  # the `import fsdp_shim` line
     else:
         assert result["warnings"] == []
     if not expect_patched:
@@ -331,21 +252,8 @@ print(json.dumps({"wrappers": wrappers(), "warnings": shim_warnings, "status": s
 
 @pytest.mark.release_independent
 @pytest.mark.parametrize("rank", ["0", "1"])
-def test_one_info_line_per_patched_namespace_on_rank_zero_only(rank: str | None, layouts: dict[str, Layout]) -> None:
-    proc = run_python(
-        """
-import logging, sys
-logging.basicConfig(level=logging.DEBUG, stream=sys.stdout, format="%(name)s %(levelname)s %(message)s")
-import fsdp_shim, importlib
-for name in ("lightning", "pytorch_lightning", "lightning_fabric"):
-    try:
-        importlib.import_module(name)
-    except ImportError:
-        pass
-""",
-        env=clean_env(RANK=rank),
-        args=("-W", "ignore"),
-    )
+def test_one_info_line_per_patched_namespace_on_rank_zero_only(rank: str, layouts: dict[str, Layout]) -> None:
+    proc = run_child("activation:log_lines", env=clean_env(RANK=rank), python_args=("-W", "ignore"))
     info = [line for line in proc.stdout.splitlines() if line.startswith("fsdp_shim INFO")]
     debug = [line for line in proc.stdout.splitlines() if line.startswith("fsdp_shim DEBUG")]
     versions = installed_versions(layouts)
@@ -359,55 +267,45 @@ for name in ("lightning", "pytorch_lightning", "lightning_fabric"):
     assert len(debug) == len(versions) - len(affected)
 
 
+def test_a_call_that_falls_back_is_reported_and_status_stops_saying_patched(layouts: dict[str, Layout]) -> None:
+    """Issue 8.4: a Lightning attribute the wrapper reads went missing at call time."""
+    namespace, _ = an_affected_namespace(layouts)
+    result = child("glue_fallback", {"namespace": namespace})
+    assert result["dtypes"] == ["torch.float32", "torch.float32"]  # Lightning's own (identity) behaviour
+    assert len(result["warnings"]) == 1
+    assert "could not read what it needs" in result["warnings"][0]
+    assert result["warnings"][0].endswith(
+        "Lightning's own method was used for this call, so this model was not converted"
+    )
+    assert result["status"]["patched"] is False
+    assert "fell back to Lightning's own method at call time" in result["status"]["reason"]
+    assert result["healthy_plugin_dtype"] == "torch.bfloat16"  # other plugins still convert
+
+
+@pytest.mark.release_independent
+def test_strict_glue_error_does_not_claim_to_fall_back(layouts: dict[str, Layout]) -> None:
+    namespace, _ = an_affected_namespace(layouts)
+    result = child("glue_fallback", {"namespace": namespace}, FSDP_SHIM_STRICT="1")
+    assert result["dtypes"] == [] and len(result["errors"]) == 2
+    assert result["errors"][0].endswith("(FSDP_SHIM_STRICT is on)")
+    assert "fall" not in result["errors"][0] and "was used" not in result["errors"][0]
+
+
 @pytest.mark.release_independent
 def test_late_activation_warns_about_models_fsdp_already_wrapped(layouts: dict[str, Layout]) -> None:
-    """Activation after Lightning's import patches at once and says so; a model FSDP wrapped before
-    keeps its dtype, and the user is told once."""
-    namespace, _ = an_affected_namespace(layouts)
-    if namespace not in ("lightning.pytorch", "pytorch_lightning"):
-        pytest.skip("needs an affected Trainer namespace")
-    result = child(
-        """
-import torch
-pl = importlib.import_module(%r)
-fabric_ns = "lightning.fabric" if %r == "lightning.pytorch" else "lightning_fabric"
-sys.path.insert(0, "tests/scenarios")
-from cpu_fsdp_harness import lift_gpu_guards
-lift_gpu_guards(%r, fabric_ns)
-
-class Tiny(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.layer = torch.nn.Linear(8, 8)
-    def training_step(self, batch, batch_idx):
-        return self.layer(batch[0]).float().pow(2).mean()
-    def configure_optimizers(self):
-        return torch.optim.Adam(self.trainer.model.parameters())
-
-def fit():
-    model = Tiny()
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=importlib.import_module(%r + ".strategies").FSDPStrategy(),
-                         precision="bf16-true", max_steps=1, logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False)
-    trainer.fit(model, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, 8)), batch_size=4))
-    return model, trainer
-
-before, before_trainer = fit()
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    import fsdp_shim
-after, _ = fit()
-status = fsdp_shim.status().namespace(%r)
-print(json.dumps({
-    "warnings": [str(w.message) for w in caught if w.category.__name__ == "FSDPShimWarning"],
-    "late": status.activated_after_import, "patched": status.patched,
-    "before": str(before.dtype), "after": str(after.dtype),
-}))
-"""
-        % (namespace, namespace, namespace, namespace, namespace),
-        PYTHONWARNINGS="ignore",
-    )
+    namespace, _ = an_affected_namespace(layouts, "trainer")
+    result = child("late_activation", {"namespace": namespace}, PYTHONWARNINGS="ignore")
     assert result["late"] is True and result["patched"] is True
     assert len(result["warnings"]) == 1
     assert "already set up 1 FSDP model" in result["warnings"][0] and "next setup" in result["warnings"][0]
     assert (result["before"], result["after"]) == ("torch.float32", "torch.bfloat16")
+
+
+def test_a_reloaded_shim_takes_over_its_wrappers_and_still_restores_exactly(layouts: dict[str, Layout]) -> None:
+    result = child("reload_and_deactivate")
+    assert result["patched_keys"] == all_expected_wrappers(layouts)
+    assert result["changed_by_reload"] == []
+    assert all(count <= 1 for count in result["layers"].values())
+    for namespace, version in installed_versions(layouts).items():
+        assert result["status_after_reload"][namespace]["patched"] is is_affected_release(version)
+    assert result["final"] == []

@@ -5,7 +5,7 @@ ones included. On 2.1.0 the Trainer's class is ``FSDPPrecisionPlugin``."""
 from __future__ import annotations
 
 import pytest
-from conftest import NAMESPACES, Layout, clean_env, last_json, run_python
+from conftest import NAMESPACES, Layout, child_json
 
 from fsdp_shim.versions import base_release
 
@@ -26,28 +26,11 @@ def converted(layouts: dict[str, Layout]) -> dict[str, dict[str, list[str]]]:
         for ns, version in zip(NAMESPACES[package], (layout.trainer_version, layout.fabric_version))
         if base_release(version) >= (2, 1, 0)
     ]
-    proc = run_python(
-        """
-import importlib, json
-import fsdp_shim
-import torch
-out = {}
-for ns in %r:
-    module = importlib.import_module(ns + ".plugins.precision.fsdp")
-    plugin_class = getattr(module, "FSDPPrecision", None) or module.FSDPPrecisionPlugin
-    out[ns] = {}
-    for precision in %r:
-        layer = torch.nn.Linear(2, 2)
-        before = [str(layer.weight.dtype), str(layer.bias.dtype)]
-        result = plugin_class(precision=precision).convert_module(layer)
-        out[ns][precision] = before + [str(result.weight.dtype), str(result.bias.dtype), result is layer]
-print(json.dumps(out))
-"""
-        % (namespaces, [p for p, _ in CASES]),
-        env=clean_env(),
-        args=("-W", "ignore"),
+    return child_json(
+        "convert_module:convert_all",
+        {"namespaces": namespaces, "precisions": [p for p, _ in CASES]},
+        python_args=("-W", "ignore"),
     )
-    return last_json(proc)
 
 
 @pytest.mark.parametrize(("precision", "expected_dtype"), CASES)

@@ -1,6 +1,6 @@
-"""The three ways to activate the shim without editing code, each in fresh interpreters: the
+"""The ways to activate the shim without editing code, each in fresh interpreters: the
 environment-wide start-up file, ``fsdp-shim run``, and their combinations with ``import fsdp_shim``,
-a user's own ``sitecustomize``, ``FSDP_SHIM=0`` and ``python -I``/``-S``."""
+a user's own ``sitecustomize``, ``FSDP_SHIM``, strict mode, odd ``PYTHONPATH``s and ``python -I/-E/-S``."""
 
 from __future__ import annotations
 
@@ -16,32 +16,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, SCENARIO, Layout, clean_env, free_port
+from conftest import ROOT, SCENARIO, Layout, child_json, clean_env, free_port, run_child
 
+import _fsdp_shim_startup as startup
+from fsdp_shim.bootstrap import sitecustomize as bootstrap
+from fsdp_shim.runner import BOOTSTRAP_DIRECTORY
 from fsdp_shim.startup_files import PTH_TEXT, START_TEXT
 from fsdp_shim.versions import is_affected_release
 
 pytestmark = pytest.mark.release_independent
-
-PROBE = """
-import importlib, json, sys
-for name in ("lightning", "pytorch_lightning", "lightning_fabric"):
-    try:
-        importlib.import_module(name)
-    except ImportError:
-        pass
-shim = sys.modules.get("fsdp_shim")
-out = {"loaded": shim is not None}
-if shim is not None:
-    from fsdp_shim.patching import is_shim_wrapper
-    status = shim.status()
-    out.update(active=status.active, sources=list(status.sources),
-               patched={s.namespace: s.patched for s in status.namespaces if s.imported})
-    fsdp = sys.modules.get("lightning.pytorch.plugins.precision.fsdp")
-    wrapper = fsdp.FSDPPrecision.__dict__.get("convert_module") if fsdp else None
-    out["nested_wrapper"] = bool(wrapper is not None and is_shim_wrapper(getattr(wrapper, "__wrapped__", None)))
-print(json.dumps(out))
-"""
 
 
 @dataclass
@@ -58,19 +41,17 @@ class Venv:
         return str(self.root / "bin" / "python")
 
     def run(
-        self, *args: str, env: dict[str, str] | None = None, check: bool = True
+        self, *args: str, env: dict[str, str] | None = None, check: bool = True, cwd: Path = ROOT
     ) -> subprocess.CompletedProcess[str]:
         proc = subprocess.run(
-            [self.python, *args], capture_output=True, text=True, env=env or clean_env(), cwd=ROOT, timeout=600
+            [self.python, *args], capture_output=True, text=True, env=env or clean_env(), cwd=cwd, timeout=600
         )
         if check and proc.returncode != 0:
             raise AssertionError(f"{args} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
         return proc
 
 
-@pytest.fixture
-def venv(tmp_path: Path) -> Venv:
-    root = tmp_path / "venv"
+def make_venv(root: Path, paths: list[str]) -> Venv:
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
     purelib = Path(
         subprocess.check_output(
@@ -78,12 +59,19 @@ def venv(tmp_path: Path) -> Venv:
         ).strip()
     )
     paths_file = purelib / "aa_outer_environment.pth"
-    paths_file.write_text(f"{ROOT}\n{sysconfig.get_paths()['purelib']}\n")
+    paths_file.write_text("".join(f"{path}\n" for path in paths))
     return Venv(root, purelib, paths_file)
 
 
-def probe(proc: subprocess.CompletedProcess[str]) -> dict:
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+@pytest.fixture
+def venv(tmp_path: Path) -> Venv:
+    return make_venv(tmp_path / "venv", [str(ROOT), sysconfig.get_paths()["purelib"]])
+
+
+def probe_in(venv: Venv, *python_args: str, env: dict[str, str] | None = None, target: str = "probe") -> dict:
+    return json.loads(
+        venv.run(*python_args, str(ROOT / "tests" / "child.py"), f"children.startup:{target}", env=env).stdout
+    )
 
 
 def shim_cli(*args: str) -> list[str]:
@@ -102,6 +90,43 @@ def affected_lightning(layouts: dict[str, Layout]) -> None:
         pytest.skip("needs an affected `lightning` release")
 
 
+def pythonpath_entries() -> list[str]:
+    return [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+
+
+# ----------------------------------------------------------------------------- one table
+def test_every_copy_of_the_lightning_package_list_agrees() -> None:
+    """Issue 10.1: the start-up file's watcher list is formatted from the one table, and the run
+    bootstrap's fallback list (it must work when that table cannot be imported) matches it."""
+    from fsdp_shim.targets import NAMESPACES
+
+    packages = tuple(dict.fromkeys(ns.package for ns in NAMESPACES))
+    assert packages == startup.LIGHTNING_PACKAGES
+    assert f"'WATCHED': {list(packages)!r}" in PTH_TEXT
+    assert packages == bootstrap.LIGHTNING_PACKAGES
+
+
+@pytest.mark.parametrize("value", ["", "1", "on", "maybe", "0", "no", "DISABLED", " off "])
+def test_the_bootstraps_fallback_reads_strict_like_the_package(value: str) -> None:
+    import os as os_module
+
+    saved = os_module.environ.get("FSDP_SHIM_STRICT")
+    os_module.environ["FSDP_SHIM_STRICT"] = value
+    try:
+        finder = bootstrap._NotArmed(RuntimeError("simulated"))
+        raised = False
+        try:
+            finder.find_spec("lightning")
+        except ImportError:
+            raised = True
+    finally:
+        if saved is None:
+            del os_module.environ["FSDP_SHIM_STRICT"]
+        else:
+            os_module.environ["FSDP_SHIM_STRICT"] = saved
+    assert raised is startup.strict_switched_on({"FSDP_SHIM_STRICT": value})
+
+
 # ----------------------------------------------------------------------------- start-up file
 def test_install_is_idempotent_and_uninstall_leaves_a_clean_interpreter(venv: Venv, layouts: dict[str, Layout]) -> None:
     affected_lightning(layouts)
@@ -114,67 +139,67 @@ def test_install_is_idempotent_and_uninstall_leaves_a_clean_interpreter(venv: Ve
 
     quiet = venv.run("-c", "pass")
     assert quiet.stderr == "" and quiet.stdout == ""
-    active = probe(venv.run("-c", PROBE))
+    active = probe_in(venv)
     assert active["loaded"] and active["sources"] == ["startup file"]
     assert active["patched"]["lightning.pytorch"] is True
+    assert active["shim_layers"] == 1
 
     venv.run("-m", "fsdp_shim", "uninstall")
     assert not (venv.site_packages / "fsdp_shim.pth").exists()
     assert not (venv.site_packages / "fsdp_shim.start").exists()
     clean = venv.run("-c", "pass")
     assert clean.stderr == "" and clean.stdout == ""
-    assert probe(venv.run("-c", PROBE)) == {"loaded": False}
+    assert probe_in(venv)["loaded"] is False
     assert "nothing to remove" in venv.run("-m", "fsdp_shim", "uninstall").stdout
 
 
-def test_a_startup_file_left_behind_by_a_removed_package_is_silent(venv: Venv) -> None:
+def test_a_startup_file_left_behind_by_a_removed_package_is_silent(
+    venv: Venv, layouts: dict[str, Layout], tmp_path: Path
+) -> None:
+    affected_lightning(layouts)
     venv.run("-m", "fsdp_shim", "install")
-    # What `pip uninstall fsdp-shim` leaves: the start-up file, and no importable package.
+    # What `pip uninstall fsdp-shim` leaves: the start-up file, and no importable shim (run outside
+    # the checkout, whose folder would otherwise be importable as the current directory).
     venv.paths_file.write_text(f"{sysconfig.get_paths()['purelib']}\n")
-    env = clean_env(PYTHONPATH=None)
-    proc = venv.run("-c", "import sys; print('fsdp_shim' in sys.modules)", env=env)
-    assert proc.stdout.strip() == "False"
-    assert proc.stderr == ""
+    env = clean_env()
+    proc = venv.run("-c", "pass", env=env, cwd=tmp_path)
+    assert proc.stdout == "" and proc.stderr == ""
+    code = "import lightning, sys; print('fsdp_shim' in sys.modules, '_fsdp_shim_startup' in sys.modules)"
+    imported = venv.run("-W", "ignore", "-c", code, env=env, cwd=tmp_path)
+    assert imported.stdout.strip() == "False False" and imported.stderr == ""
 
 
 def test_the_startup_file_imports_nothing(venv: Venv) -> None:
     """The reason the start-up cost stays in the noise: no module is imported at all, only a watcher
     is put on sys.meta_path."""
-    listing = "import sys, json; print(json.dumps([sorted(sys.modules), [getattr(f, '__name__', '') for f in sys.meta_path]]))"
-    without, finders_without = json.loads(venv.run("-c", listing).stdout)
+    without, finders_without = probe_in(venv, target="modules_and_finders")
     venv.run("-m", "fsdp_shim", "install")
-    with_file, finders_with = json.loads(venv.run("-c", listing).stdout)
+    with_file, finders_with = probe_in(venv, target="modules_and_finders")
     assert set(with_file) == set(without)
     # One watcher per time site reads the file (twice where lib64 links to lib), nothing else.
     watchers = [f for f in finders_with if f == "fsdp_shim_watcher"]
     assert watchers and finders_with == [*watchers, *finders_without]
 
 
-def test_install_target_and_user(tmp_path: Path) -> None:
-    target = tmp_path / "site"
-    assert "wrote" in run(shim_cli("install", "--target", str(target))).stdout
-    assert sorted(p.name for p in target.iterdir()) == ["fsdp_shim.pth", "fsdp_shim.start"]
-    run(shim_cli("uninstall", "--target", str(target)))
-    assert list(target.iterdir()) == []
-    env = clean_env(PYTHONUSERBASE=str(tmp_path / "userbase"))
-    run(shim_cli("install", "--user"), env=env)
-    user_site = Path(
-        run([sys.executable, "-c", "import site; print(site.getusersitepackages())"], env=env).stdout.strip()
-    )
-    assert (user_site / "fsdp_shim.pth").read_text() == PTH_TEXT
-    run(shim_cli("uninstall", "--user"), env=env)
-    assert not (user_site / "fsdp_shim.pth").exists()
-
-
 # ----------------------------------------------------------------------------- fsdp-shim run
 @pytest.fixture
 def user_sitecustomize(tmp_path: Path, request: pytest.FixtureRequest) -> tuple[Path, Path]:
-    """A user's own sitecustomize (module or package form) that counts its runs in a file."""
+    """A user's own sitecustomize (module or package form) that counts its runs in a file, adds a
+    folder to sys.path as HPC sites do, and marks itself."""
     folder = tmp_path / "user_site"
     counter = tmp_path / "count.txt"
+    extra = tmp_path / "site_extra"
+    extra.mkdir()
+    (extra / "site_extra_module.py").write_text("VALUE = 1\n")
     # One line per run: (pid, command line). `fsdp-shim run` execs, so the launcher and the command
     # share a pid and differ in their command line; a process that ran it twice repeats a line.
-    body = f"import os, sys\nwith open({str(counter)!r}, 'a') as f:\n    f.write(f'{{os.getpid()}} {{sys.orig_argv!r}}\\n')\n"
+    body = (
+        "import os, sys\n"
+        f"with open({str(counter)!r}, 'a') as f:\n"
+        "    f.write(f'{os.getpid()} {sys.orig_argv!r}\\n')\n"
+        f"sys.path.insert(0, {str(extra)!r})\n"
+        "USER_MARKER = 'the user sitecustomize'\n"
+    )
     if getattr(request, "param", "module") == "package":
         (folder / "sitecustomize").mkdir(parents=True)
         (folder / "sitecustomize" / "__init__.py").write_text(body)
@@ -197,10 +222,10 @@ def test_run_activates_and_chains_the_users_sitecustomize_once(
     affected_lightning(layouts)
     folder, counter = user_sitecustomize
     prefix = shim_cli("run") + (shim_cli("run") if nested else [])
-    result = probe(run([*prefix, sys.executable, "-c", PROBE], env=with_pythonpath(clean_env(), folder)))
+    result = child_json("startup:probe", launcher=tuple(prefix), env=with_pythonpath(clean_env(), folder))
     assert result["loaded"] and result["sources"] == ["fsdp-shim run"]
     assert result["patched"]["lightning.pytorch"] is True
-    assert result["nested_wrapper"] is False
+    assert result["shim_layers"] == 1
     assert_each_process_ran_it_once(counter, expected_processes=3 if nested else 2)
 
 
@@ -210,66 +235,125 @@ def assert_each_process_ran_it_once(counter: Path, expected_processes: int) -> N
     assert len(lines) == len(set(lines)) == expected_processes, lines
     argvs = [ast.literal_eval(line.partition(" ")[2]) for line in lines]
     assert sum(argv[1:3] == ["-m", "fsdp_shim"] for argv in argvs) == expected_processes - 1
-    assert sum(argv[1] == "-c" for argv in argvs) == 1
+    assert sum(argv[1].endswith("child.py") for argv in argvs) == 1
 
 
+@pytest.mark.parametrize("user_sitecustomize", ["module", "package"], indirect=True)
+def test_under_run_the_users_sitecustomize_keeps_its_sys_path_and_its_name(
+    user_sitecustomize: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """Issue 8.5 and 8.7: entries the chained sitecustomize adds stay; `import sitecustomize` gives the
+    user's module; only the bootstrap folder leaves sys.path."""
+    folder, _ = user_sitecustomize
+    result = child_json(
+        "startup:interpreter_state",
+        {"module": "site_extra_module"},
+        launcher=tuple(shim_cli("run")),
+        env=with_pythonpath(clean_env(), folder),
+    )
+    assert result["imported"] == "site_extra_module"
+    assert str(tmp_path / "site_extra") in result["sys_path"]
+    assert result["sitecustomize_marker"] == "the user sitecustomize"
+    assert result["shim_sources"] == ["fsdp-shim run"]
+    assert all(os.path.realpath(entry or ".") != BOOTSTRAP_DIRECTORY for entry in result["sys_path"])
+
+
+def test_under_run_an_empty_pythonpath_entry_still_means_the_current_directory(tmp_path: Path) -> None:
+    """Issue 8.6: `export PYTHONPATH=$PYTHONPATH:/x` with PYTHONPATH unset makes ':/x'."""
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    (workdir / "module_in_cwd.py").write_text("VALUE = 1\n")
+    env = clean_env()
+    env["PYTHONPATH"] = os.pathsep + env.get("PYTHONPATH", "")
+    script = [sys.executable, str(ROOT / "tests" / "child.py"), "children.startup:interpreter_state"]
+    arguments = json.dumps({"module": "module_in_cwd"})
+    plain = subprocess.run([*script, arguments], capture_output=True, text=True, env=env, cwd=workdir, timeout=300)
+    under_run = subprocess.run(
+        [*shim_cli("run"), *script, arguments], capture_output=True, text=True, env=env, cwd=workdir, timeout=300
+    )
+    assert json.loads(plain.stdout)["imported"] == "module_in_cwd"
+    assert json.loads(under_run.stdout)["imported"] == "module_in_cwd", under_run.stderr
+
+
+@pytest.mark.parametrize(
+    ("flags", "warned"),
+    [(("-I",), True), (("-E",), True), (("-S",), True), (("-IB",), True), (("-B",), False), ((), False)],
+)
+def test_run_warns_before_starting_a_python_that_cannot_see_the_bootstrap(
+    flags: tuple[str, ...], warned: bool, layouts: dict[str, Layout]
+) -> None:
+    """Issue 8.8: one line, before exec; the process itself then runs without the shim."""
+    proc = run([*shim_cli("run"), sys.executable, *flags, "-c", "pass"])
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("fsdp-shim run: warning")]
+    assert len(lines) == (1 if warned else 0), proc.stderr
+    if warned:
+        assert "cannot activate the shim in this Python process" in lines[0]
+
+
+@pytest.mark.parametrize("user_sitecustomize", ["module"], indirect=True)
 def test_run_with_import_and_startup_file_arms_once(
     venv: Venv, user_sitecustomize: tuple[Path, Path], layouts: dict[str, Layout]
 ) -> None:
     affected_lightning(layouts)
     folder, counter = user_sitecustomize
     venv.run("-m", "fsdp_shim", "install")
-    code = "import fsdp_shim\n" + PROBE
-    result = probe(
-        venv.run("-m", "fsdp_shim", "run", venv.python, "-c", code, env=with_pythonpath(clean_env(), folder))
-    )
+    command = [
+        "-m",
+        "fsdp_shim",
+        "run",
+        venv.python,
+        str(ROOT / "tests" / "child.py"),
+        "children.startup:import_shim_then_probe",
+    ]
+    result = json.loads(venv.run(*command, env=with_pythonpath(clean_env(), folder)).stdout)
     assert sorted(result["sources"]) == ["fsdp-shim run", "startup file"]
     assert result["patched"]["lightning.pytorch"] is True
-    assert result["nested_wrapper"] is False
+    assert result["shim_layers"] == 1
     assert_each_process_ran_it_once(counter, expected_processes=2)
 
 
 @pytest.mark.parametrize("mode", ["startup-file", "run", "run+startup-file", "run-then-set-in-script"])
-def test_fsdp_shim_0_switches_every_mode_off(mode: str, venv: Venv, layouts: dict[str, Layout]) -> None:
+@pytest.mark.parametrize("value", ["0", "no", "disabled"])
+def test_fsdp_shim_off_switches_every_mode_off(mode: str, value: str, venv: Venv, layouts: dict[str, Layout]) -> None:
+    """Issue 8.11: the start-up code reads the switch with the package's parser."""
     affected_lightning(layouts)
     if "startup-file" in mode:
         venv.run("-m", "fsdp_shim", "install")
-    if mode == "run-then-set-in-script":
-        env, code = clean_env(), "import os; os.environ['FSDP_SHIM'] = '0'\n" + PROBE
-    else:
-        env, code = clean_env(FSDP_SHIM="0"), PROBE
-    args = ("-m", "fsdp_shim", "run", venv.python, "-c", code) if "run" in mode else ("-c", code)
-    result = probe(venv.run(*args, env=env))
-    assert result.get("patched", {}).get("lightning.pytorch", False) is False
+    target = "switch_off_in_script_then_probe" if mode == "run-then-set-in-script" else "probe"
+    env = clean_env() if mode == "run-then-set-in-script" else clean_env(FSDP_SHIM=value)
+    launcher = ("-m", "fsdp_shim", "run", venv.python) if "run" in mode else ()
+    result = json.loads(
+        venv.run(*launcher, str(ROOT / "tests" / "child.py"), f"children.startup:{target}", env=env).stdout
+    )
+    assert result["loaded"] is False  # the start-up code did not even load the package
+    assert result["shim_warnings"] == []
+
+
+def test_an_unreadable_switch_loads_the_shim_only_to_say_it_is_off(venv: Venv, layouts: dict[str, Layout]) -> None:
+    affected_lightning(layouts)
+    venv.run("-m", "fsdp_shim", "install")
+    result = probe_in(venv, env=clean_env(FSDP_SHIM="perhaps"))
+    assert result["loaded"] is True
+    assert result["patched"]["lightning.pytorch"] is False
+    assert "switched off by FSDP_SHIM='perhaps'" in result["reasons"]["lightning.pytorch"]
+    assert len(result["shim_warnings"]) == 1 and "switched the shim OFF" in result["shim_warnings"][0]
 
 
 def test_isolated_and_no_site_modes(venv: Venv, layouts: dict[str, Layout]) -> None:
     """Documented: -S skips every start-up activation; -I (and -E) ignore PYTHONPATH, so `run` cannot
     reach them, while the start-up file in site-packages still does."""
     affected_lightning(layouts)
-    assert (
-        probe(
-            run(
-                [
-                    *shim_cli("run"),
-                    sys.executable,
-                    "-I",
-                    "-c",
-                    "import sys; sys.path.insert(0, %r)\n" % os.environ.get("PYTHONPATH", "") + PROBE,
-                ]
-            )
-        )["loaded"]
-        is False
+    isolated = run_child(
+        "startup:probe", python_args=("-I",), sys_path=tuple(pythonpath_entries()), launcher=tuple(shim_cli("run"))
     )
+    assert json.loads(isolated.stdout.splitlines()[-1])["loaded"] is False
+    assert "fsdp-shim run: warning" in isolated.stderr
     venv.run("-m", "fsdp_shim", "install")
-    isolated = "import sys; sys.path[:0] = %r\n" % [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    assert probe(venv.run("-I", "-c", isolated + PROBE))["loaded"] is True
-    no_site = "import sys; sys.path[:0] = %r\n" % [
-        str(ROOT),
-        sysconfig.get_paths()["purelib"],
-        *[p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p],
-    ]
-    assert probe(venv.run("-S", "-c", no_site + PROBE))["loaded"] is False
+    entries = [item for path in pythonpath_entries() for item in ("--sys-path", path)]
+    child_py = str(ROOT / "tests" / "child.py")
+    assert json.loads(venv.run("-I", child_py, *entries, "children.startup:probe").stdout)["loaded"] is True
+    no_site = [item for path in (str(ROOT), sysconfig.get_paths()["purelib"]) for item in ("--sys-path", path)]
+    assert json.loads(venv.run("-S", child_py, *entries, *no_site, "children.startup:probe").stdout)["loaded"] is False
 
 
 def test_run_passes_exit_codes_and_signals_through() -> None:
@@ -282,12 +366,94 @@ def test_run_passes_exit_codes_and_signals_through() -> None:
     assert missing.returncode == 127 and "command not found" in missing.stderr
 
 
+# ----------------------------------------------------------------------------- strict mode at start-up
+@pytest.fixture
+def broken_shim(tmp_path: Path) -> Path:
+    """A folder that, first on PYTHONPATH, makes `import fsdp_shim` fail (a broken install)."""
+    folder = tmp_path / "broken"
+    (folder / "fsdp_shim").mkdir(parents=True)
+    (folder / "fsdp_shim" / "__init__.py").write_text("raise ImportError('this fsdp_shim is broken for the test')\n")
+    return folder
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
+def test_a_shim_that_cannot_load_under_the_startup_file_is_loud(
+    strict: bool, venv: Venv, broken_shim: Path, layouts: dict[str, Layout]
+) -> None:
+    """Issue 8.9: strict is louder than the default, never quieter."""
+    affected_lightning(layouts)
+    venv.run("-m", "fsdp_shim", "install")
+    env = with_pythonpath(clean_env(**({"FSDP_SHIM_STRICT": "1"} if strict else {})), broken_shim)
+    proc = venv.run(
+        str(ROOT / "tests" / "child.py"),
+        "children.startup:import_lightning_package",
+        '{"package": "lightning"}',
+        env=env,
+        check=False,
+    )
+    if strict:
+        assert proc.returncode != 0
+        assert "ImportError: fsdp-shim: the shim could not be loaded" in proc.stderr
+        assert "FSDP_SHIM_STRICT is on, so this import fails instead" in proc.stderr
+    else:
+        assert proc.returncode == 0, proc.stderr
+        result = json.loads(proc.stdout)
+        assert result["loaded"] is False
+        assert len(result["warnings"]) == 1
+        assert result["warnings"][0].startswith("FSDPShimWarning: fsdp-shim: the shim could not be loaded")
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
+def test_run_into_an_interpreter_without_the_shim_is_loud(
+    strict: bool, tmp_path: Path, layouts: dict[str, Layout]
+) -> None:
+    """`fsdp-shim run` from one environment, exec'ing the Python of another one that has Lightning
+    and torch but not fsdp-shim: the bootstrap cannot arm, and the first Lightning import says so."""
+    affected_lightning(layouts)
+    other = make_venv(tmp_path / "other", [sysconfig.get_paths()["purelib"]])  # no fsdp_shim here
+    env = clean_env(**({"FSDP_SHIM_STRICT": "1"} if strict else {}))
+    code = "import lightning, sys; print('lightning imported', 'fsdp_shim' in sys.modules)"
+    proc = run([*shim_cli("run"), other.python, "-W", "ignore", "-c", code], env=env, check=False)
+    assert "fsdp-shim run: the shim could not be armed in" in proc.stderr
+    if strict:
+        assert proc.returncode != 0 and "ImportError" in proc.stderr
+    else:
+        assert proc.returncode == 0 and proc.stdout.strip() == "lightning imported False"
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
+def test_missing_wrapt_under_run_is_loud(strict: bool, tmp_path: Path, layouts: dict[str, Layout]) -> None:
+    affected_lightning(layouts)
+    hidden = tmp_path / "no_wrapt"
+    (hidden / "wrapt").mkdir(parents=True)
+    (hidden / "wrapt" / "__init__.py").write_text("raise ImportError('wrapt is missing for this test', name='wrapt')\n")
+    env = with_pythonpath(clean_env(**({"FSDP_SHIM_STRICT": "1"} if strict else {})), hidden)
+    proc = run_child(
+        "startup:import_lightning_package",
+        {"package": "lightning"},
+        env=env,
+        launcher=tuple(shim_cli("run")),
+        expect_ok=False,
+    )
+    if strict:
+        assert proc.returncode != 0
+        assert "FSDPShimError: fsdp-shim: cannot patch lightning.fabric: ImportError: wrapt is missing" in proc.stderr
+    else:
+        assert proc.returncode == 0, proc.stderr
+        result = json.loads(proc.stdout.splitlines()[-1])
+        assert result["loaded"] is True
+        assert any("cannot patch lightning.fabric: ImportError: wrapt is missing" in w for w in result["warnings"])
+        namespaces = {n["namespace"]: n for n in result["status"]["namespaces"]}
+        assert namespaces["lightning.pytorch"]["patched"] is False
+        assert "patching code cannot be imported" in namespaces["lightning.pytorch"]["reason"]
+
+
 # ----------------------------------------------------------------------------- status
 def test_status_reports_and_exit_code(venv: Venv, layouts: dict[str, Layout]) -> None:
     affected_lightning(layouts)
     venv.run("-m", "fsdp_shim", "install")
     report = json.loads(venv.run("-m", "fsdp_shim", "status", "--json", "--python-check").stdout)
-    assert report["consistent"] is True
+    assert report["consistent"] is True, report["problems"]
     assert [Path(f["path"]).name for f in report["startup_files"]] == ["fsdp_shim.pth", "fsdp_shim.start"]
     assert report["child"]["shim_loaded"] is True
     by_namespace = {n["namespace"]: n for n in report["child"]["status"]["namespaces"]}
@@ -296,6 +462,7 @@ def test_status_reports_and_exit_code(venv: Venv, layouts: dict[str, Layout]) ->
 
     bad_toggle = venv.run("-m", "fsdp_shim", "status", env=clean_env(FSDP_SHIM="perhaps"), check=False)
     assert bad_toggle.returncode == 1 and "FSDP_SHIM='perhaps'" in bad_toggle.stdout
+    assert "the shim is OFF" in bad_toggle.stdout
 
     (venv.site_packages / "fsdp_shim.pth").write_text(PTH_TEXT + "# edited\n")
     outdated = venv.run("-m", "fsdp_shim", "status", check=False)
@@ -410,7 +577,6 @@ def test_two_nodes_on_loopback_each_wrapped_with_run(tmp_path: Path, layouts: di
 def test_arming_after_lightning_was_imported_patches_at_once(layouts: dict[str, Layout]) -> None:
     """A start-up hook that runs after something already imported Lightning patches it at once."""
     affected_lightning(layouts)
-    code = "import lightning, _fsdp_shim_startup\n_fsdp_shim_startup.arm('fsdp-shim run')\n" + PROBE
-    result = probe(run([sys.executable, "-c", code]))
+    result = child_json("startup:arm_after_lightning")
     assert result["sources"] == ["fsdp-shim run"]
     assert result["patched"]["lightning.pytorch"] is True

@@ -1,47 +1,71 @@
+"""The switch parser the start-up code and the package share, and the warnings for bad values."""
+
 from __future__ import annotations
 
 import warnings
 
 import pytest
 
-from fsdp_shim import toggles
+import _fsdp_shim_startup as startup
+from fsdp_shim import failures, toggles
 from fsdp_shim.errors import FSDPShimWarning
+
+pytestmark = pytest.mark.release_independent
 
 
 @pytest.fixture(autouse=True)
 def _fresh_warning_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(toggles, "_warned", set())
+    monkeypatch.setattr(failures, "_reported", set())
 
 
-@pytest.mark.parametrize("value", [None, "1", "true", "TRUE", " on ", "On", "\ttrue\n", ""])
-def test_enabled_values(value: str | None) -> None:
+ON = [None, "", "  ", "1", "true", "TRUE", " on ", "On", "\ttrue\n", "yes", "Y", "enable", "ENABLED"]
+OFF = ["0", "false", "FALSE", " off ", "Off", "no", "N", "disable", "Disabled"]
+INVALID = ["2", "tru", "maybe", "nope", "-1"]
+
+
+@pytest.mark.parametrize("value", ON)
+def test_on_values(value: str | None) -> None:
     env = {} if value is None else {"FSDP_SHIM": value}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert toggles.shim_enabled(env) is True
+        assert startup.shim_switched_on(env) is True
 
 
-@pytest.mark.parametrize("value", ["0", "false", "FALSE", " off ", "Off"])
-def test_disabled_values(value: str) -> None:
+@pytest.mark.parametrize("value", OFF)
+def test_off_values(value: str) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert toggles.shim_enabled({"FSDP_SHIM": value}) is False
+        assert startup.shim_switched_on({"FSDP_SHIM": value}) is False
+        assert toggles.strict_mode({"FSDP_SHIM_STRICT": value}) is False
 
 
-@pytest.mark.parametrize("value", ["yes", "2", "disable", "tru"])
-def test_bad_value_warns_once_names_valid_values_and_keeps_the_default(value: str) -> None:
+@pytest.mark.parametrize("value", INVALID)
+def test_an_unreadable_value_fails_closed_and_warns_once(value: str) -> None:
+    """Issue 8.11: the kill switch switches the shim OFF; strict mode turns ON."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert toggles.shim_enabled({"FSDP_SHIM": value}) is True
-        assert toggles.shim_enabled({"FSDP_SHIM": value}) is True
-        assert toggles.strict_mode({"FSDP_SHIM_STRICT": value}) is False
+        assert toggles.shim_enabled({"FSDP_SHIM": value}) is False
+        assert toggles.shim_enabled({"FSDP_SHIM": value}) is False
+        assert toggles.strict_mode({"FSDP_SHIM_STRICT": value}) is True
+    assert startup.shim_switched_on({"FSDP_SHIM": value}) is False  # the start-up code agrees
+    assert startup.strict_switched_on({"FSDP_SHIM_STRICT": value}) is True
     messages = [str(w.message) for w in caught if issubclass(w.category, FSDPShimWarning)]
-    assert len(messages) == 2  # once per variable, not once per read
-    assert "FSDP_SHIM=" in messages[0]
-    for valid in ("0", "1", "false", "off", "on", "true"):
+    assert len(messages) == 2  # once per variable and value, not once per read
+    assert f"FSDP_SHIM={value!r} is not a valid value and switched the shim OFF" in messages[0]
+    assert f"FSDP_SHIM_STRICT={value!r} is not a valid value and turned strict mode ON" in messages[1]
+    for valid in ("0", "1", "false", "off", "on", "true", "no", "yes", "disable", "disabled"):
         assert valid in messages[0]
 
 
 def test_strict_defaults_off() -> None:
     assert toggles.strict_mode({}) is False
     assert toggles.strict_mode({"FSDP_SHIM_STRICT": "1"}) is True
+
+
+def test_the_warning_category_is_one_class() -> None:
+    import fsdp_shim
+
+    assert fsdp_shim.FSDPShimWarning is startup.FSDPShimWarning is FSDPShimWarning
+    assert issubclass(FSDPShimWarning, RuntimeWarning)
