@@ -14,34 +14,32 @@ import os
 import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
-from importlib import metadata
 from typing import Any
 
+from _fsdp_shim_startup import LIGHTNING_PACKAGES, switch_state
 from fsdp_shim import __version__, startup_files
 from fsdp_shim.environment_variables import FSDP_SHIM, FSDP_SHIM_STRICT
+from fsdp_shim.lightning_install import describe_import_failure, distribution_of, namespaces_of
 from fsdp_shim.runner import BOOTSTRAP_DIRECTORY, bootstrap_on_pythonpath
-from fsdp_shim.toggles import FALSE_VALUES, TRUE_VALUES
+from fsdp_shim.toggles import valid_values
 from fsdp_shim.versions import is_affected_release
 
-# Top-level module -> the Lightning namespaces it holds.
-_MODULE_NAMESPACES = {
-    "lightning": ("lightning.fabric", "lightning.pytorch"),
-    "lightning_fabric": ("lightning_fabric",),
-    "pytorch_lightning": ("pytorch_lightning",),
-}
-
-CHILD_CHECK = """
-import importlib, json, sys, warnings
+# Run with ``python -c`` (not ``-m fsdp_shim...``, which would import the shim before Lightning):
+# it imports Lightning the way a training script does and reports what the shim did.
+CHILD_CHECK = f"""
+import importlib, importlib.util, json, sys, warnings
 warnings.simplefilter("ignore")
-imported = []
-for name in ("lightning", "pytorch_lightning", "lightning_fabric"):
+imported, failed = [], {{}}
+for name in {LIGHTNING_PACKAGES!r}:
+    if importlib.util.find_spec(name) is None:
+        continue
     try:
         importlib.import_module(name)
         imported.append(name)
-    except ImportError:
-        pass
+    except Exception as error:
+        failed[name] = [type(error).__name__, str(error), getattr(error, "name", None)]
 shim = sys.modules.get("fsdp_shim")
-report = {"python": sys.executable, "imported": imported, "shim_loaded": shim is not None}
+report = {{"python": sys.executable, "imported": imported, "failed": failed, "shim_loaded": shim is not None}}
 if shim is not None:
     report["status"] = shim.status().as_dict()
 print(json.dumps(report))
@@ -67,27 +65,14 @@ class EnvironmentReport:
         return {**asdict(self), "consistent": self.consistent}
 
 
-def _distribution_of(module: str) -> tuple[str, str] | None:
-    try:
-        names = metadata.packages_distributions().get(module, [])
-    except AttributeError:  # Python 3.9
-        names = [module.replace("_", "-")]
-    for name in names:
-        try:
-            return name, metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
-    return None
-
-
 def _installed_lightning() -> list[dict[str, Any]]:
     rows = []
-    for module, namespaces in _MODULE_NAMESPACES.items():
-        found = _distribution_of(module)
+    for module in LIGHTNING_PACKAGES:
+        found = distribution_of(module)
         if found is None:
             continue
         distribution, version = found
-        for namespace in namespaces:
+        for namespace in namespaces_of(module):
             affected = is_affected_release(version)
             rows.append(
                 {
@@ -107,9 +92,9 @@ def _check_toggles(report: EnvironmentReport) -> None:
     for name in (FSDP_SHIM, FSDP_SHIM_STRICT):
         raw = os.environ.get(name)
         report.toggles[name] = raw
-        if raw is not None and raw.strip() and raw.strip().lower() not in TRUE_VALUES | FALSE_VALUES:
-            valid = ", ".join(sorted(TRUE_VALUES | FALSE_VALUES))
-            report.problems.append(f"{name}={raw!r} is not a valid value ({valid}); the default applies")
+        if switch_state(raw) == "invalid":
+            meaning = "the shim is OFF" if name == FSDP_SHIM else "strict mode is ON"
+            report.problems.append(f"{name}={raw!r} is not a valid value ({valid_values()}); {meaning}")
 
 
 def _check_activations(report: EnvironmentReport) -> None:
@@ -136,7 +121,9 @@ def _check_child(report: EnvironmentReport) -> None:
         return
     child = json.loads(proc.stdout.strip().splitlines()[-1])
     report.child = child
-    switched_off = (os.environ.get(FSDP_SHIM) or "").strip().lower() in FALSE_VALUES
+    for package, failure in child.get("failed", {}).items():
+        report.problems.append(describe_import_failure(package, failure))
+    switched_off = switch_state(os.environ.get(FSDP_SHIM)) in ("off", "invalid")
     activation_present = bool(report.startup_files or report.bootstrap_on_pythonpath)
     if activation_present and not switched_off and not child["shim_loaded"]:
         report.problems.append("a start-up activation is present but a fresh interpreter did not load the shim")

@@ -1,0 +1,63 @@
+"""Which Lightning packages are installed, and why one that is fails to import.
+
+Shared by ``fsdp-shim status`` and ``fsdp-shim verify``, which must never leave out an installed
+Lightning because its import failed: that is how an environment with a broken ``lightning`` next to a
+working ``pytorch_lightning`` got a "not needed" verdict for the wrong package.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from importlib import metadata
+
+from _fsdp_shim_startup import LIGHTNING_NAMESPACES, LIGHTNING_PACKAGES
+
+TRAINER_NAMESPACES = tuple(name for name, kind in LIGHTNING_NAMESPACES if kind == "trainer")
+
+
+def installed_packages() -> list[str]:
+    """The Lightning top-level packages this interpreter can find, without importing them."""
+    found = []
+    for package in LIGHTNING_PACKAGES:
+        try:
+            if importlib.util.find_spec(package) is not None:
+                found.append(package)
+        except (ImportError, ValueError):  # a broken entry on sys.path: not importable either
+            continue
+    return found
+
+
+def distribution_of(package: str) -> tuple[str, str] | None:
+    """``(distribution, version)`` that provides the top-level ``package``, from package metadata
+    (nothing is imported, so it also answers for a package whose import fails)."""
+    try:
+        names = metadata.packages_distributions().get(package, [])
+    except AttributeError:  # Python 3.9
+        names = [package.replace("_", "-")]
+    for name in names:
+        try:
+            return name, metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def namespaces_of(package: str) -> list[str]:
+    return [name for name, _ in LIGHTNING_NAMESPACES if name.partition(".")[0] == package]
+
+
+def import_failure(error: BaseException) -> list[str | None]:
+    """An import error as ``[type name, message, missing module]``: what children report as JSON."""
+    return [type(error).__name__, str(error), getattr(error, "name", None)]
+
+
+def describe_import_failure(name: str, failure: list[str | None]) -> str:
+    """One line naming the package (and the release installed) and the cause, with the fix where it
+    is known. ``name`` is a top-level package or a namespace in it."""
+    kind, message, missing = failure
+    found = distribution_of(name.partition(".")[0])
+    installed = f" ({found[0]} {found[1]})" if found else ""
+    text = f"{name}{installed} is installed but fails to import ({kind}: {message})"
+    if missing == "pkg_resources":
+        text += "; Lightning 2.1–2.3 needs setuptools<81 (pip install 'setuptools<81')"
+    return text
