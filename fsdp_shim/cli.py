@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from fsdp_shim import __version__, startup_files
 
@@ -35,12 +36,60 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--json", action="store_true", help="machine-readable output")
     status.add_argument("--python-check", action="store_true", help="also ask a fresh interpreter")
 
-    verify = commands.add_parser("verify", help="train the seed's model with the shim off and on, and compare")
+    verify = commands.add_parser(
+        "verify", help="train a model with the shim off and on, in fresh processes, and compare"
+    )
     verify.add_argument("--precision", choices=("bf16-true", "16-true"), default="bf16-true")
-    verify.add_argument("--devices", type=int, default=1)
-    verify.add_argument("--steps", type=int, default=3)
-    verify.add_argument("--json", action="store_true", help="machine-readable output")
+    verify.add_argument("--devices", type=_positive_int, default=1, metavar="N", help="processes (GPUs with CUDA)")
+    verify.add_argument("--steps", type=_positive_int, default=3, metavar="N", help="training steps per run")
+    verify.add_argument(
+        "--measure", action="store_true", help="train even where the installed Lightning already has the fix"
+    )
+    verify.add_argument(
+        "--model",
+        type=_module_attribute,
+        metavar="MODULE:ATTR",
+        help="your LightningModule class (built with no arguments) or a factory returning one",
+    )
+    verify.add_argument(
+        "--init-args", type=_json_object, default={}, metavar="JSON", help="keyword arguments for --model"
+    )
+    verify.add_argument(
+        "--datamodule", type=_module_attribute, metavar="MODULE:ATTR", help="LightningDataModule class or factory"
+    )
+    verify.add_argument("--json", action="store_true", help="machine-readable output, every figure per rank")
     return parser
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a positive number")
+    return value
+
+
+def _module_attribute(text: str) -> str:
+    module, _, attribute = text.partition(":")
+    if (
+        not module
+        or not attribute
+        or not all(part.isidentifier() for part in [*module.split("."), *attribute.split(".")])
+    ):
+        raise argparse.ArgumentTypeError(f"{text!r} is not MODULE:ATTR (e.g. my_project.model:MyModule)")
+    return text
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"hidden\": 64}'")
+    return value
 
 
 def _directory(args: argparse.Namespace) -> Path:
@@ -115,7 +164,20 @@ def _status(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from fsdp_shim.verify import command
 
-    return command.main(precision=args.precision, devices=args.devices, steps=args.steps, as_json=args.json)
+    if args.model is None and (args.init_args or args.datamodule):
+        print("fsdp-shim verify: --init-args and --datamodule need --model", file=sys.stderr)
+        return 2
+    options = command.Options(
+        precision=args.precision,
+        devices=args.devices,
+        steps=args.steps,
+        measure=args.measure,
+        as_json=args.json,
+        model=args.model,
+        init_args=args.init_args,
+        datamodule=args.datamodule,
+    )
+    return command.main(options)
 
 
 def main(argv: list[str] | None = None) -> int:

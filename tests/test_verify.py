@@ -1,86 +1,210 @@
-"""``fsdp-shim verify`` end to end, in fresh processes, on whatever Lightning this session holds."""
+"""``fsdp-shim verify`` on the seed's model, end to end in fresh processes, on whatever Lightning this
+session holds: a verdict for every installed Trainer namespace, never one for the wrong package."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import ROOT, Layout, clean_env
 
-from fsdp_shim.versions import base_release, is_affected_release
+from fsdp_shim.verify import seed
+from fsdp_shim.versions import FIRST_AFFECTED, base_release, is_affected_release
+
+DTYPES = {"bf16-true": "torch.bfloat16", "16-true": "torch.float16"}
+TRAINER = {"lightning": "lightning.pytorch", "standalone": "pytorch_lightning"}
 
 
-def verify(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def verify(*args: str, env: dict[str, str] | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "fsdp_shim", "verify", *args],
         capture_output=True,
         text=True,
         env=env or clean_env(),
-        cwd=ROOT,
-        timeout=600,
+        cwd=cwd,
+        timeout=900,
     )
 
 
-def trainer_version(layouts: dict[str, Layout]) -> str:
-    for package in ("lightning", "standalone"):  # the probe prefers lightning.pytorch
-        if package in layouts:
-            return layouts[package].trainer_version
-    pytest.skip("no Lightning installed")
+def sections(proc: subprocess.CompletedProcess[str]) -> dict[str, dict[str, Any]]:
+    return {section["namespace"]: section for section in json.loads(proc.stdout)["sections"]}
 
 
-@pytest.mark.parametrize("precision", ["bf16-true", pytest.param("16-true", marks=pytest.mark.release_independent)])
-def test_verify_gives_the_verdict_this_release_deserves(precision: str, layouts: dict[str, Layout]) -> None:
-    version = trainer_version(layouts)
-    proc = verify("--precision", precision, "--json")
-    report = json.loads(proc.stdout)
-    if is_affected_release(version):
-        assert proc.returncode == 0, proc.stderr
-        assert report["verdict"] == "fixed", report["reason"]
-        off, on = report["shim_off"][0], report["shim_on"][0]
-        want = {"bf16-true": "torch.bfloat16", "16-true": "torch.float16"}[precision]
+def trainer_versions(layouts: dict[str, Layout]) -> dict[str, str]:
+    return {TRAINER[package]: layout.trainer_version for package, layout in layouts.items()}
+
+
+def assert_fixed(section: dict[str, Any], precision: str) -> None:
+    assert section["verdict"] == "fixed", section["reason"]
+    want = DTYPES[precision]
+    for off, on in zip(section["shim_off"], section["shim_on"]):
         assert (off["module_dtype"], on["module_dtype"]) == ("torch.float32", want)
         assert off["flat_param_dtypes"] == sorted([want, "torch.float32"]) and on["flat_param_dtypes"] == [want]
-        # Two equal models, one already half-precision, one loaded in float32 (twice the bytes):
+        units_off, units_on = off["unit_param_bytes"], on["unit_param_bytes"]
+        assert units_on["pretrained"] * 2 == units_off["pretrained"]  # loaded in float32: exactly half
+        assert units_on["model"] == units_off["model"]  # built in configure_model: already half precision
+        # Two equal models, one already half precision, one loaded in float32 (twice the bytes):
         # unpatched 1 + 2 = 3 units, patched 1 + 1 = 2.
         for key in ("param_bytes", "grad_bytes", "optimizer_state_bytes"):
             assert on[key] * 3 == off[key] * 2, key
-    else:
-        assert proc.returncode == 0, proc.stderr
-        assert report["verdict"] == "not needed"
-        if base_release(version) >= (2, 5, 0):
-            assert "already contains the fix" in report["reason"]
-            assert report["shim_off"][0]["param_bytes"] == report["shim_on"][0]["param_bytes"]
+
+
+@pytest.mark.parametrize("precision", ["bf16-true", pytest.param("16-true", marks=pytest.mark.release_independent)])
+def test_every_installed_trainer_namespace_gets_its_own_verdict(precision: str, layouts: dict[str, Layout]) -> None:
+    versions = trainer_versions(layouts)
+    if not versions:
+        pytest.skip("no Lightning installed")
+    proc = verify("--precision", precision, "--json")
+    assert proc.returncode == 0, proc.stderr
+    found = sections(proc)
+    assert sorted(found) == sorted(versions)
+    for namespace, version in versions.items():
+        section = found[namespace]
+        assert section["version"] == version
+        if is_affected_release(version):
+            assert_fixed(section, precision)
+        else:
+            assert section["verdict"] == "not needed"
+            assert section["shim_off"] is None and section["shim_on"] is None  # decided by the gates alone
+            if base_release(version) >= FIRST_AFFECTED:
+                assert "already contains the fix" in section["reason"] and "nothing was trained" in section["reason"]
 
 
 @pytest.mark.release_independent
-def test_verify_table_and_two_processes(layouts: dict[str, Layout]) -> None:
-    version = trainer_version(layouts)
-    if not is_affected_release(version):
-        pytest.skip("the table's 'fixed' row needs an affected release")
+def test_the_table_two_processes_and_the_phases(layouts: dict[str, Layout]) -> None:
+    affected = [ns for ns, v in trainer_versions(layouts).items() if is_affected_release(v)]
+    if not affected:
+        pytest.skip("the table's 'fixed' rows need an affected release")
     proc = verify("--devices", "2")
     assert proc.returncode == 0, proc.stderr
     assert "CPU check with gloo, 2 process(es)" in proc.stdout
     assert "verdict: fixed" in proc.stdout
     for row in (
         "LightningModule.dtype",
-        "flat-parameter dtype",
+        "flat-parameter dtypes",
         "sharded parameter bytes",
+        seed.UNITS["pretrained"],
+        seed.UNITS["model"],
         "sharded gradient bytes",
         "optimizer-state bytes",
-        "peak memory (peak RSS)",
+        "peak memory (peak RSS above the import baseline)",
+        "losses (3 steps)",
     ):
         assert row in proc.stdout
+    pretrained_row = next(line for line in proc.stdout.splitlines() if seed.UNITS["pretrained"] in line)
+    assert pretrained_row.rstrip().endswith("-50%")
+    assert f"[1/2] {affected[0]}" in proc.stderr and "training with the shim off" in proc.stderr
+    assert f"[2/2] {affected[0]}" in proc.stderr and "training with the shim on" in proc.stderr
 
 
 @pytest.mark.release_independent
-def test_verify_fails_clearly_without_lightning(tmp_path: Path) -> None:
-    for name in ("lightning", "pytorch_lightning"):
-        (tmp_path / f"{name}.py").write_text(f"raise ImportError('{name} is hidden for this test')\n")
+def test_a_broken_lightning_next_to_a_working_one_is_failed_not_not_needed(
+    layouts: dict[str, Layout], tmp_path: Path
+) -> None:
+    """Issue 9.1: `lightning` 2.1–2.3 without pkg_resources (setuptools >= 81) next to the standalone
+    2.6.x. Here a stand-in `lightning` fails the same way; the real one is checked on 2.1–2.3 below."""
+    if "standalone" not in layouts:
+        pytest.skip("needs the standalone packages beside it")
+    broken = tmp_path / "broken" / "lightning"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'pkg_resources'\", name='pkg_resources')\n"
+    )
     env = clean_env()
-    env["PYTHONPATH"] = f"{tmp_path}:{env.get('PYTHONPATH', '')}"
-    proc = verify(env=env)
+    env["PYTHONPATH"] = f"{broken.parent}:{env.get('PYTHONPATH', '')}"
+    proc = verify("--json", env=env)
     assert proc.returncode == 1
-    assert "verdict: FAILED" in proc.stdout and "Lightning is not installed" in proc.stdout
+    found = sections(proc)
+    assert found["lightning.pytorch"]["verdict"] == "FAILED"
+    reason = found["lightning.pytorch"]["reason"]
+    assert "lightning.pytorch" in reason and "fails to import" in reason and "No module named 'pkg_resources'" in reason
+    assert "Lightning 2.1–2.3 needs setuptools<81" in reason
+    assert found["pytorch_lightning"]["verdict"] == "not needed"
+    assert json.loads(proc.stdout)["verdict"] == "FAILED"
+    status = subprocess.run(
+        [sys.executable, "-m", "fsdp_shim", "status", "--python-check"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+    )
+    assert status.returncode == 1
+    assert "PROBLEM: lightning" in status.stdout and "needs setuptools<81" in status.stdout
+
+
+def test_real_lightning_2_1_to_2_3_without_pkg_resources(layouts: dict[str, Layout], tmp_path: Path) -> None:
+    """What setuptools 81 does to Lightning 2.1–2.3: pkg_resources is gone, and `import lightning` fails."""
+    version = layouts.get("lightning", Layout("lightning", "0", "0")).trainer_version
+    if base_release(version) is None or not (2, 1, 0) <= base_release(version) < (2, 4, 0):
+        pytest.skip("needs Lightning 2.1–2.3")
+    gone = tmp_path / "no_pkg_resources" / "pkg_resources"
+    gone.mkdir(parents=True)
+    (gone / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'pkg_resources'\", name='pkg_resources')\n"
+    )
+    env = clean_env()
+    env["PYTHONPATH"] = f"{gone.parent}:{env.get('PYTHONPATH', '')}"
+    proc = verify("--json", env=env)
+    assert proc.returncode == 1
+    reason = sections(proc)["lightning.pytorch"]["reason"]
+    assert f"(lightning {version}) is installed but fails to import" in reason
+    assert "Lightning 2.1–2.3 needs setuptools<81" in reason
+
+
+@pytest.mark.release_independent
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--steps", "0"], "argument --steps: 0 is not a positive number"),
+        (["--devices", "0"], "argument --devices: 0 is not a positive number"),
+        (["--devices", "-1"], "argument --devices: -1 is not a positive number"),
+        (["--steps", "two"], "'two' is not a whole number"),
+        (["--init-args", "[1]"], "must be a JSON object"),
+        (["--model", "no_colon"], "is not MODULE:ATTR"),
+        (["--datamodule", "m:D"], "--init-args and --datamodule need --model"),
+    ],
+)
+def test_bad_numbers_and_options_are_usage_errors_before_anything_starts(args: list[str], message: str) -> None:
+    proc = verify(*args)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert "[1/" not in proc.stderr  # no child process was started
+
+
+@pytest.mark.release_independent
+def test_without_torch_it_says_so(tmp_path: Path) -> None:
+    """An interpreter with fsdp-shim and its dependencies, and no torch."""
+    import packaging
+
+    environment = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(environment)], check=True)
+    dependencies = tmp_path / "dependencies"
+    shutil.copytree(Path(packaging.__file__).parent, dependencies / "packaging")
+    purelib = subprocess.check_output(
+        [str(environment / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        text=True,
+    ).strip()
+    Path(purelib, "aa_paths.pth").write_text(f"{ROOT}\n{dependencies}\n")
+    proc = subprocess.run(
+        [str(environment / "bin" / "python"), "-m", "fsdp_shim", "verify"],
+        capture_output=True,
+        text=True,
+        env=clean_env(PYTHONPATH=None),
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "torch is not installed in this interpreter" in proc.stderr
+    assert "FAILED" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.release_independent
+def test_without_lightning_it_says_so(tmp_path: Path) -> None:
+    proc = verify(env=clean_env(PYTHONPATH=None), cwd=tmp_path)
+    assert proc.returncode == 2
+    assert "neither lightning nor pytorch_lightning is installed" in proc.stderr

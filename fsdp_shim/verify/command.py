@@ -1,7 +1,17 @@
-"""``fsdp-shim verify``: run the probe with the shim off and on, compare, and give a verdict."""
+"""``fsdp-shim verify``: for every installed Lightning Trainer namespace (or the user's own model),
+train with the shim off and on in fresh processes, compare, and give a verdict it can stand by.
+
+It never answers for the wrong package: every installed namespace is checked, one that fails to
+import is a FAILED verdict naming the cause, and a release that already has the fix is "not needed"
+straight from the gates, without training (``--measure`` trains anyway).
+
+Exit codes: 0 every verdict is "fixed" or "not needed"; 1 a FAILED verdict, or the user's model
+raised (their traceback is printed); 2 a usage problem or an environment verify cannot run in.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -9,113 +19,281 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fsdp_shim.versions import base_release, is_affected_release
+from fsdp_shim.lightning_install import TRAINER_NAMESPACES, describe_import_failure, installed_packages
+from fsdp_shim.verify import measure, seed
+from fsdp_shim.versions import FIRST_AFFECTED, base_release, is_affected_release, unaffected_reason
 
 DTYPES = {"bf16-true": "torch.bfloat16", "16-true": "torch.float16"}
-ROWS = (
-    ("Lightning", "lightning"),
-    ("LightningModule.dtype", "module_dtype"),
-    ("flat-parameter dtype", "flat_param_dtypes"),
-    ("sharded parameter bytes", "param_bytes"),
-    ("sharded gradient bytes", "grad_bytes"),
-    ("optimizer-state bytes", "optimizer_state_bytes"),
-    ("peak memory", "peak_memory_bytes"),
-)
+BYTE_KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes")
+PROBE_TIMEOUT = 1800
+
+
+@dataclass(frozen=True)
+class Options:
+    precision: str = "bf16-true"
+    devices: int = 1
+    steps: int = 3
+    measure: bool = False
+    as_json: bool = False
+    model: str | None = None
+    init_args: dict[str, Any] = field(default_factory=dict)
+    datamodule: str | None = None
+
+
+@dataclass
+class Section:
+    """The verdict for one Lightning namespace (or the user's model), with every figure behind it."""
+
+    namespace: str
+    version: str | None
+    verdict: str
+    """``fixed``, ``not needed`` or ``FAILED``."""
+    reason: str
+    shim_off: list[dict[str, Any]] | None = None
+    shim_on: list[dict[str, Any]] | None = None
+
+
+class Stop(Exception):
+    """End verify with ``code`` and ``message`` (the user's code raised, or a usage problem)."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
 
 
 class Progress:
-    """One status line on stderr that shows the phase and the seconds spent, while a child runs."""
+    """One status line on stderr with the phase ("[1/2] ...") and the seconds spent on it."""
 
-    def __init__(self, enabled: bool) -> None:
-        self._enabled = enabled
+    def __init__(self, enabled: bool, total: int) -> None:
+        self._animated = enabled and sys.stderr.isatty()
+        self._quiet = not enabled
+        self._total = total
+        self._done = 0
         self._label = ""
         self._start = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> Progress:
-        if self._enabled:
+        if self._animated:
             self._thread = threading.Thread(target=self._draw, daemon=True)
             self._thread.start()
         return self
 
     def phase(self, label: str) -> None:
-        self._label, self._start = label, time.monotonic()
-        if not self._enabled:
-            print(f"fsdp-shim verify: {label} ...", file=sys.stderr, flush=True)
+        self._done += 1
+        self._label, self._start = f"[{self._done}/{self._total}] {label}", time.monotonic()
+        if not self._animated and not self._quiet:
+            print(f"fsdp-shim verify: {self._label} ...", file=sys.stderr, flush=True)
 
     def _draw(self) -> None:
         frames = "|/-\\"
         tick = 0
         while not self._stop.wait(0.2):
-            seconds = time.monotonic() - self._start
-            sys.stderr.write(f"\r{frames[tick % 4]} {self._label} ({seconds:4.0f}s)   ")
-            sys.stderr.flush()
+            if self._label:
+                seconds = time.monotonic() - self._start
+                sys.stderr.write(f"\r{frames[tick % 4]} {self._label} ({seconds:4.0f}s)   ")
+                sys.stderr.flush()
             tick += 1
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-            sys.stderr.write("\r" + " " * 70 + "\r")
+            sys.stderr.write("\r" + " " * 90 + "\r")
             sys.stderr.flush()
 
 
-def run_probe(shim: str, precision: str, devices: int, steps: int, workdir: Path) -> tuple[list[dict[str, Any]], str]:
-    """Run one probe in a fresh interpreter; returns the per-rank reports and an error, if any."""
-    out = workdir / f"shim-{shim}"
+# ----------------------------------------------------------------------------- running the probe
+def _probe_command(mode: str, out: Path, options: Options, namespace: str | None = None) -> list[str]:
+    command = [sys.executable, "-m", "fsdp_shim.verify.probe", mode, "--out", str(out)]
+    command += ["--precision", options.precision, "--devices", str(options.devices), "--steps", str(options.steps)]
+    if namespace is not None:
+        command += ["--namespace", namespace]
+    if options.model is not None:
+        command += ["--model", options.model, "--init-args", json.dumps(options.init_args)]
+    if options.datamodule is not None:
+        command += ["--datamodule", options.datamodule]
+    return command
+
+
+def _run_probe(command: list[str], shim: str, out: Path) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, FSDP_SHIM=shim, PYTHONWARNINGS="ignore")
-    command = [
-        sys.executable,
-        "-m",
-        "fsdp_shim.verify.probe",
-        "--precision",
-        precision,
-        "--devices",
-        str(devices),
-        "--steps",
-        str(steps),
-        "--out",
-        str(out),
-    ]
-    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1800)
-    reports = [json.loads(p.read_text()) for p in sorted(workdir.glob(f"shim-{shim}.rank*.json"))]
-    if proc.returncode != 0 or not reports:
-        tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
-        return reports, f"the check with FSDP_SHIM={shim} failed (exit {proc.returncode}): {tail}"
-    return reports, ""
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=PROBE_TIMEOUT)
+    errors = sorted(out.parent.glob(f"{out.name}.rank*.error.json"))
+    if errors:
+        record = json.loads(errors[0].read_text())
+        state = "off" if shim == "0" else "on"
+        if record["kind"] == "usage":
+            raise Stop(2, f"fsdp-shim verify: {record['message']}")
+        raise Stop(
+            1,
+            f"{record['traceback'].rstrip()}\n\nfsdp-shim verify: your code raised while {record['phase']} "
+            f"(shim {state}); the traceback above is from your model, not from fsdp-shim.",
+        )
+    return proc
 
 
-def verdict(off: dict[str, Any], on: dict[str, Any], precision: str) -> tuple[str, str]:
-    """("fixed" | "not needed" | "FAILED", reason)."""
-    version = on["lightning"]
-    if on.get("unsupported") or not is_affected_release(version):
-        release = base_release(version)
-        if release is not None and release >= (2, 5, 0):
-            return "not needed", "this Lightning already contains the fix (Lightning #20323, 2.5.0)"
-        return "not needed", f"Lightning {version} has no 'true' precisions for FSDP"
+def _failure(proc: subprocess.CompletedProcess[str], what: str) -> str:
+    tail = (proc.stderr.strip().splitlines() or ["(no output)"])[-1]
+    return f"{what} failed (exit {proc.returncode}): {tail}"
+
+
+def run_gate(options: Options, workdir: Path) -> tuple[dict[str, Any], str]:
+    """The gate probe's findings, or an error when the probe itself failed."""
+    out = workdir / "gate.json"
+    proc = _run_probe(_probe_command("gate", out, options), "1", out)
+    if proc.returncode != 0 or not out.exists():
+        return {}, _failure(proc, "reading the installed Lightning")
+    return json.loads(out.read_text()), ""
+
+
+def run_measure(options: Options, workdir: Path, namespace: str | None, shim: str) -> tuple[list[dict[str, Any]], str]:
+    out = workdir / f"{namespace or 'model'}-shim{shim}"
+    proc = _run_probe(_probe_command("measure", out, options, namespace), shim, out)
+    reports = [json.loads(p.read_text()) for p in sorted(workdir.glob(f"{out.name}.rank*.json"))]
+    if proc.returncode != 0 or len(reports) != options.devices:
+        return reports, _failure(proc, f"the run with FSDP_SHIM={shim}")
+    return sorted(reports, key=lambda report: report["rank"]), ""
+
+
+# ----------------------------------------------------------------------------- verdicts
+def _figures(report: dict[str, Any]) -> tuple[Any, ...]:
+    keys = ("module_dtype", "flat_param_dtypes", *BYTE_KEYS, "unit_param_bytes")
+    return tuple(json.dumps(report[key]) for key in keys)
+
+
+def judge(off: list[dict[str, Any]], on: list[dict[str, Any]], precision: str, seed_model: bool) -> tuple[str, str]:
+    """The verdict from both runs, every rank. ``fixed`` must hold on every rank, exactly."""
+    version = on[0]["lightning"]
+    if not is_affected_release(version):
+        if all(_figures(a) == _figures(b) for a, b in zip(off, on)):
+            return "not needed", f"{unaffected_reason(version)}; measured: the shim changes nothing"
+        return "FAILED", f"{unaffected_reason(version)}, but the figures differ with the shim on"
     want = DTYPES[precision]
     problems = []
-    if not on["shim_patched"]:
-        problems.append(f"the shim did not patch {on['namespace']}: {on['shim_reason']}")
-    if on["module_dtype"] != want:
-        problems.append(f"LightningModule.dtype is {on['module_dtype']}, expected {want}")
-    if on["flat_param_dtypes"] != [want]:
-        problems.append(f"flat parameters are {', '.join(on['flat_param_dtypes'])}, expected {want}")
-    for key in ("param_bytes", "grad_bytes", "optimizer_state_bytes"):
-        if on[key] >= off[key]:
-            problems.append(f"{key.replace('_', ' ')} did not shrink ({off[key]} -> {on[key]})")
+    if not on[0]["shim_patched"]:
+        problems.append(f"the shim did not patch {on[0]['namespace']}: {on[0]['shim_reason']}")
+    for a, b in zip(off, on):
+        rank = f" on rank {b['rank']}" if len(on) > 1 else ""
+        if b["module_dtype"] != want:
+            problems.append(f"LightningModule.dtype is {b['module_dtype']}{rank}, expected {want}")
+        if b["flat_param_dtypes"] != [want]:
+            problems.append(f"flat parameters are {', '.join(b['flat_param_dtypes'])}{rank}, expected {want}")
+        for key in BYTE_KEYS:
+            if b[key] > a[key] or (a["flat_param_dtypes"] != [want] and b[key] >= a[key]):
+                problems.append(f"{key.replace('_', ' ')} did not shrink{rank} ({a[key]:,} -> {b[key]:,})")
+        if seed_model and b["unit_param_bytes"]["pretrained"] * 2 != a["unit_param_bytes"]["pretrained"]:
+            problems.append(f"the model loaded in float32 is not exactly half{rank}")
+    if measure.finite(off[0]["losses"]) and not measure.finite(on[0]["losses"]):
+        problems.append(
+            "memory is fixed, but the training losses are not finite with the shim while they are without it: "
+            f"{precision} keeps weights and optimizer state in {want.removeprefix('torch.')} "
+            "(see docs/numerics.md: use bf16-true or a larger optimizer eps)"
+        )
     if problems:
         return "FAILED", "; ".join(problems)
-    saved = 1 - (on["param_bytes"] + on["grad_bytes"] + on["optimizer_state_bytes"]) / (
-        off["param_bytes"] + off["grad_bytes"] + off["optimizer_state_bytes"]
+    note = ""
+    if not measure.finite(on[0]["losses"]):
+        note = (
+            f"; note: the losses are not finite in either run ({precision} with this optimizer; see docs/numerics.md)"
+        )
+    total = {run: sum(r[k] for k in BYTE_KEYS) for run, r in (("off", off[0]), ("on", on[0]))}
+    if total["on"] == total["off"]:
+        already = f"the parameters were already {want.removeprefix('torch.')}; LightningModule.dtype is now right"
+        return "fixed", already + note
+    reason = (
+        f"sharded parameters, gradients and optimizer state are {1 - total['on'] / total['off']:.0%} smaller on rank 0"
     )
-    return "fixed", f"sharded parameters, gradients and optimizer state are {saved:.0%} smaller on rank 0"
+    if seed_model:
+        reason += (
+            f" (the model loaded in float32 is exactly half; the seed's model was already "
+            f"{want.removeprefix('torch.')} and only its LightningModule.dtype was wrong)"
+        )
+    return "fixed", reason + note
 
 
+def overall(sections: list[Section]) -> tuple[str, str]:
+    verdicts = {s.verdict for s in sections}
+    verdict = "FAILED" if "FAILED" in verdicts else ("fixed" if "fixed" in verdicts else "not needed")
+    return verdict, "; ".join(f"{s.namespace} {s.version or ''}: {s.verdict}".replace(" :", ":") for s in sections)
+
+
+# ----------------------------------------------------------------------------- the plan
+def _environment_problem() -> str | None:
+    if importlib.util.find_spec("torch") is None:
+        return (
+            f"torch is not installed in this interpreter ({sys.executable}); install torch (pinned) and "
+            "Lightning first, then run verify again"
+        )
+    if not any(ns.partition(".")[0] in installed_packages() for ns in TRAINER_NAMESPACES):
+        return f"neither lightning nor pytorch_lightning is installed in this interpreter ({sys.executable})"
+    return None
+
+
+def _not_measured(namespace: str, info: dict[str, Any], options: Options) -> Section | None:
+    """A section decided from the gates alone, or ``None`` when the namespace must be measured."""
+    if "import_failure" in info:
+        return Section(namespace, None, "FAILED", describe_import_failure(namespace, info["import_failure"]))
+    version = info["version"]
+    release = base_release(version)
+    if release is not None and release < FIRST_AFFECTED:
+        return Section(namespace, version, "not needed", unaffected_reason(version))
+    if not info["affected"] and not options.measure:
+        reason = f"{unaffected_reason(version)}; nothing was trained (--measure trains anyway)"
+        return Section(namespace, version, "not needed", reason)
+    return None
+
+
+def _measured(options: Options, workdir: Path, progress: Progress, namespace: str | None, label: str) -> Section:
+    runs: dict[str, list[dict[str, Any]]] = {}
+    for shim, state in (("0", "off"), ("1", "on")):
+        progress.phase(f"{label}: training with the shim {state}")
+        reports, error = run_measure(options, workdir, namespace, shim)
+        if error:
+            return Section(namespace or "model", None, "FAILED", error, runs.get("0"), reports or None)
+        runs[shim] = reports
+    on = runs["1"][0]
+    verdict, reason = judge(runs["0"], runs["1"], options.precision, seed_model=options.model is None)
+    return Section(on["namespace"], on["lightning"], verdict, reason, runs["0"], runs["1"])
+
+
+def verify(options: Options, workdir: Path) -> list[Section]:
+    with Progress(not options.as_json, total=1) as progress:
+        progress.phase("reading the installed Lightning")
+        gate, error = run_gate(options, workdir)
+    if error:
+        return [Section("Lightning", None, "FAILED", error)]
+    sections: list[Section] = []
+    to_measure: list[tuple[str | None, str]] = []
+    for namespace, info in gate["namespaces"].items():
+        if options.model is not None and "import_failure" not in info:
+            continue  # with --model, the model's own namespace is judged below; a broken one is still reported
+        decided = _not_measured(namespace, info, options)
+        if decided is not None:
+            sections.append(decided)
+        else:
+            to_measure.append((namespace, f"{namespace} {info['version']}"))
+    if options.model is not None:
+        importable = [ns for ns in gate["model_namespaces"] if "import_failure" not in gate["namespaces"].get(ns, {})]
+        decided_all = [_not_measured(ns, gate["namespaces"][ns], options) for ns in importable]
+        if importable and all(decided_all):
+            sections += [d for d in decided_all if d is not None]
+        else:
+            to_measure.append((None, options.model))
+    with Progress(not options.as_json, total=2 * len(to_measure)) as progress:
+        for namespace, label in to_measure:
+            sections.append(_measured(options, workdir, progress, namespace, label))
+    order = {name: index for index, name in enumerate(TRAINER_NAMESPACES)}
+    return sorted(sections, key=lambda section: order.get(section.namespace, len(order)))
+
+
+# ----------------------------------------------------------------------------- output
 def _cell(key: str, value: Any) -> str:
     if key == "flat_param_dtypes":
         return ", ".join(v.removeprefix("torch.") for v in value)
@@ -123,58 +301,89 @@ def _cell(key: str, value: Any) -> str:
         return str(value).removeprefix("torch.")
     if key == "peak_memory_bytes":
         return f"{value / 2**20:,.1f} MiB"
-    if isinstance(value, int):
-        return f"{value:,}"
-    return str(value)
+    if key == "losses":
+        shown = ", ".join("nan" if v is None else f"{v:.3g}" for v in value[:4])
+        return shown + (", ..." if len(value) > 4 else "")
+    return f"{value:,}" if isinstance(value, int) else str(value)
 
 
-def render(off: dict[str, Any], on: dict[str, Any], result: str, reason: str, devices: int) -> str:
-    where = (
-        f"CUDA with NCCL, {devices} GPU(s)"
-        if on["device"] == "cuda"
-        else f"CPU check with gloo, {devices} process(es); GPU guards lifted in the check's own processes"
-    )
-    lines = [f"fsdp-shim verify: {where}. Figures are rank 0's.", ""]
-    lines.append(f"{'':<32}{'shim off':>22}{'shim on':>22}")
-    for label, key in ROWS:
-        if key == "peak_memory_bytes":
-            label = f"peak memory ({on['peak_memory_kind']})"
-        lines.append(f"{label:<32}{_cell(key, off[key]):>22}{_cell(key, on[key]):>22}")
-    lines += ["", f"verdict: {result}: {reason}"]
+def _change(off: Any, on: Any) -> str:
+    if isinstance(off, int) and isinstance(on, int) and off:
+        return f"{(on - off) / off:+.0%}"
+    return ""
+
+
+def _row(label: str, key: str, off: Any, on: Any, indent: int = 2) -> str:
+    row = f"{'':<{indent}}{label:<{48 - indent}}{_cell(key, off):>22}{_cell(key, on):>22}  {_change(off, on)}"
+    return row.rstrip()
+
+
+def render_section(section: Section, options: Options) -> list[str]:
+    lines = [f"{section.namespace} {section.version or ''}".rstrip()]
+    if section.shim_off and section.shim_on:
+        off, on = section.shim_off[0], section.shim_on[0]
+        where = (
+            f"CUDA with NCCL, {options.devices} GPU(s)"
+            if on["device"] == "cuda"
+            else f"CPU check with gloo, {options.devices} process(es); GPU guards lifted in the check's own processes"
+        )
+        lines += [f"  {where}. Figures are rank 0's; --json has every rank.", ""]
+        lines.append(f"  {'':<46}{'shim off':>22}{'shim on':>22}")
+        rows = [
+            ("LightningModule.dtype", "module_dtype"),
+            ("flat-parameter dtypes", "flat_param_dtypes"),
+            ("sharded parameter bytes", "param_bytes"),
+        ]
+        lines += [_row(label, key, off[key], on[key]) for label, key in rows]
+        for unit, label in seed.UNITS.items() if options.model is None else ():
+            lines.append(_row(label, "bytes", off["unit_param_bytes"][unit], on["unit_param_bytes"][unit], indent=4))
+        rows = [
+            ("sharded gradient bytes", "grad_bytes"),
+            ("optimizer-state bytes", "optimizer_state_bytes"),
+            (f"peak memory ({on['peak_memory_kind']})", "peak_memory_bytes"),
+            (f"losses ({len(on['losses'])} steps)", "losses"),
+        ]
+        lines += [_row(label, key, off[key], on[key]) for label, key in rows]
+        lines.append("")
+    lines.append(f"  {section.verdict}: {section.reason}")
+    return lines
+
+
+def render(sections: list[Section], options: Options) -> str:
+    lines = [f"fsdp-shim verify ({options.precision}, {options.devices} device(s), {options.steps} steps)", ""]
+    for section in sections:
+        lines += [*render_section(section, options), ""]
+    verdict, reason = overall(sections)
+    lines.append(f"verdict: {verdict} ({reason})")
     return "\n".join(lines)
 
 
-def main(precision: str = "bf16-true", devices: int = 1, steps: int = 3, as_json: bool = False) -> int:
-    with (
-        tempfile.TemporaryDirectory(prefix="fsdp-shim-verify-") as tmp,
-        Progress(sys.stderr.isatty() and not as_json) as progress,
-    ):
-        results = {}
-        for shim, label in (("0", "training with the shim off"), ("1", "training with the shim on")):
-            progress.phase(label)
-            reports, error = run_probe(shim, precision, devices, steps, Path(tmp))
-            if error:
-                result, reason = "FAILED", error
-                break
-            results[shim] = reports
-        else:
-            result, reason = verdict(results["0"][0], results["1"][0], precision)
-    if as_json:
-        print(
-            json.dumps(
-                {
-                    "verdict": result,
-                    "reason": reason,
-                    "precision": precision,
-                    "devices": devices,
-                    "shim_off": results.get("0"),
-                    "shim_on": results.get("1"),
-                },
-                indent=2,
-            )
-        )
-    elif "0" in results and "1" in results and not results["1"][0].get("unsupported"):
-        print(render(results["0"][0], results["1"][0], result, reason, devices))
+def main(options: Options) -> int:
+    problem = _environment_problem()
+    if problem is not None:
+        print(f"fsdp-shim verify: {problem}", file=sys.stderr)
+        return 2
+    start = time.monotonic()
+    try:
+        with tempfile.TemporaryDirectory(prefix="fsdp-shim-verify-") as tmp:
+            sections = verify(options, Path(tmp))
+    except Stop as stop:
+        print(stop.message, file=sys.stderr)
+        return stop.code
+    verdict, reason = overall(sections)
+    if options.as_json:
+        document = {
+            "verdict": verdict,
+            "reason": reason,
+            "precision": options.precision,
+            "devices": options.devices,
+            "steps": options.steps,
+            "model": options.model,
+            "seconds": round(time.monotonic() - start, 1),
+            "sections": [asdict(section) for section in sections],
+        }
+        print(json.dumps(document, indent=2))
     else:
-        print(f"verdict: {result}: {reason}")
-    return 1 if result == "FAILED" else 0
+        print(render(sections, options))
+        print(f"(took {time.monotonic() - start:.0f} s)")
+    return 1 if verdict == "FAILED" else 0

@@ -1,0 +1,65 @@
+"""The model verify trains when no ``--model`` is given: two copies of Lightning's demo Transformer.
+
+One is built on the meta device in ``configure_model``, as in the Lightning PR discussion: Lightning's
+init contexts already make it half precision on affected releases, and only ``LightningModule.dtype``
+is wrong. The other is loaded in float32, as ``from_pretrained`` does: the memory bug, which the fix
+halves exactly. Each is its own FSDP unit (one flat parameter cannot mix dtypes), so both are reported.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+VOCAB = 256
+SEQUENCE = 32
+BATCH = 4
+UNITS = {
+    "pretrained": "model loaded in float32 (from_pretrained)",
+    "model": "seed model, built in configure_model",
+}
+
+
+def build(pl: Any, namespace: str, steps: int, devices: int) -> tuple[Any, Any, dict[str, Any]]:
+    """The seed LightningModule, its training data, and the FSDPStrategy keyword arguments."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+
+    transformer = importlib.import_module(f"{namespace}.demos").Transformer
+
+    def make() -> torch.nn.Module:
+        return transformer(vocab_size=VOCAB, nlayers=2, nhid=256, ninp=128, nhead=4, dropout=0.0)
+
+    class SeedModel(pl.LightningModule):  # type: ignore[misc, name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            self.model: torch.nn.Module | None = None
+            self.pretrained: torch.nn.Module | None = None
+
+        def configure_model(self) -> None:
+            if self.model is not None:
+                return
+            with torch.device("meta"):
+                self.model = make()
+            self.pretrained = make().float()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            (tokens,) = batch
+            inputs, target = tokens[:, :-1], tokens[:, 1:]
+            losses = [F.nll_loss(m(inputs, target).float(), target.reshape(-1)) for m in (self.model, self.pretrained)]
+            return losses[0] + losses[1]
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.Adam(self.trainer.model.parameters(), lr=1e-4)
+
+    tokens = torch.randint(
+        0, VOCAB, (BATCH * steps * devices, SEQUENCE + 1), generator=torch.Generator().manual_seed(0)
+    )
+    loader = DataLoader(TensorDataset(tokens), batch_size=BATCH)
+    return SeedModel(), loader, {"auto_wrap_policy": {transformer}}
+
+
+def units(model: Any) -> dict[str, Any]:
+    """The two FSDP units, by the names in :data:`UNITS`."""
+    return {name: getattr(model, name) for name in UNITS}

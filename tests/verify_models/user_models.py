@@ -1,0 +1,79 @@
+"""User code for ``fsdp-shim verify --model`` tests: modules as a team would write them, nothing
+fsdp-shim-specific in them. ``FSDP_SHIM_TEST_LIGHTNING`` picks the Lightning they are written against
+(``lightning.pytorch`` by default, ``pytorch_lightning`` for the standalone package)."""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+pl = importlib.import_module(os.environ.get("FSDP_SHIM_TEST_LIGHTNING", "lightning.pytorch"))
+
+FEATURES = 16
+
+
+def _data() -> DataLoader:
+    features = torch.randn(64, FEATURES, generator=torch.Generator().manual_seed(0))
+    return DataLoader(TensorDataset(features), batch_size=4)
+
+
+class ThreeWays(pl.LightningModule):
+    """Layers built in ``__init__``, in ``configure_model`` and loaded from a float32 state dict:
+    all three are float32 when FSDP wraps them on an affected Lightning."""
+
+    def __init__(self, hidden: int = 32, eps: float = 1e-8) -> None:
+        super().__init__()
+        self.hidden = hidden
+        self.eps = eps
+        self.encoder = nn.Linear(FEATURES, hidden)  # built in __init__: float32
+        self.block: nn.Module | None = None
+        self.head: nn.Module | None = None
+
+    def configure_model(self) -> None:
+        if self.block is not None:
+            return
+        self.block = nn.Sequential(nn.Linear(self.hidden, self.hidden), nn.ReLU()).float()  # as from_pretrained
+        # As read from a float32 checkpoint (inside configure_model the default dtype is the precision's).
+        pretrained = {
+            "weight": torch.randn(FEATURES, self.hidden, dtype=torch.float32),
+            "bias": torch.zeros(FEATURES, dtype=torch.float32),
+        }
+        self.head = nn.Linear(self.hidden, FEATURES)
+        self.head.load_state_dict(pretrained, assign=True)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        return self.head(self.block(self.encoder(x.to(self.encoder.weight.dtype)))).float().pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.trainer.model.parameters(), lr=1e-3, eps=self.eps)
+
+    def train_dataloader(self) -> DataLoader:
+        return _data()
+
+
+def make_model() -> ThreeWays:
+    """A factory, as a team's code often has one."""
+    return ThreeWays(hidden=48)
+
+
+class NoData(ThreeWays):
+    train_dataloader = pl.LightningModule.train_dataloader  # as if never defined
+
+
+class Data(pl.LightningDataModule):
+    def train_dataloader(self) -> DataLoader:
+        return _data()
+
+
+class RaisesInTrainingStep(ThreeWays):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        raise ValueError("a bug in the user's training_step")
+
+
+NOT_A_MODULE = 42
