@@ -4,7 +4,7 @@ Two files with the same stem: ``fsdp_shim.pth`` (an ``import`` line, read by eve
 and ``fsdp_shim.start`` (a PEP 829 entry point; Python 3.15+ reads it and then ignores the ``.pth``
 import line, so the shim is armed once either way).
 
-The ``.pth`` line runs :data:`_fsdp_shim_startup.WATCHER_CODE` inline and imports nothing, so it
+The ``.pth`` line runs ``_fsdp_shim_startup.WATCHER_CODE`` inline and imports nothing, so it
 costs no measurable start-up time, and if the package is removed while the file stays behind
 (``pip uninstall`` does not know about it) every interpreter still starts cleanly and Lightning
 still imports. A stale ``.start`` file cannot be made silent: Python 3.15+ prints one error line
@@ -19,7 +19,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
-from _fsdp_shim_startup import LIGHTNING_PACKAGES, WATCHER_CODE
+from _fsdp_shim_startup import HAND_OVER_CODE, LIGHTNING_PACKAGES, WATCHER_CODE
 
 STEM = "fsdp_shim"
 MARKER = "# fsdp-shim start-up file"
@@ -27,8 +27,8 @@ MARKER = "# fsdp-shim start-up file"
 PTH_TEXT = (
     f"{MARKER}: written by `fsdp-shim install`, removed by `fsdp-shim uninstall`.\n"
     "# Imports nothing: arms a watcher that loads the shim when a process imports Lightning.\n"
-    f"import sys; exec({WATCHER_CODE!r}, "
-    f"{{'sys': sys, 'SOURCE': 'startup file', 'WATCHED': {list(LIGHTNING_PACKAGES)!r}}})\n"
+    f"import sys; exec({WATCHER_CODE!r}, {{'sys': sys, 'SOURCE': 'startup file', "
+    f"'WATCHED': {list(LIGHTNING_PACKAGES)!r}, 'HAND_OVER_CODE': {HAND_OVER_CODE!r}}})\n"
 )
 START_TEXT = (
     f"{MARKER} (PEP 829): written by `fsdp-shim install`, removed by `fsdp-shim uninstall`.\n"
