@@ -309,3 +309,27 @@ def test_a_reloaded_shim_takes_over_its_wrappers_and_still_restores_exactly(layo
     for namespace, version in installed_versions(layouts).items():
         assert result["status_after_reload"][namespace]["patched"] is is_affected_release(version)
     assert result["final"] == []
+
+
+@pytest.mark.release_independent
+@pytest.mark.parametrize(
+    ("precisions", "rank", "expected"),
+    [(["16-true"], "0", 1), (["16-true"], "1", 0), (["bf16-true", "32-true"], "0", 0)],
+    ids=["16-true-rank0", "16-true-rank1", "bf16-true"],
+)
+def test_casting_to_float16_warns_once_per_process_on_rank_zero(
+    precisions: list[str], rank: str, expected: int, layouts: dict[str, Layout]
+) -> None:
+    """Issue 9.9: 16-true now keeps float16 weights and optimizer state; a job that trained in
+    float32 unpatched can produce NaN. One WARNING per process, where Lightning logs, pointing at the docs."""
+    namespace, _ = an_affected_namespace(layouts)
+    proc = run_child(
+        "activation:convert_with",
+        {"namespace": namespace, "precisions": precisions},
+        env=clean_env(RANK=rank),
+        python_args=QUIET,
+    )
+    notices = [line for line in proc.stderr.splitlines() if "precision='16-true' now keeps" in line]
+    assert len(notices) == expected, proc.stderr
+    if notices:
+        assert "AdamW's default eps=1e-8 is 0 in float16" in notices[0] and "docs/numerics.md" in notices[0]

@@ -319,3 +319,15 @@ def reload_and_deactivate() -> dict[str, Any]:
         "status_after_reload": status_after_reload,
         "final": changed(pristine, snapshot()),
     }
+
+
+def convert_with(namespace: str, precisions: list[str]) -> None:
+    """Convert twice per precision; the shim's float16 notice goes to stderr through logging."""
+    import torch
+
+    import fsdp_shim  # noqa: F401
+
+    importlib.import_module(namespace)
+    for precision in precisions:
+        for _ in range(2):
+            precision_class(namespace)(precision=precision).convert_module(torch.nn.Linear(2, 2))
