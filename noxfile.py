@@ -1,10 +1,16 @@
 """The compatibility matrix: the whole test suite against every Lightning release line.
 
 torch is installed once (``torch==2.13.0``, see ``.ci/run``) in the environment that runs nox, and
-every session runs in that environment (``venv_backend="none"``): Lightning's wheels are pure
+most sessions run in that environment (``venv_backend="none"``): Lightning's wheels are pure
 Python, so each session installs its releases with ``pip install --no-deps --target .matrix/<name>``
 and puts that folder first on ``PYTHONPATH``. The environment itself holds no Lightning, so a
 session sees exactly the layout it installed.
+
+The sessions in :data:`OTHER_TORCH` test the torch users of that Lightning actually run: each gets its
+own virtual environment with that torch installed first, pinned (PyPI's builds are CUDA builds: about
+3 GB with their nvidia-* wheels; they run FSDP on CPU with gloo). torch 2.2 and 2.3 run CPU FSDP too
+and were measured once by hand; torch 2.1 cannot (its CPU device handle has no streams), and CI has no
+GPU: see the footer of docs/compatibility.md.
 """
 
 from __future__ import annotations
@@ -59,12 +65,19 @@ MATRIX: dict[str, list[str]] = {
 }
 # Every session but the wrapt-1 one runs on the environment's wrapt, the newest 2.x.
 
+# Sessions on another torch than the environment's: session name (in MATRIX) -> torch version.
+OTHER_TORCH: dict[str, str] = {
+    # What users pinned to Lightning 2.4 run: both layouts of 2.4.0 on torch 2.4.1.
+    "lightning-2.4.0-torch-2.4.1": "2.4.1",
+}
+MATRIX["lightning-2.4.0-torch-2.4.1"] = ["lightning==2.4.0", "pytorch-lightning==2.4.0"]
+
 DEFAULT_SESSION = "mixed-2.4.0"
 """Runs the release-independent tests too (toggles, logging, error isolation); the other sessions
 run everything that depends on the Lightning release."""
 
 
-def install_target(session: nox.Session, name: str) -> Path:
+def install_target(session: nox.Session, name: str, python: str = sys.executable) -> Path:
     target = MATRIX_DIR / name
     stamp = target / ".installed"
     specs = MATRIX[name]
@@ -74,16 +87,16 @@ def install_target(session: nox.Session, name: str) -> Path:
         session.run("rm", "-rf", str(target), external=True)
     target.mkdir(parents=True)
     if specs:
-        session.run(sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), *specs)
+        session.run(python, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), *specs, external=True)
     if name == "lightning-2.0.9":
         # Their own dependencies come along, but never torch: none of them asks for it.
-        session.run(sys.executable, "-m", "pip", "install", "-q", "--target", str(target), *APP_DEPS_2_0)
+        session.run(python, "-m", "pip", "install", "-q", "--target", str(target), *APP_DEPS_2_0, external=True)
     stamp.write_text(json.dumps(specs))
     return target
 
 
-def run_matrix_session(session: nox.Session, name: str) -> None:
-    target = install_target(session, name)
+def run_matrix_session(session: nox.Session, name: str, python: str = sys.executable) -> None:
+    target = install_target(session, name, python)
     env = {
         "PYTHONPATH": os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH", "")])),
         "FSDP_SHIM_TEST_SCOPE": "all" if name in (DEFAULT_SESSION, "no-lightning") else "release",
@@ -92,7 +105,7 @@ def run_matrix_session(session: nox.Session, name: str) -> None:
     junit = RESULTS_DIR / f"{name}.xml"
     try:
         session.run(
-            sys.executable,
+            python,
             "-m",
             "pytest",
             "-n",
@@ -103,23 +116,39 @@ def run_matrix_session(session: nox.Session, name: str) -> None:
             f"--junitxml={junit}",
             *session.posargs,
             env=env,
+            external=True,
         )
     finally:
         session.run(
-            sys.executable,
+            python,
             str(ROOT / "scripts" / "matrix_status.py"),
             name,
             str(RESULTS_DIR / f"{name}.json"),
             str(junit),
             env=env,
+            external=True,
         )
 
 
 for _name in MATRIX:
+    if _name in OTHER_TORCH:
+        continue
 
     @nox.session(name=f"tests-{_name}")
     def _matrix_session(session: nox.Session, _name: str = _name) -> None:
         run_matrix_session(session, _name)
+
+
+for _name, _torch in OTHER_TORCH.items():
+
+    @nox.session(name=f"tests-{_name}", venv_backend="venv")
+    def _other_torch_session(session: nox.Session, _name: str = _name, _torch: str = _torch) -> None:
+        session.install(f"torch=={_torch}")  # first and pinned: nothing below may resolve another torch
+        session.install("-r", str(ROOT / ".ci" / "requirements-test.txt"))
+        session.install("--no-deps", "-e", str(ROOT))
+        session.install("wrapt>=1.14,!=2.2.0,<3", "packaging>=20")
+        session.run("python", "-c", f"import torch; assert torch.__version__.startswith('{_torch}'), torch.__version__")
+        run_matrix_session(session, _name, python=str(Path(session.virtualenv.bin) / "python"))
 
 
 @nox.session

@@ -13,15 +13,18 @@ from pathlib import Path
 
 PROBE = """
 import importlib, json, warnings
+from importlib import metadata
 warnings.simplefilter("ignore")
 import fsdp_shim
-for name in ("lightning", "pytorch_lightning", "lightning_fabric"):
+from _fsdp_shim_startup import LIGHTNING_PACKAGES
+for name in LIGHTNING_PACKAGES:
     try:
         importlib.import_module(name)
     except ImportError:
         pass
 import wrapt
-print(json.dumps({"wrapt": wrapt.__version__, "namespaces": [s.as_dict() for s in fsdp_shim.status().namespaces]}))
+print(json.dumps({"wrapt": wrapt.__version__, "torch": metadata.version("torch"),
+                  "namespaces": [s.as_dict() for s in fsdp_shim.status().namespaces]}))
 """
 
 
