@@ -34,9 +34,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fsdp_shim.verify.probe import flat_parameters, leave_process_group, nbytes, sharded_grad_bytes
+from fsdp_shim.verify.measure import flat_parameters, nbytes, sharded_grad_bytes
+from fsdp_shim.verify.probe import leave_process_group
 
-ROOT = Path(__file__).resolve().parent.parent
 WIDTH = 2048
 LAYERS = 12  # 12 x (2048 x 2048 + 2048) = 50.36M parameters
 BATCH = 8
