@@ -22,6 +22,7 @@ start). It runs ``WATCHER_CODE`` inline: a trampoline that wraps the loader of t
 Lightning package imported and calls ``hand_over`` from that loader, outside the lock.
 """
 
+import _thread
 import os
 import sys
 
@@ -97,7 +98,7 @@ _before: "dict[str, list[Callback]]" = {}
 _after: "dict[str, list[Callback]]" = {}
 _executing: "set[str]" = set()
 # Guards the three containers above. Never held while a callback runs or anything is imported.
-_lock = __import__("_thread").allocate_lock()
+_lock = _thread.allocate_lock()
 
 sources: "list[str]" = []
 """How the shim was armed in this process ("startup file", "fsdp-shim run"); ``status()`` reports it."""

@@ -1,7 +1,7 @@
 """``activate`` / ``deactivate`` / ``status``: switching the shim on and off in this process.
 
 Activation registers one hook per Lightning namespace with the start-up module's import watcher
-(:func:`_fsdp_shim_startup.when_imported`): it runs at once for a namespace already imported, and
+(``_fsdp_shim_startup.when_imported``): it runs at once for a namespace already imported, and
 otherwise right after the namespace's ``__init__`` has executed (its strategies and plugins are then
 imported). The patching code itself (wrapt, ``packaging``, ``logging``) loads only when a hook runs.
 """

@@ -1,9 +1,9 @@
 """The behaviour the shim injects: Lightning 2.5.0's FSDP precision conversion.
 
 Each function here is the body of a wrapt wrapper, ``(wrapped, instance, args, kwargs)``, run by
-:class:`fsdp_shim.patching.WrapperState`. ``wrapped`` is whatever the class held or inherited: Lightning's
+``fsdp_shim.patching.WrapperState``. ``wrapped`` is whatever the class held or inherited: Lightning's
 method, or another library's wrapper of it, which therefore still runs. When the shim's own glue fails
-(an attribute a future Lightning renamed), a function raises :class:`GlueError`
+(an attribute a future Lightning renamed), a function raises ``GlueError``
 *before* changing anything, and the wrapper falls back to ``wrapped``; errors from the user's model or
 from ``Module.to`` propagate exactly as they would on 2.5.0.
 """

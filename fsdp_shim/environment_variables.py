@@ -1,6 +1,6 @@
 """Names of the environment variables fsdp-shim reads.
 
-Constants only. The names themselves live in the start-up module (:mod:`_fsdp_shim_startup`), which
+Constants only. The names themselves live in the start-up module (``_fsdp_shim_startup``), which
 reads them before the package is imported; they are documented here.
 """
 

@@ -10,7 +10,7 @@ from _fsdp_shim_startup import FSDPShimWarning
 class FSDPShimError(RuntimeError):
     """Raised only in strict mode (``FSDP_SHIM_STRICT``): the shim could not apply its fix, and the
     message says what is missing or changed. Outside strict mode the same problem is one
-    :class:`FSDPShimWarning` and Lightning stays exactly as shipped."""
+    ``FSDPShimWarning`` and Lightning stays exactly as shipped."""
 
 
 __all__ = ["FSDPShimError", "FSDPShimWarning"]

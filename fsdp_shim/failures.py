@@ -1,7 +1,7 @@
 """The one failure policy, and warnings that point at the user's code.
 
-Every problem the shim survives goes through :func:`report`: with ``FSDP_SHIM_STRICT`` on it raises
-:class:`~fsdp_shim.errors.FSDPShimError` (the message states the problem, nothing about falling
+Every problem the shim survives goes through ``report``: with ``FSDP_SHIM_STRICT`` on it raises
+``FSDPShimError`` (the message states the problem, nothing about falling
 back, since nothing falls back); otherwise it warns once per problem and says what happened instead.
 
 Warnings are attributed to the first frame outside fsdp-shim, the import machinery, wrapt and
@@ -46,7 +46,7 @@ def report(problem: str, consequence: str, *, key: str | None = None, cause: Bas
 
 
 def warn_once(message: str, *, key: str) -> None:
-    """One :class:`~fsdp_shim.FSDPShimWarning` per ``key`` per process, at the user's line."""
+    """One ``FSDPShimWarning`` per ``key`` per process, at the user's line."""
     with _reported_lock:
         if key in _reported:
             return

@@ -2,7 +2,7 @@
 contract, with the version and class gates, and a status read from the classes themselves.
 
 Everything here runs inside import hooks, where an exception would make the user's
-``import lightning`` fail, so every problem goes through :func:`fsdp_shim.failures.report`: a warning
+``import lightning`` fail, so every problem goes through ``fsdp_shim.failures.report``: a warning
 and an untouched Lightning, or in strict mode an error naming the target and the release.
 
 Threads: imports happen without any lock held (another thread may be importing the same Lightning

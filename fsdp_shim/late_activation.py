@@ -3,7 +3,7 @@
 The methods the shim wraps live on the classes, so every strategy and plugin instance, old or new,
 uses the fix from its next ``setup`` on; only parameters FSDP already flattened cannot change. This
 module finds such models (a garbage-collector walk, like gevent's check for stale references) and
-warns once. The Lightning names it reads are in :data:`fsdp_shim.targets.MODEL_HOLDERS`.
+warns once. The Lightning names it reads are in ``fsdp_shim.targets.MODEL_HOLDERS``.
 """
 
 from __future__ import annotations

@@ -163,7 +163,7 @@ def function_to_wrap(owner: type, attribute: str, inherited: bool, label: str) -
 
     Lightning ships ``attribute`` either inherited (``inherited=True``) or defined on ``owner``. If the
     class holds an object where Lightning ships none, another library patched it: the shim wraps that
-    object, so both its code and the conversion run, and says so. Raises :class:`TargetChanged` with
+    object, so both its code and the conversion run, and says so. Raises ``TargetChanged`` with
     a reason a user can act on when there is nothing callable to wrap.
     """
     own = owner.__dict__.get(attribute, _MISSING)
@@ -186,7 +186,7 @@ def function_to_wrap(owner: type, attribute: str, inherited: bool, label: str) -
 def install(
     owner: type, attribute: str, function: Any, conversion: Conversion, label: str, composed_with: str | None
 ) -> Installed:
-    """Put a :class:`ShimWrapper` of ``function`` on ``owner.attribute``."""
+    """Put a ``ShimWrapper`` of ``function`` on ``owner.attribute``."""
     original = owner.__dict__.get(attribute, _MISSING)
     wrapper = ShimWrapper(function, WrapperState(label, conversion))
     setattr(owner, attribute, wrapper)

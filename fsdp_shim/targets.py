@@ -15,12 +15,12 @@ Lightning          Trainer (``lightning.pytorch``, ``pytorch_lightning``)  Fabri
 2.5.0rc0 and on    nothing (fixed upstream)                             nothing
 =================  ===================================================  ==================================
 
-Every target is resolved and checked before anything is changed (:func:`fsdp_shim.integration.patch`),
+Every target is resolved and checked before anything is changed (``fsdp_shim.integration.patch``),
 so a Lightning that renamed one is left untouched, with a warning, instead of half-patched. The
-namespaces come from :data:`_fsdp_shim_startup.LIGHTNING_NAMESPACES`, the one table of them, which the
+namespaces come from ``_fsdp_shim_startup.LIGHTNING_NAMESPACES``, the one table of them, which the
 start-up code reads without importing this package. The only other Lightning names the shim reads are
-in :data:`MODEL_HOLDERS`. (``fsdp-shim verify`` lifts Lightning's GPU checks in its own processes;
-those names are in :mod:`fsdp_shim.verify.cpu_guards`, which training processes never import.)
+in ``MODEL_HOLDERS``. (``fsdp-shim verify`` lifts Lightning's GPU checks in its own processes;
+those names are in ``fsdp_shim.verify.cpu_guards``, which training processes never import.)
 """
 
 from __future__ import annotations
@@ -43,11 +43,6 @@ class Namespace:
 
     name: str
     kind: Kind
-
-    @property
-    def package(self) -> str:
-        """The top-level package holding it: ``lightning`` for ``lightning.pytorch``."""
-        return self.name.partition(".")[0]
 
 
 NAMESPACES: tuple[Namespace, ...] = tuple(Namespace(name, kind) for name, kind in LIGHTNING_NAMESPACES)  # type: ignore[arg-type]

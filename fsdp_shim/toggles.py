@@ -1,7 +1,7 @@
 """The on/off switches, read when the shim activates and again at every Lightning import, so a value
 set in a script before Lightning is imported takes effect.
 
-The values are parsed by :func:`_fsdp_shim_startup.switch_state`, which the start-up code uses too;
+The values are parsed by ``_fsdp_shim_startup.switch_state``, which the start-up code uses too;
 this module adds the one warning per unrecognised value.
 """
 

@@ -4,7 +4,7 @@ Releases are compared on their *base* version: ``2.5.0rc0``, ``2.5.0.dev1``, ``2
 ``2.4.0+cu121`` count as 2.5.0, 2.5.0, 2.4.0 and 2.4.0. A plain PEP 440 comparison would put
 ``2.5.0rc0`` before ``2.5.0`` and call it affected, though the fix (#20323) is already in 2.5.0rc0.
 The version gate is half of the decision; the other half is what the classes hold
-(:mod:`fsdp_shim.integration`).
+(``fsdp_shim.integration``).
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ def has_fsdp_precision_class(version: str) -> bool:
 
 
 def unaffected_reason(version: str) -> str:
-    """Why a release that :func:`is_affected_release` rejects needs nothing (``status()``, ``verify``)."""
+    """Why a release that ``is_affected_release`` rejects needs nothing (``status()``, ``verify``)."""
     release = base_release(version)
     if release is not None and release < FIRST_AFFECTED:
         return f"Lightning {version} has no 'true' precisions for FSDP; nothing to fix"

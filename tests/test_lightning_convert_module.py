@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from conftest import NAMESPACES, Layout, child_json
 
-from fsdp_shim.versions import base_release
+from fsdp_shim.versions import FIRST_AFFECTED, base_release
 
 CASES = [
     ("32-true", "torch.float32"),
@@ -24,7 +24,7 @@ def converted(layouts: dict[str, Layout]) -> dict[str, dict[str, list[str]]]:
         ns
         for package, layout in layouts.items()
         for ns, version in zip(NAMESPACES[package], (layout.trainer_version, layout.fabric_version))
-        if base_release(version) >= (2, 1, 0)
+        if base_release(version) >= FIRST_AFFECTED
     ]
     return child_json(
         "convert_module:convert_all",

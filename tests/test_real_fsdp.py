@@ -12,7 +12,13 @@ from __future__ import annotations
 import pytest
 from conftest import BYTE_KEYS, DTYPES, Layout, Scenarios, layout_or_skip
 
-from fsdp_shim.versions import base_release, converts_only_in_connect, is_affected_release
+from fsdp_shim.versions import (
+    FIRST_AFFECTED,
+    base_release,
+    converts_only_in_connect,
+    is_affected_release,
+    is_fixed_release,
+)
 
 TRAINER_CASES = [
     "init:bf16-true",
@@ -38,7 +44,7 @@ TWO_PROCESS_CASE = "init+pretrained:bf16-true"
 
 def cases_for(api: str, version: str) -> list[str]:
     release = base_release(version)
-    if release is not None and release < (2, 1, 0):
+    if release is not None and release < FIRST_AFFECTED:
         return CASES_2_0
     return TRAINER_CASES if api == "trainer" else FABRIC_CASES
 
@@ -85,7 +91,7 @@ def check_layout(api: str, layout: Layout, scenarios: Scenarios, devices: int, c
     if not is_affected_release(version):
         for rank in on:
             assert_untouched(off[rank], on[rank])
-    if base_release(version) < (2, 1, 0):
+    if base_release(version) < FIRST_AFFECTED:
         return
     reference = scenarios.run("torch", layout.package, "off", cases, devices=devices)
     for rank in on:
@@ -119,7 +125,7 @@ def test_two_processes_behave_like_2_5(
     """
     layout = layout_or_skip(layouts, package)
     version = layout.version(api)
-    if base_release(version) < (2, 1, 0):
+    if base_release(version) < FIRST_AFFECTED:
         pytest.skip("no 'true' precisions for FSDP before Lightning 2.1")
     case = TWO_PROCESS_CASE
     on = scenarios.run(api, package, "before", [case], devices=2)
@@ -156,7 +162,7 @@ def test_checkpoint_resume_keeps_dtypes_and_step(
     package: str, layouts: dict[str, Layout], scenarios: Scenarios, tmp_path
 ) -> None:
     layout = layout_or_skip(layouts, package)
-    if base_release(layout.trainer_version) < (2, 1, 0):
+    if base_release(layout.trainer_version) < FIRST_AFFECTED:
         pytest.skip("no 'true' precisions for FSDP before Lightning 2.1")
     case = TWO_PROCESS_CASE
     run = scenarios.run("trainer", package, "before", [case], extra=("--checkpoint-dir", str(tmp_path)))[0][case]
@@ -188,7 +194,7 @@ def test_patched_release_equals_the_fixed_release_next_to_it(
         pytest.skip("needs both layouts")
     versions = {package: layouts[package].version(api) for package in ("lightning", "standalone")}
     affected = [p for p, v in versions.items() if is_affected_release(v)]
-    fixed = [p for p, v in versions.items() if base_release(v) >= (2, 5, 0)]
+    fixed = [p for p, v in versions.items() if is_fixed_release(v)]
     if not (affected and fixed):
         pytest.skip(f"needs one affected and one fixed layout, have {versions}")
     cases = cases_for(api, versions[affected[0]])

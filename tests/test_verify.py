@@ -3,6 +3,7 @@ session holds: a verdict for every installed Trainer namespace, never one for th
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -17,6 +18,7 @@ from fsdp_shim.verify import seed
 from fsdp_shim.versions import FIRST_AFFECTED, base_release, is_affected_release
 
 DTYPES = {"bf16-true": "torch.bfloat16", "16-true": "torch.float16"}
+LAST_WITH_PKG_RESOURCES = (2, 4, 0)  # a fact about Lightning: 2.4.0 no longer imports pkg_resources
 TRAINER = {"lightning": "lightning.pytorch", "standalone": "pytorch_lightning"}
 
 
@@ -140,7 +142,7 @@ def test_a_broken_lightning_next_to_a_working_one_is_failed_not_not_needed(
 def test_real_lightning_2_1_to_2_3_without_pkg_resources(layouts: dict[str, Layout], tmp_path: Path) -> None:
     """What setuptools 81 does to Lightning 2.1–2.3: pkg_resources is gone, and `import lightning` fails."""
     version = layouts.get("lightning", Layout("lightning", "0", "0")).trainer_version
-    if base_release(version) is None or not (2, 1, 0) <= base_release(version) < (2, 4, 0):
+    if base_release(version) is None or not FIRST_AFFECTED <= base_release(version) < LAST_WITH_PKG_RESOURCES:
         pytest.skip("needs Lightning 2.1–2.3")
     gone = tmp_path / "no_pkg_resources" / "pkg_resources"
     gone.mkdir(parents=True)
@@ -205,6 +207,8 @@ def test_without_torch_it_says_so(tmp_path: Path) -> None:
 
 @pytest.mark.release_independent
 def test_without_lightning_it_says_so(tmp_path: Path) -> None:
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("needs torch (without it, verify says that first)")
     proc = verify(env=clean_env(PYTHONPATH=None), cwd=tmp_path)
     assert proc.returncode == 2
     assert "neither lightning nor pytorch_lightning is installed" in proc.stderr

@@ -61,5 +61,5 @@ def build(pl: Any, namespace: str, steps: int, devices: int) -> tuple[Any, Any, 
 
 
 def units(model: Any) -> dict[str, Any]:
-    """The two FSDP units, by the names in :data:`UNITS`."""
+    """The two FSDP units, by the names in ``UNITS``."""
     return {name: getattr(model, name) for name in UNITS}
