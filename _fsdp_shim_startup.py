@@ -282,6 +282,19 @@ def arm(source: str) -> None:
         _arm_lightning_packages()
 
 
+def on_first_lightning_import(name: str, source: str) -> "ModuleSpec | None":
+    """What start-up files written by fsdp-shim 0.1 call from their watcher, inside ``find_spec``.
+
+    Kept so that upgrading the package without running ``fsdp-shim install`` again does not leave
+    those files silently doing nothing (their watcher swallows every error). It arms this module's
+    watcher and returns the spec it gives, loader wrapped: nothing is imported here.
+    ``fsdp-shim status`` reports such a file as outdated.
+    """
+    _record_source(source)
+    _arm_lightning_packages()
+    return _watched_spec(_watcher, name, None, None)
+
+
 def arm_from_startup_file() -> None:
     """PEP 829 entry point (``_fsdp_shim_startup:arm_from_startup_file``)."""
     arm("startup file")
@@ -343,10 +356,15 @@ def watched_spec(name, path, target):
     def exec_module(module):
         try:
             import _fsdp_shim_startup
-        except ImportError:
+            hand_over = _fsdp_shim_startup.hand_over
+        except Exception as error:
+            if not isinstance(error, ImportError):
+                import warnings
+                warnings.warn("fsdp-shim: this start-up file does not match the installed fsdp-shim (%r); "
+                              "Lightning runs without the shim. Run `fsdp-shim install` again." % error)
             module.__loader__ = module.__spec__.loader = real
             return real.exec_module(module)
-        _fsdp_shim_startup.hand_over(module, real, SOURCE)
+        hand_over(module, real, SOURCE)
     exec_module.create_module = getattr(real, "create_module", lambda spec: None)
     exec_module.exec_module = exec_module
     spec.loader = exec_module
@@ -354,5 +372,6 @@ def watched_spec(name, path, target):
 """
 """The trampoline's finder body: it asks the finders after it for the spec (importing nothing) and
 wraps the loader, whose ``exec_module`` imports this module, outside the global import lock, and calls
-:func:`hand_over`. If this module is gone (``pip uninstall`` left the start-up file behind),
-Lightning imports as if the file were not there."""
+``hand_over``. If this module is gone (``pip uninstall`` left the start-up file behind), Lightning
+imports as if the file were not there; if it is from another fsdp-shim version (no ``hand_over``), the
+same, with a warning."""

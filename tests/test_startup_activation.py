@@ -580,3 +580,33 @@ def test_arming_after_lightning_was_imported_patches_at_once(layouts: dict[str, 
     result = child_json("startup:arm_after_lightning")
     assert result["sources"] == ["fsdp-shim run"]
     assert result["patched"]["lightning.pytorch"] is True
+
+
+# ----------------------------------------------------------------------------- version skew
+def test_a_startup_file_from_0_1_still_arms_the_shim_after_an_upgrade(venv: Venv, layouts: dict[str, Layout]) -> None:
+    """Upgrading the package without `fsdp-shim install` leaves the 0.1 file, whose watcher swallows
+    every error: it must arm the current shim, not silently nothing; status calls it outdated."""
+    affected_lightning(layouts)
+    old = (ROOT / "tests" / "data" / "fsdp_shim-0.1.0.pth").read_text()
+    (venv.site_packages / "fsdp_shim.pth").write_text(old)
+    result = probe_in(venv)
+    assert result["loaded"] is True and result["sources"] == ["startup file"]
+    assert result["patched"]["lightning.pytorch"] is True and result["shim_layers"] == 1
+    status = venv.run("-m", "fsdp_shim", "status", check=False)
+    assert status.returncode == 1 and "written by another fsdp-shim version" in status.stdout
+
+
+def test_a_startup_file_newer_than_the_startup_module_lets_lightning_import_and_says_so(
+    venv: Venv, tmp_path: Path, layouts: dict[str, Layout]
+) -> None:
+    """The other way round (a downgraded package): the file calls a hand-over the module lacks."""
+    affected_lightning(layouts)
+    venv.run("-m", "fsdp_shim", "install")
+    older = tmp_path / "older"
+    older.mkdir()
+    (older / "_fsdp_shim_startup.py").write_text("SOURCES = []  # a start-up module without hand_over\n")
+    env = with_pythonpath(clean_env(), older)
+    code = "import lightning, sys; print('fsdp_shim' in sys.modules)"
+    proc = venv.run("-W", "ignore::DeprecationWarning", "-c", code, env=env, cwd=tmp_path)
+    assert proc.stdout.strip() == "False"
+    assert "this start-up file does not match the installed fsdp-shim" in proc.stderr
