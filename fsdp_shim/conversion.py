@@ -37,9 +37,8 @@ class GlueError(Exception):
     it was found.
     """
 
-    def __init__(self, where: str, error: Exception) -> None:
-        super().__init__(f"{where}: {type(error).__name__}: {error}")
-        self.where = where
+    def __init__(self, error: Exception) -> None:
+        super().__init__(f"{type(error).__name__}: {error}")
 
 
 NUMERICS_PAGE = "docs/numerics.md ('16-true keeps weights in float16')"
@@ -70,7 +69,7 @@ def convert_module_as_in_2_5(
     try:
         dtype = true_precision_dtype(instance)
     except Exception as error:
-        raise GlueError(f"{type(instance).__name__}.convert_module", error) from error
+        raise GlueError(error) from error
     module = wrapped(*args, **kwargs)
     if dtype is None:
         return module
@@ -114,7 +113,7 @@ def convert_before_setup(
         model = instance.model
         convert_module = instance.precision_plugin.convert_module
     except Exception as error:
-        raise GlueError("FSDPStrategy.setup", error) from error
+        raise GlueError(error) from error
     if model is not None:
         instance.model = convert_module(model)
     return wrapped(*args, **kwargs)

@@ -255,16 +255,7 @@ def current_status(namespace: Namespace) -> NamespaceStatus:
             reason=reason,
             activated_after_import=record.activated_after_import,
         )
-    status = NamespaceStatus(
-        namespace=decision.namespace,
-        imported=True,
-        version=decision.version,
-        affected=decision.affected,
-        patched=decision.patched,
-        reason=decision.reason,
-        targets=decision.targets,
-        activated_after_import=record.activated_after_import,
-    )
+    status = replace(decision, activated_after_import=record.activated_after_import)
     if not decision.patched:
         return status
     if record.deactivated and not record.installed:

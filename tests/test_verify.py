@@ -37,6 +37,19 @@ def sections(proc: subprocess.CompletedProcess[str]) -> dict[str, dict[str, Any]
     return {section["namespace"]: section for section in json.loads(proc.stdout)["sections"]}
 
 
+def with_missing_pkg_resources(tmp_path: Path, package: str) -> dict[str, str]:
+    """An environment where importing ``package`` fails the way setuptools 81 makes Lightning 2.1–2.3
+    fail: ``ModuleNotFoundError: No module named 'pkg_resources'``."""
+    folder = tmp_path / "shadow" / package
+    folder.mkdir(parents=True)
+    (folder / "__init__.py").write_text(
+        "raise ModuleNotFoundError(\"No module named 'pkg_resources'\", name='pkg_resources')\n"
+    )
+    env = clean_env()
+    env["PYTHONPATH"] = f"{folder.parent}:{env.get('PYTHONPATH', '')}"
+    return env
+
+
 def trainer_versions(layouts: dict[str, Layout]) -> dict[str, str]:
     return {TRAINER[package]: layout.trainer_version for package, layout in layouts.items()}
 
@@ -112,13 +125,7 @@ def test_a_broken_lightning_next_to_a_working_one_is_failed_not_not_needed(
     2.6.x. Here a stand-in `lightning` fails the same way; the real one is checked on 2.1–2.3 below."""
     if "standalone" not in layouts:
         pytest.skip("needs the standalone packages beside it")
-    broken = tmp_path / "broken" / "lightning"
-    broken.mkdir(parents=True)
-    (broken / "__init__.py").write_text(
-        "raise ModuleNotFoundError(\"No module named 'pkg_resources'\", name='pkg_resources')\n"
-    )
-    env = clean_env()
-    env["PYTHONPATH"] = f"{broken.parent}:{env.get('PYTHONPATH', '')}"
+    env = with_missing_pkg_resources(tmp_path, "lightning")
     proc = verify("--json", env=env)
     assert proc.returncode == 1
     found = sections(proc)
@@ -144,14 +151,7 @@ def test_real_lightning_2_1_to_2_3_without_pkg_resources(layouts: dict[str, Layo
     version = layouts.get("lightning", Layout("lightning", "0", "0")).trainer_version
     if base_release(version) is None or not FIRST_AFFECTED <= base_release(version) < LAST_WITH_PKG_RESOURCES:
         pytest.skip("needs Lightning 2.1–2.3")
-    gone = tmp_path / "no_pkg_resources" / "pkg_resources"
-    gone.mkdir(parents=True)
-    (gone / "__init__.py").write_text(
-        "raise ModuleNotFoundError(\"No module named 'pkg_resources'\", name='pkg_resources')\n"
-    )
-    env = clean_env()
-    env["PYTHONPATH"] = f"{gone.parent}:{env.get('PYTHONPATH', '')}"
-    proc = verify("--json", env=env)
+    proc = verify("--json", env=with_missing_pkg_resources(tmp_path, "pkg_resources"))
     assert proc.returncode == 1
     reason = sections(proc)["lightning.pytorch"]["reason"]
     assert f"(lightning {version}) is installed but fails to import" in reason
