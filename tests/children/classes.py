@@ -39,9 +39,11 @@ def snapshot() -> dict[str, Any]:
             continue
         for module_name, classes, attributes in TARGETS:
             module = importlib.import_module(f"{namespace}.{module_name}")
+            seen: set[int] = set()  # 2.1.1-2.1.4 keep FSDPPrecisionPlugin as an alias: one class, one entry
             for class_name in classes:
                 cls = getattr(module, class_name, None)
-                if isinstance(cls, type):
+                if isinstance(cls, type) and id(cls) not in seen:
+                    seen.add(id(cls))
                     for attribute in attributes:
                         out[f"{namespace}:{class_name}.{attribute}"] = cls.__dict__.get(attribute, MISSING)
     return out
