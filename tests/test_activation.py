@@ -267,6 +267,7 @@ def test_one_info_line_per_patched_namespace_on_rank_zero_only(rank: str, layout
     assert len(debug) == len(versions) - len(affected)
 
 
+@pytest.mark.release_independent
 def test_a_call_that_falls_back_is_reported_and_status_stops_saying_patched(layouts: dict[str, Layout]) -> None:
     """Issue 8.4: a Lightning attribute the wrapper reads went missing at call time."""
     namespace, _ = an_affected_namespace(layouts)

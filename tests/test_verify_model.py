@@ -67,12 +67,10 @@ def test_a_factory_and_init_args(layouts: dict[str, Layout]) -> None:
     wide = only_section(
         verify_model(namespace, "--model", "user_models:ThreeWays", "--init-args", '{"hidden": 64}', "--json")
     )
-    narrow = only_section(verify_model(namespace, "--model", "user_models:ThreeWays", "--json"))
     for section in (factory, wide):
         assert_exactly_half(section, 1)
-    # The arguments reached the constructors: 48 and 64 hidden units hold more than the default 32.
-    sizes = [s["shim_off"][0]["param_bytes"] for s in (narrow, factory, wide)]
-    assert sizes == sorted(sizes) and len(set(sizes)) == 3
+    # The arguments reached the constructors: the factory builds 48 hidden units, --init-args asks for 64.
+    assert factory["shim_off"][0]["param_bytes"] < wide["shim_off"][0]["param_bytes"]
 
 
 @pytest.mark.release_independent
@@ -170,6 +168,7 @@ def test_lightning_2_6_itself_gives_nan_with_the_default_eps(layouts: dict[str, 
         assert any(v != v for v in section[run][0]["losses"][1:])
 
 
+@pytest.mark.release_independent
 def test_the_docs_worked_example_runs_as_written(layouts: dict[str, Layout]) -> None:
     namespace = affected_trainer(layouts)
     if namespace != "lightning.pytorch":
