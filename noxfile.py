@@ -15,9 +15,12 @@ GPU: see the footer of docs/compatibility.md.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import nox
@@ -28,6 +31,29 @@ nox.options.error_on_missing_interpreters = True
 ROOT = Path(__file__).parent
 MATRIX_DIR = ROOT / ".matrix"
 RESULTS_DIR = MATRIX_DIR / "results"
+TIMES_FILE = MATRIX_DIR / "session-times.tsv"
+"""One line per session run: name, seconds, outcome. ``.ci/run`` prints it at the end."""
+SESSION_LIMIT_SECONDS = 1500
+"""A whole test session is killed after this (with everything it started): a hang that the per-test
+timeout cannot end (in collection, in a fixture) still fails in minutes, not at CI's limit."""
+
+
+def timed(function: Callable[..., None]) -> Callable[..., None]:
+    """Record the session's wall time in ``TIMES_FILE``, whether it passes or fails."""
+
+    @functools.wraps(function)
+    def wrapper(session: nox.Session, *args: object, **kwargs: object) -> None:
+        start = time.monotonic()
+        outcome = "failed"
+        try:
+            function(session, *args, **kwargs)
+            outcome = "passed"
+        finally:
+            MATRIX_DIR.mkdir(exist_ok=True)
+            with TIMES_FILE.open("a") as times:
+                times.write(f"{session.name}\t{time.monotonic() - start:.0f}\t{outcome}\n")
+
+    return wrapper
 
 # lightning 2.0.x imports lightning.app at import time, which needs these.
 APP_DEPS_2_0 = [
@@ -50,7 +76,6 @@ MATRIX: dict[str, list[str]] = {
     "lightning-2.3.3": ["lightning==2.3.3"],
     "lightning-2.4.0": ["lightning==2.4.0"],
     "lightning-2.5.0": ["lightning==2.5.0"],
-    "lightning-2.5.6": ["lightning==2.5.6"],
     "lightning-2.6.6": ["lightning==2.6.6"],
     "standalone-2.1.4": ["pytorch-lightning==2.1.4", "lightning-fabric==2.1.4"],
     "standalone-2.4.0": ["pytorch-lightning==2.4.0", "lightning-fabric==2.4.0"],
@@ -111,6 +136,9 @@ def run_matrix_session(session: nox.Session, name: str, python: str = sys.execut
     junit = RESULTS_DIR / f"{name}.xml"
     try:
         session.run(
+            "timeout",
+            "--kill-after=30",
+            str(SESSION_LIMIT_SECONDS),
             python,
             "-m",
             "pytest",
@@ -141,29 +169,34 @@ for _name in MATRIX:
         continue
 
     @nox.session(name=f"tests-{_name}")
+    @timed
     def _matrix_session(session: nox.Session, _name: str = _name) -> None:
         run_matrix_session(session, _name)
 
 
 for _name, _torch in OTHER_TORCH.items():
 
-    @nox.session(name=f"tests-{_name}", venv_backend="venv")
+    @nox.session(name=f"tests-{_name}", venv_backend="uv")
+    @timed
     def _other_torch_session(session: nox.Session, _name: str = _name, _torch: str = _torch) -> None:
-        session.install(f"torch=={_torch}")  # first and pinned: nothing below may resolve another torch
-        session.install("-r", str(ROOT / ".ci" / "requirements-test.txt"))
-        session.install("--no-deps", "-e", str(ROOT))
-        session.install("wrapt>=1.14,!=2.2.0,<3", "packaging>=20")
+        pin = f"torch=={_torch}"  # first, and repeated in every install: nothing may resolve another torch
+        session.install(pin)
+        session.install(pin, "-r", str(ROOT / ".ci" / "requirements-test.txt"))
+        session.install(pin, "--no-deps", "-e", str(ROOT))
+        session.install(pin, "wrapt>=1.14,!=2.2.0,<3", "packaging>=20")
         session.run("python", "-c", f"import torch; assert torch.__version__.startswith('{_torch}'), torch.__version__")
         run_matrix_session(session, _name, python=str(Path(session.virtualenv.bin) / "python"))
 
 
 @nox.session
+@timed
 def lint(session: nox.Session) -> None:
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
 
 
 @nox.session(name="compat-table")
+@timed
 def compat_table(session: nox.Session) -> None:
     """Write docs/compatibility.md from the results of the matrix sessions run before it."""
     session.run(
@@ -176,6 +209,7 @@ def compat_table(session: nox.Session) -> None:
 
 
 @nox.session
+@timed
 def docs(session: nox.Session) -> None:
     session.run("mkdocs", "build", "--strict", "--site-dir", str(ROOT / "build" / "site"))
 
