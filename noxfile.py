@@ -55,6 +55,7 @@ def timed(function: Callable[..., None]) -> Callable[..., None]:
 
     return wrapper
 
+
 # lightning 2.0.x imports lightning.app at import time, which needs these.
 APP_DEPS_2_0 = [
     "fastapi",
