@@ -209,10 +209,53 @@ def compat_table(session: nox.Session) -> None:
     )
 
 
+def docs_tools(session: nox.Session, python: str) -> None:
+    """The docs extra of pyproject.toml in this environment, and Debian's chromium and chromium-driver."""
+    import shutil
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    def satisfied(spec: str) -> bool:
+        requirement = Requirement(spec)
+        try:
+            return requirement.specifier.contains(metadata.version(requirement.name), prereleases=True)
+        except metadata.PackageNotFoundError:
+            return False
+
+    wanted = nox.project.load_toml(ROOT / "pyproject.toml")["project"]["optional-dependencies"]["docs"]
+    if missing := [spec for spec in wanted if not satisfied(spec)]:
+        session.run(python, "-m", "pip", "install", "-q", *missing, external=True)
+    if not (shutil.which("chromium") and shutil.which("chromedriver")):
+        if os.geteuid() != 0 or not shutil.which("apt-get"):
+            session.error(
+                "the docs check needs Debian's chromium and chromium-driver: "
+                "apt-get install -y --no-install-recommends chromium chromium-driver"
+            )
+        session.run("apt-get", "update", "-qq", external=True)
+        session.run(
+            "apt-get", "install", "-y", "-qq", "--no-install-recommends", "chromium", "chromium-driver", external=True
+        )
+
+
 @nox.session
 @timed
 def docs(session: nox.Session) -> None:
-    session.run("mkdocs", "build", "--strict", "--site-dir", str(ROOT / "build" / "site"))
+    """Build the docs with warnings as errors, then read every page in headless Chromium at 1280 px.
+
+    scripts/check_docs_in_browser.py first proves it can fail (``--self-test``: a copy of the docs with an
+    over-wide table and code block, broken links, a console error and a request to another host must
+    fail), then checks the real site and writes a screenshot of every page to build/docs-screenshots.
+    """
+    python = sys.executable
+    docs_tools(session, python)
+    site = ROOT / "build" / "site"
+    env = {"NO_MKDOCS_2_WARNING": "1"}  # Material's banner about its successor, printed on every build
+    session.run(python, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site), env=env, external=True)
+    checker = str(ROOT / "scripts" / "check_docs_in_browser.py")
+    session.run(python, checker, "--self-test", env=env, external=True)
+    screenshots = str(ROOT / "build" / "docs-screenshots")
+    session.run(python, checker, str(site), "--markdown", "README.md", "--screenshots", screenshots, external=True)
 
 
 nox.options.sessions = ["lint", *(f"tests-{name}" for name in MATRIX), "compat-table", "docs"]
