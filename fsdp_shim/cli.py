@@ -29,7 +29,10 @@ def _parser() -> argparse.ArgumentParser:
         where.add_argument("--target", type=Path, metavar="DIR", help="this directory instead")
         if name == "install":
             sub.add_argument(
-                "--force", action="store_true", help="write even where this Python does not read start-up files"
+                "--force",
+                action="store_true",
+                help="write even where this Python does not read start-up files, and replace files there that "
+                "fsdp-shim did not write",
             )
 
     status = commands.add_parser("status", help="what is installed and active, and whether it agrees")
@@ -128,13 +131,22 @@ def _install(args: argparse.Namespace) -> int:
         print(f"fsdp-shim install: refusing: {refusal}; --force writes there anyway.", file=sys.stderr)
         return 1
     try:
-        written, unchanged = startup_files.install(directory, create=args.force or args.user)
+        result = startup_files.install(directory, create=args.force or args.user, replace_foreign=args.force)
+    except startup_files.ForeignFileError as error:
+        print(f"fsdp-shim install: refusing: {error}; nothing was written. --force replaces it.", file=sys.stderr)
+        return 1
     except startup_files.StartupFileError as error:
         print(f"fsdp-shim install: {error}; nothing was written. {_where_to_instead(args)}.", file=sys.stderr)
         return 1
-    for path in written:
+    for existing in result.replaced_foreign:
+        print(
+            f"fsdp-shim install: replaced {existing.path}, which fsdp-shim did not write "
+            f"({existing.why_not_ours()}), because of --force",
+            file=sys.stderr,
+        )
+    for path in result.written:
         print(f"wrote {path}")
-    for path in unchanged:
+    for path in result.unchanged:
         print(f"already installed: {path}")
     return 0
 
@@ -142,15 +154,20 @@ def _install(args: argparse.Namespace) -> int:
 def _uninstall(args: argparse.Namespace) -> int:
     directory = _directory(args)
     try:
-        removed = startup_files.uninstall(directory)
+        removed, left = startup_files.uninstall(directory)
     except startup_files.StartupFileError as error:
         print(f"fsdp-shim uninstall: {error}.", file=sys.stderr)
         return 1
     for path in removed:
         print(f"removed {path}")
-    if not removed:
+    for existing in left:
+        print(
+            f"fsdp-shim uninstall: left {existing.path}: {existing.why_not_ours()}; delete it yourself if it should go",
+            file=sys.stderr,
+        )
+    if not removed and not left:
         print(f"nothing to remove in {directory}")
-    return 0
+    return 1 if left else 0
 
 
 def _status(args: argparse.Namespace) -> int:
