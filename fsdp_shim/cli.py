@@ -60,6 +60,13 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument(
         "--datamodule", type=_module_attribute, metavar="MODULE:ATTR", help="LightningDataModule class or factory"
     )
+    verify.add_argument(
+        "--model-path",
+        type=Path,
+        metavar="DIR",
+        help="the folder --model and --datamodule are imported from (default: the current folder; no other "
+        "probe sees it)",
+    )
     verify.add_argument("--json", action="store_true", help="machine-readable output, every figure per rank")
     return parser
 
@@ -173,7 +180,11 @@ def _uninstall(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from fsdp_shim import environment_report
 
-    report = environment_report.collect(python_check=args.python_check)
+    try:
+        report = environment_report.collect(python_check=args.python_check)
+    except environment_report.NoTemporaryFolder as error:
+        print(f"fsdp-shim status: --python-check needs {error}", file=sys.stderr)
+        return 2
     print(json.dumps(report.as_dict(), indent=2) if args.json else environment_report.render(report))
     return 0 if report.consistent else 1
 
@@ -181,8 +192,8 @@ def _status(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from fsdp_shim.verify import command
 
-    if args.model is None and (args.init_args or args.datamodule):
-        print("fsdp-shim verify: --init-args and --datamodule need --model", file=sys.stderr)
+    if args.model is None and (args.init_args or args.datamodule or args.model_path):
+        print("fsdp-shim verify: --init-args, --datamodule and --model-path need --model", file=sys.stderr)
         return 2
     options = command.Options(
         precision=args.precision,
@@ -193,6 +204,7 @@ def _verify(args: argparse.Namespace) -> int:
         model=args.model,
         init_args=args.init_args,
         datamodule=args.datamodule,
+        model_path=str(args.model_path.resolve()) if args.model_path is not None else None,
     )
     return command.main(options)
 

@@ -11,9 +11,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from _fsdp_shim_startup import LIGHTNING_PACKAGES, switch_state
@@ -24,10 +27,15 @@ from fsdp_shim.runner import BOOTSTRAP_DIRECTORY, bootstrap_on_pythonpath
 from fsdp_shim.toggles import valid_values
 from fsdp_shim.versions import is_affected_release
 
-# Run with ``python -c`` (not ``-m fsdp_shim...``, which would import the shim before Lightning):
-# it imports Lightning the way a training script does and reports what the shim did.
+# Run as a script from a private temporary folder (not ``-c``, and not ``-m fsdp_shim...``, which
+# would import the shim before Lightning): ``-c`` and ``-m`` put the current folder first on
+# ``sys.path``, so a ``yaml.py`` there would run in the child; a script's folder (holding nothing but
+# this script) goes there instead. It imports Lightning the way a training script does and writes what
+# the shim did to the file named by its argument, not to stdout, which start-up code of the
+# environment (an ``atexit`` print in a sitecustomize) may write to as well.
 CHILD_CHECK = f"""
 import importlib, importlib.util, json, sys, warnings
+OUT = sys.argv[1]
 warnings.simplefilter("ignore")
 imported, failed = [], {{}}
 for name in {LIGHTNING_PACKAGES!r}:
@@ -42,7 +50,8 @@ shim = sys.modules.get("fsdp_shim")
 report = {{"python": sys.executable, "imported": imported, "failed": failed, "shim_loaded": shim is not None}}
 if shim is not None:
     report["status"] = shim.status().as_dict()
-print(json.dumps(report))
+with open(OUT, "w") as handle:
+    json.dump(report, handle)
 """
 
 
@@ -114,12 +123,33 @@ def _check_activations(report: EnvironmentReport) -> None:
             )
 
 
+class NoTemporaryFolder(Exception):
+    """``--python-check`` needs a temporary folder for its child's script and report, and has none."""
+
+
+def _run_child_check() -> tuple[subprocess.CompletedProcess[str], dict[str, Any] | None]:
+    try:
+        folder = tempfile.mkdtemp(prefix="fsdp-shim-status-")
+    except OSError as error:
+        raise NoTemporaryFolder(f"no usable temporary folder ({type(error).__name__}: {error}); set TMPDIR") from None
+    try:
+        script, out = Path(folder, "python_check.py"), Path(folder, "report.json")
+        script.write_text(CHILD_CHECK)
+        proc = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=600)
+        try:
+            return proc, json.loads(out.read_text())
+        except (OSError, ValueError):
+            return proc, None
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def _check_child(report: EnvironmentReport) -> None:
-    proc = subprocess.run([sys.executable, "-c", CHILD_CHECK], capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        report.problems.append(f"a fresh interpreter failed to import Lightning: {proc.stderr.strip()[-500:]}")
+    proc, child = _run_child_check()
+    if proc.returncode != 0 or child is None:
+        tail = proc.stderr.strip()[-500:] or f"exit {proc.returncode}, no report"
+        report.problems.append(f"a fresh interpreter failed to import Lightning: {tail}")
         return
-    child = json.loads(proc.stdout.strip().splitlines()[-1])
     report.child = child
     for package, failure in child.get("failed", {}).items():
         report.problems.append(describe_import_failure(package, failure))
