@@ -8,6 +8,7 @@ imported). The patching code itself (wrapt, ``packaging``, ``logging``) loads on
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from typing import TYPE_CHECKING
@@ -38,6 +39,8 @@ def activate() -> bool:
     operator's kill switch and outranks code.
     """
     global _active, _hooks_registered
+    if _in_the_fsdp_shim_command() and startup.switch_state(os.environ.get(startup.SHIM_VARIABLE)) == "invalid":
+        return False  # the command imports no Lightning; `fsdp-shim status` reports the value as a PROBLEM line
     if not shim_enabled():
         return False
     with _lock:
@@ -52,6 +55,16 @@ def activate() -> bool:
             _patch_namespace(name)
     startup.fire_pending()
     return True
+
+
+def _in_the_fsdp_shim_command() -> bool:
+    """Whether this process is the ``fsdp-shim`` command (console script or ``python -m fsdp_shim``),
+    where a Python warning about an unreadable ``FSDP_SHIM`` would point into the console script."""
+    main = sys.modules.get("__main__")
+    if os.path.basename(getattr(main, "__file__", None) or "") in ("fsdp-shim", "fsdp-shim.exe", "fsdp-shim-script.py"):
+        return True
+    argv = list(getattr(sys, "orig_argv", ()))
+    return any((a == "-m" and b == "fsdp_shim") or a == "-mfsdp_shim" for a, b in zip(argv, [*argv[1:], ""]))
 
 
 def deactivate() -> None:

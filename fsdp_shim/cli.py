@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from fsdp_shim import __version__, startup_files
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fsdp-shim",
-        description="Lightning 2.5.0's FSDP 'true'-precision fix for Lightning 2.1–2.4.",
+        description="Lightning 2.5.0's FSDP 'true'-precision fix for Lightning 2.1-2.4.",
     )
     parser.add_argument("--version", action="version", version=f"fsdp-shim {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
@@ -210,6 +211,26 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; its exit code.
+
+    Output never crashes the command: characters the terminal's encoding cannot show are escaped
+    (``PYTHONIOENCODING=ascii``), and a reader that goes away (``fsdp-shim status | head -1``) ends it
+    quietly with 141, as a shell reports a tool that SIGPIPE stopped."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(errors="backslashreplace")
+    try:
+        code = _main(argv)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's own flush at exit is silent too
+        return 141
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "run":
         from fsdp_shim.runner import run

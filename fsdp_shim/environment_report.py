@@ -74,7 +74,14 @@ class EnvironmentReport:
         return {**asdict(self), "consistent": self.consistent}
 
 
+def _switched_off() -> str | None:
+    """``FSDP_SHIM='0'`` (as written) when the variable switches the shim off, else ``None``."""
+    raw = os.environ.get(FSDP_SHIM)
+    return f"{FSDP_SHIM}={raw!r}" if switch_state(raw) in ("off", "invalid") else None
+
+
 def _installed_lightning() -> list[dict[str, Any]]:
+    off = _switched_off()
     rows = []
     for module in LIGHTNING_PACKAGES:
         found = distribution_of(module)
@@ -89,9 +96,13 @@ def _installed_lightning() -> list[dict[str, Any]]:
                     "distribution": distribution,
                     "version": version,
                     "affected": affected,
-                    "verdict": "would be patched (release lacks the fix)"
-                    if affected
-                    else "left untouched (fixed upstream, or no 'true' precisions)",
+                    "verdict": (
+                        f"not patched: {off} switches the shim off"
+                        if affected and off
+                        else "would be patched (release lacks the fix)"
+                        if affected
+                        else "left untouched (fixed upstream, or no 'true' precisions)"
+                    ),
                 }
             )
     return sorted(rows, key=lambda row: row["namespace"])
@@ -176,7 +187,11 @@ def collect(python_check: bool = False) -> EnvironmentReport:
 def render(report: EnvironmentReport) -> str:
     lines = [f"fsdp-shim {report.shim_version}  (python: {report.python})", ""]
     shim = report.toggles.get(FSDP_SHIM)
-    lines.append(f"{FSDP_SHIM}={shim!r}" if shim is not None else f"{FSDP_SHIM} unset (shim on)")
+    off = switch_state(shim) in ("off", "invalid")
+    if shim is None:
+        lines.append(f"{FSDP_SHIM} unset (shim on)")
+    else:
+        lines.append(f"{FSDP_SHIM}={shim!r}" + (" (the shim is OFF: Lightning runs as shipped)" if off else ""))
     strict = report.toggles.get(FSDP_SHIM_STRICT)
     lines.append(f"{FSDP_SHIM_STRICT}={strict!r}" if strict is not None else f"{FSDP_SHIM_STRICT} unset (strict off)")
     lines += ["", "Activations:"]
@@ -198,10 +213,12 @@ def render(report: EnvironmentReport) -> str:
     if report.child is not None:
         lines += ["", "A fresh interpreter (imports Lightning, not fsdp_shim):"]
         if not report.child["shim_loaded"]:
-            lines.append("  shim not loaded: no start-up activation reached it")
+            why = f"{FSDP_SHIM}={shim!r} switches it off" if off else "no start-up activation reached it"
+            lines.append(f"  shim not loaded: {why}")
         for namespace in (report.child.get("status") or {}).get("namespaces", []):
             if namespace["imported"]:
                 lines.append(f"  {namespace['namespace']:<18} {namespace['version'] or '-':<10} {namespace['reason']}")
     lines.append("")
-    lines += [f"PROBLEM: {p}" for p in report.problems] or ["OK: consistent"]
+    ok = f"OK: consistent; the shim is OFF ({FSDP_SHIM}={shim!r}), so nothing is patched" if off else "OK: consistent"
+    lines += [f"PROBLEM: {p}" for p in report.problems] or [ok]
     return "\n".join(lines)

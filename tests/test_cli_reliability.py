@@ -4,6 +4,7 @@ channel for results, and every failure is one line with the documented exit code
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -62,3 +63,148 @@ def test_verify_probes_run_no_code_from_the_current_folder(planted: Path) -> Non
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert markers(planted) == {}
     assert json.loads(proc.stdout)["verdict"] in ("fixed", "not needed")
+
+
+# ----------------------------------------------------------------------------- issue 17.8
+@pytest.mark.release_independent
+def test_status_python_check_survives_a_sitecustomize_that_prints_at_exit(tmp_path: Path) -> None:
+    folder = tmp_path / "site-hooks"
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text("import atexit\natexit.register(print, 'goodbye from sitecustomize')\n")
+    env = clean_env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(folder), env.get("PYTHONPATH")]))
+    proc = cli("status", "--python-check", env=env)
+    assert "Traceback" not in proc.stderr and "JSONDecodeError" not in proc.stderr, proc.stderr
+    assert "A fresh interpreter (imports Lightning, not fsdp_shim):" in proc.stdout
+    assert proc.returncode == 0, proc.stdout
+
+
+@pytest.mark.release_independent
+def test_an_ascii_terminal_gets_help_and_the_setuptools_hint_without_a_crash() -> None:
+    from fsdp_shim.lightning_install import describe_import_failure
+
+    for args in (["--help"], ["verify", "--help"], ["status"]):
+        proc = cli(*args, env=clean_env(PYTHONIOENCODING="ascii"))
+        assert proc.returncode in (0, 1) and proc.stderr == "", (args, proc.stderr)
+    hint = describe_import_failure(
+        "lightning", ["ModuleNotFoundError", "No module named 'pkg_resources'", "pkg_resources"]
+    )
+    assert "needs setuptools<81" in hint and hint.isascii()
+
+
+NO_TEMPORARY_FOLDER = (
+    "import sys, tempfile\n"
+    "tempfile.tempdir = sys.argv[1]  # what gettempdir() finds when no candidate folder is usable\n"
+    "from fsdp_shim.cli import main\n"
+    "sys.exit(main(sys.argv[2:]))\n"
+)
+
+
+@pytest.mark.release_independent
+@pytest.mark.parametrize("command", [["verify"], ["status", "--python-check"]])
+def test_no_usable_temporary_folder_is_one_line_and_exit_2(command: list[str], tmp_path: Path) -> None:
+    missing = str(tmp_path / "no-such-folder")
+    proc = subprocess.run(
+        [sys.executable, "-c", NO_TEMPORARY_FOLDER, missing, *command],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no usable temporary folder" in lines[0] and missing in lines[0], proc.stderr
+
+
+@pytest.mark.release_independent
+def test_a_reader_that_goes_away_ends_status_quietly() -> None:
+    """``fsdp-shim status | head -1``: the pipe's reader is gone before the report is written."""
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        proc = subprocess.run(
+            [FSDP_SHIM, "status"], stdout=write, stderr=subprocess.PIPE, text=True, env=clean_env(), timeout=120
+        )
+    finally:
+        os.close(write)
+    assert proc.returncode == 141 and proc.stderr == "", proc.stderr
+
+
+@pytest.mark.release_independent
+def test_a_dotted_model_attribute_is_resolved_step_by_step() -> None:
+    """``--model mod:Cls.factory``: the parser accepted it, so the probe resolves it too."""
+    import json as json_module
+
+    from fsdp_shim.verify import probe
+
+    assert probe.resolve("json:JSONDecoder.decode") is json_module.JSONDecoder.decode
+    with pytest.raises(probe.ProbeStop) as stop:
+        probe.resolve("json:JSONDecoder.no_factory")
+    assert stop.value.code == probe.USAGE_ERROR
+    assert "json.JSONDecoder has no attribute 'no_factory' (from 'json:JSONDecoder.no_factory')" in str(stop.value)
+
+
+BOOTSTRAP = ROOT / "fsdp_shim" / "bootstrap" / "sitecustomize.py"
+AN_OLD_PYTHON = """\
+import importlib.util, json, sys
+sys.version_info = (2, 7, 18, "final", 0)  # what `fsdp-shim run python2.7 ...` starts the bootstrap in
+sys.path.insert(0, sys.argv[1])  # the environment's own sitecustomize, which the bootstrap shadows
+spec = importlib.util.spec_from_file_location("sitecustomize", sys.argv[2])  # as `site` imports it
+sys.modules["sitecustomize"] = module = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(module)
+print(json.dumps({"armed": "_fsdp_shim_startup" in sys.modules, "chained": sys.modules["sitecustomize"].CHAINED}))
+"""
+
+
+@pytest.mark.release_independent
+def test_the_bootstrap_is_silent_and_chains_under_a_python_the_shim_does_not_support(tmp_path: Path) -> None:
+    (tmp_path / "sitecustomize.py").write_text("CHAINED = True\n")
+    proc = subprocess.run(
+        [sys.executable, "-S", "-c", AN_OLD_PYTHON, str(tmp_path), str(BOOTSTRAP)],
+        capture_output=True,
+        text=True,
+        env=clean_env(PYTHONPATH=None),
+        timeout=60,
+    )
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    assert json.loads(proc.stdout) == {"armed": False, "chained": True}
+
+
+@pytest.mark.release_independent
+def test_the_bootstrap_parses_under_old_pythons() -> None:
+    """No syntax newer than Python 2.7 / 3.0: an old interpreter must not print "'import sitecustomize' failed"."""
+    import ast
+
+    source = BOOTSTRAP.read_text()
+    newer = (ast.JoinedStr, ast.AnnAssign, ast.NamedExpr, ast.Nonlocal, ast.AsyncFunctionDef, ast.YieldFrom)
+    for node in ast.walk(ast.parse(source)):
+        assert not isinstance(node, newer), ast.dump(node)[:200]
+        if isinstance(node, ast.FunctionDef):
+            assert node.returns is None and not node.args.kwonlyargs, node.name
+        if isinstance(node, ast.arg):
+            assert node.annotation is None, node.arg
+    assert "from __future__ import annotations" not in source
+
+
+@pytest.mark.release_independent
+@pytest.mark.parametrize("value", ["0", "off"])
+def test_status_with_the_shim_switched_off_says_so(value: str) -> None:
+    proc = cli("status", env=clean_env(FSDP_SHIM=value))
+    assert proc.returncode == 0, proc.stdout
+    assert f"FSDP_SHIM={value!r} (the shim is OFF: Lightning runs as shipped)" in proc.stdout
+    assert "would be patched" not in proc.stdout
+    assert proc.stdout.rstrip().endswith(
+        f"OK: consistent; the shim is OFF (FSDP_SHIM={value!r}), so nothing is patched"
+    )
+
+
+@pytest.mark.release_independent
+@pytest.mark.parametrize("launcher", [[FSDP_SHIM], [sys.executable, "-m", "fsdp_shim"]], ids=["script", "module"])
+def test_status_with_an_unreadable_switch_prints_no_python_warning(launcher: list[str]) -> None:
+    proc = subprocess.run(
+        [*launcher, "status"], capture_output=True, text=True, env=clean_env(FSDP_SHIM="maybe"), cwd=ROOT, timeout=120
+    )
+    assert proc.returncode == 1
+    assert proc.stderr == ""  # was: ".../bin/fsdp-shim:4: FSDPShimWarning: ..." and the console script's line
+    assert "PROBLEM: FSDP_SHIM='maybe' is not a valid value" in proc.stdout

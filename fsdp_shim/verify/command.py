@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -392,11 +393,21 @@ def main(options: Options) -> int:
         return 2
     start = time.monotonic()
     try:
-        with tempfile.TemporaryDirectory(prefix="fsdp-shim-verify-") as tmp:
-            sections = verify(options, Path(tmp))
+        tmp = tempfile.mkdtemp(prefix="fsdp-shim-verify-")
+    except OSError as error:
+        print(
+            f"fsdp-shim verify: no usable temporary folder ({type(error).__name__}: {error}); "
+            "set TMPDIR to a writable folder",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        sections = verify(options, Path(tmp))
     except Stop as stop:
         print(stop.message, file=sys.stderr)
         return stop.code
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     verdict, reason = overall(sections)
     if options.as_json:
         document = {
