@@ -68,6 +68,14 @@ def _parser() -> argparse.ArgumentParser:
         help="the folder --model and --datamodule are imported from (default: the current folder; no other "
         "probe sees it)",
     )
+    verify.add_argument(
+        "--timeout",
+        type=_positive_number,
+        default=command_timeout(),
+        metavar="SECONDS",
+        help="how long one probe (reading Lightning, or one training run) may take before verify stops it and "
+        "every process it started, and exits 1",
+    )
     verify.add_argument("--json", action="store_true", help="machine-readable output, every figure per rank")
     return parser
 
@@ -80,6 +88,22 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not a positive number")
     return value
+
+
+def _positive_number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
+    return value
+
+
+def command_timeout() -> float:
+    from fsdp_shim.verify.command import PROBE_TIMEOUT
+
+    return PROBE_TIMEOUT
 
 
 def _module_attribute(text: str) -> str:
@@ -206,6 +230,7 @@ def _verify(args: argparse.Namespace) -> int:
         init_args=args.init_args,
         datamodule=args.datamodule,
         model_path=str(args.model_path.resolve()) if args.model_path is not None else None,
+        timeout=args.timeout,
     )
     return command.main(options)
 

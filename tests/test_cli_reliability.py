@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -208,3 +210,67 @@ def test_status_with_an_unreadable_switch_prints_no_python_warning(launcher: lis
     assert proc.returncode == 1
     assert proc.stderr == ""  # was: ".../bin/fsdp-shim:4: FSDPShimWarning: ..." and the console script's line
     assert "PROBLEM: FSDP_SHIM='maybe' is not a valid value" in proc.stdout
+
+
+# ----------------------------------------------------------------------------- issue 17.7
+MODELS = ROOT / "tests" / "verify_models"
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(") ", 1)[1][0] != "Z"  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+def wait_for_pids(folder: Path, count: int, seconds: float = 120) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while True:
+        pids = [int(p.stem) for p in folder.glob("*.pid")]
+        if len(pids) >= count:
+            return pids
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    raise AssertionError(f"the hanging probe did not start within {seconds} s")
+
+
+@pytest.mark.release_independent
+def test_a_probe_that_hangs_is_stopped_with_everything_it_started(tmp_path: Path) -> None:
+    env = clean_env(FSDP_SHIM_TEST_PIDS=str(tmp_path))
+    start = time.monotonic()
+    proc = cli("verify", "--model", "hanging_models:Model", "--timeout", "20", cwd=MODELS, env=env)
+    assert time.monotonic() - start < 120
+    pids = wait_for_pids(tmp_path, 2, seconds=0)
+    assert proc.returncode == 1, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == (
+        "fsdp-shim verify: reading the installed Lightning did not finish within 20 s, so verify stopped it and "
+        "every process it started; --timeout SECONDS allows longer"
+    )
+    assert "Traceback" not in proc.stderr
+    time.sleep(0.5)
+    assert [pid for pid in pids if alive(pid)] == []
+
+
+@pytest.mark.release_independent
+def test_ctrl_c_stops_every_process_the_probe_started(tmp_path: Path) -> None:
+    env = clean_env(FSDP_SHIM_TEST_PIDS=str(tmp_path))
+    verify = subprocess.Popen(
+        [FSDP_SHIM, "verify", "--model", "hanging_models:Model"],
+        cwd=MODELS,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    pids = wait_for_pids(tmp_path, 2)
+    verify.send_signal(signal.SIGINT)
+    _, stderr = verify.communicate(timeout=60)
+    assert verify.returncode == 130, stderr
+    assert stderr.strip().splitlines()[-1] == (
+        "fsdp-shim verify: interrupted while reading the installed Lightning; every process it started was stopped"
+    )
+    time.sleep(0.5)
+    assert [pid for pid in pids if alive(pid)] == []

@@ -11,10 +11,12 @@ raised (their traceback is printed); 2 a usage problem or an environment verify 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -31,6 +33,7 @@ from fsdp_shim.versions import FIRST_AFFECTED, base_release, is_affected_release
 DTYPES = {"bf16-true": "torch.bfloat16", "16-true": "torch.float16"}
 BYTE_KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes")
 PROBE_TIMEOUT = 1800
+"""Seconds one probe (reading Lightning, or one training run) may take before verify stops it (--timeout)."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,7 @@ class Options:
     model: str | None = None
     init_args: dict[str, Any] = field(default_factory=dict)
     datamodule: str | None = None
+    timeout: float = PROBE_TIMEOUT
     model_path: str | None = None
     """The folder ``--model`` and ``--datamodule`` are imported from (default: the current folder)."""
 
@@ -150,9 +154,37 @@ def _probe_command(mode: str, out: Path, options: Options, namespace: str | None
     return command
 
 
-def _run_probe(command: list[str], shim: str, out: Path) -> subprocess.CompletedProcess[str]:
+def _run_probe(command: list[str], shim: str, out: Path, step: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run one probe in a session of its own, and leave none of its processes behind.
+
+    The probe and every process it starts (the other ranks Lightning's launcher starts, their workers)
+    share one process group, which is killed whatever happens: after the probe ends, when it runs past
+    ``timeout``, when the user presses Ctrl-C (the terminal's SIGINT reaches only verify's own group),
+    and when verify itself fails. A rank that hangs in a collective survives SIGTERM, hence SIGKILL.
+    """
     env = dict(os.environ, FSDP_SHIM=shim, PYTHONWARNINGS="ignore")
-    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=PROBE_TIMEOUT)
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        raise Stop(
+            1,
+            f"fsdp-shim verify: {step} did not finish within {timeout:g} s, so verify stopped it and every "
+            "process it started; --timeout SECONDS allows longer",
+        ) from None
+    except KeyboardInterrupt:
+        _kill_group(proc)
+        raise Stop(130, f"fsdp-shim verify: interrupted while {step}; every process it started was stopped") from None
+    finally:
+        _kill_group(proc)
     errors = sorted(out.parent.glob(f"{out.name}.rank*.error.json"))
     if errors:
         record = json.loads(errors[0].read_text())
@@ -164,7 +196,16 @@ def _run_probe(command: list[str], shim: str, out: Path) -> subprocess.Completed
             f"{record['traceback'].rstrip()}\n\nfsdp-shim verify: your code raised while {record['phase']} "
             f"(shim {state}); the traceback above is from your model, not from fsdp-shim.",
         )
-    return proc
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL the probe's process group (its own session's id is its pid), then reap the probe."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    if proc.returncode is None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.communicate(timeout=30)
 
 
 def _failure(proc: subprocess.CompletedProcess[str], what: str) -> str:
@@ -172,18 +213,23 @@ def _failure(proc: subprocess.CompletedProcess[str], what: str) -> str:
     return f"{what} failed (exit {proc.returncode}): {tail}"
 
 
+GATE_STEP = "reading the installed Lightning"
+
+
 def run_gate(options: Options, workdir: Path) -> tuple[dict[str, Any], str]:
     """The gate probe's findings, or an error when the probe itself failed."""
     out = workdir / "gate.json"
-    proc = _run_probe(_probe_command("gate", out, options), "1", out)
+    proc = _run_probe(_probe_command("gate", out, options), "1", out, GATE_STEP, options.timeout)
     if proc.returncode != 0 or not out.exists():
         return {}, _failure(proc, "reading the installed Lightning")
     return json.loads(out.read_text()), ""
 
 
-def run_measure(options: Options, workdir: Path, namespace: str | None, shim: str) -> tuple[list[dict[str, Any]], str]:
+def run_measure(
+    options: Options, workdir: Path, namespace: str | None, shim: str, step: str = "training"
+) -> tuple[list[dict[str, Any]], str]:
     out = workdir / f"{namespace or 'model'}-shim{shim}"
-    proc = _run_probe(_probe_command("measure", out, options, namespace), shim, out)
+    proc = _run_probe(_probe_command("measure", out, options, namespace), shim, out, step, options.timeout)
     reports = [json.loads(p.read_text()) for p in sorted(workdir.glob(f"{out.name}.rank*.json"))]
     if proc.returncode != 0 or len(reports) != options.devices:
         return reports, _failure(proc, f"the run with FSDP_SHIM={shim}")
@@ -281,8 +327,9 @@ def _not_measured(namespace: str, info: dict[str, Any], options: Options) -> Sec
 def _measured(options: Options, workdir: Path, progress: Progress, namespace: str | None, label: str) -> Section:
     runs: dict[str, list[dict[str, Any]]] = {}
     for shim, state in (("0", "off"), ("1", "on")):
-        progress.phase(f"{label}: training with the shim {state}")
-        reports, error = run_measure(options, workdir, namespace, shim)
+        step = f"{label}: training with the shim {state}"
+        progress.phase(step)
+        reports, error = run_measure(options, workdir, namespace, shim, step)
         if error:
             return Section(namespace or "model", None, "FAILED", error, runs.get("0"), reports or None)
         runs[shim] = reports
@@ -293,7 +340,7 @@ def _measured(options: Options, workdir: Path, progress: Progress, namespace: st
 
 def verify(options: Options, workdir: Path) -> list[Section]:
     with Progress(not options.as_json, total=1) as progress:
-        progress.phase("reading the installed Lightning")
+        progress.phase(GATE_STEP)
         gate, error = run_gate(options, workdir)
     if error:
         return [Section("Lightning", None, "FAILED", error)]
