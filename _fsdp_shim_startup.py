@@ -96,8 +96,11 @@ FSDPShimWarning.__module__ = "fsdp_shim"
 # ----------------------------------------------------------------------------- the import watcher
 _before: "dict[str, list[Callback]]" = {}
 _after: "dict[str, list[Callback]]" = {}
+_every: "dict[str, list[Callback]]" = {}
+"""Callbacks for every execution of a module, not just the first: test frameworks and reloaders
+remove Lightning from ``sys.modules`` and import it again, which makes new classes."""
 _executing: "set[str]" = set()
-# Guards the three containers above. Never held while a callback runs or anything is imported.
+# Guards the four containers above. Never held while a callback runs or anything is imported.
 _lock = _thread.allocate_lock()
 
 sources: "list[str]" = []
@@ -131,7 +134,10 @@ class _CallbackLoader:
         finally:
             with _lock:
                 _executing.discard(self.name)
-        for callback in _take(_after, self.name):
+        once = _take(_after, self.name)
+        with _lock:
+            every = [callback for callback in _every.get(self.name, ()) if callback not in once]
+        for callback in once + every:
             callback(module)
 
     def __getattr__(self, attribute: str) -> object:
@@ -142,7 +148,7 @@ class _ImportWatcher:
     """The ``sys.meta_path`` finder for watched names. It finds nothing itself."""
 
     def find_spec(self, name: str, path: "Sequence[str] | None" = None, target: object = None) -> "ModuleSpec | None":
-        if name not in _before and name not in _after:
+        if name not in _before and name not in _after and name not in _every:
             return None
         return _watched_spec(self, name, path, target)
 
@@ -202,6 +208,16 @@ def when_imported(name: str, callback: "Callback") -> None:
             _ensure_watcher()
     if not pending:
         callback(module)  # type: ignore[arg-type]
+
+
+def whenever_executed(name: str, callback: "Callback") -> None:
+    """Also call ``callback(module)`` after every later execution of the module ``name`` (a copy
+    imported again after it was removed from ``sys.modules``); ``when_imported`` covers the first."""
+    with _lock:
+        callbacks = _every.setdefault(name, [])
+        if callback not in callbacks:
+            callbacks.append(callback)
+        _ensure_watcher()
 
 
 def before_executed(name: str, callback: "Callback") -> None:

@@ -50,6 +50,7 @@ def activate() -> bool:
         _hooks_registered = True
     for name in _NAMESPACE_NAMES:
         if first:
+            startup.whenever_executed(name, _on_import)  # a copy imported again gets new classes
             startup.when_imported(name, _on_import)
         elif name in sys.modules:
             _patch_namespace(name)
