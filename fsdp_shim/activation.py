@@ -20,7 +20,7 @@ from fsdp_shim.toggles import shim_enabled
 if TYPE_CHECKING:
     from types import ModuleType
 
-    from fsdp_shim.report import ShimStatus
+    from fsdp_shim.report import NamespaceStatus, ShimStatus
 
 _NAMESPACE_NAMES = tuple(name for name, _ in startup.LIGHTNING_NAMESPACES)
 
@@ -96,6 +96,27 @@ def status() -> ShimStatus:
     return collect_status()
 
 
+def _report_loaded_past_the_watcher(name: str, who: str, status: NamespaceStatus) -> None:
+    """A finder in front of the shim's watcher loaded ``name`` itself (an instrumenting import hook):
+    say so, naming it, whether or not the late patch worked; a failed one is an error in strict mode."""
+    from fsdp_shim import failures
+
+    remedy = "import fsdp_shim (or install that hook) so fsdp-shim's watcher comes first on sys.meta_path"
+    if status.patched:
+        failures.warn_once(
+            f"fsdp-shim: {who} loaded {name} without fsdp-shim's import watcher seeing it, so it was patched "
+            f"only then; a model FSDP wrapped before that keeps its dtype. To patch it at its import, {remedy}",
+            key=f"missed:{name}",
+        )
+    else:
+        failures.report(
+            f"fsdp-shim: {who} loaded {name} without fsdp-shim's import watcher seeing it, and it could not be "
+            f"patched then ({status.reason})",
+            f"Lightning was left unchanged, so FSDP 'true' precisions keep the memory bug; {remedy}",
+            key=f"missed:{name}",
+        )
+
+
 def _on_import(module: ModuleType) -> None:
     _patch_namespace(module.__name__)
 
@@ -111,7 +132,10 @@ def _patch_namespace(name: str) -> None:
         from fsdp_shim import integration
         from fsdp_shim.targets import namespace_named
 
-        integration.patch(namespace_named(name), activated_after_import=name in _imported_before_activation)
+        status = integration.patch(namespace_named(name), activated_after_import=name in _imported_before_activation)
+        who = startup.missed.get(name)
+        if who is not None and status.affected:
+            _report_loaded_past_the_watcher(name, who, status)
     except (FSDPShimError, Warning):
         raise
     except ImportError as error:  # the shim's own dependencies (wrapt, packaging) are missing

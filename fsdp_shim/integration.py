@@ -18,6 +18,7 @@ import threading
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from _fsdp_shim_startup import finders_in_front, loaded_past_the_watcher
 from _fsdp_shim_startup import pending as pending_imports
 from fsdp_shim import failures, late_activation, patching
 from fsdp_shim.log import debug, info_on_rank_zero
@@ -291,7 +292,13 @@ def current_status(namespace: Namespace) -> NamespaceStatus:
     decision = record.decision
     if decision is None:
         reason = "imported; not checked yet"
-        if namespace.name in pending_imports():
+        if namespace.name in loaded_past_the_watcher():
+            module = sys.modules.get(namespace.name)
+            reason = (
+                f"imported; not checked yet: {finders_in_front(module)} loaded it without fsdp-shim's import "
+                "watcher seeing it (fsdp_shim.activate() checks it now)"
+            )
+        elif namespace.name in pending_imports():
             reason += " (its import finished while fsdp-shim was being activated; call fsdp_shim.activate())"
         return NamespaceStatus(
             namespace=namespace.name,

@@ -86,6 +86,7 @@ PREVIOUS_DIGESTS = frozenset(
         # SHA-256 of every start-up file text earlier fsdp-shim versions wrote (0.1.0 and the
         # development versions since), so `install` upgrades them and `uninstall` removes them
         # without asking, while a file with any other content is someone else's.
+        "8b08d613d3f4054110b3883c81dbd2ae20cecf241985bda4d437ec054ead13aa",  # 0.2.0
         "44ad4bf1742e8c50dc472ae77b7aefd23dfccf55571728f8276b981f995b5d63",
         "af4661eeab14bc5646e48889b51d51ad2aba0e2a60f30e6c1e3ac9c203e50270",
         "60134e6b1aa147cdc9e63777a12df51b066cf499ea706559eabbd94cba4515b1",
