@@ -12,22 +12,80 @@ from typing import Any
 from fsdp_shim import __version__, startup_files
 
 
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions and examples as written, and every option's default in its help (an option whose
+    default is "absent" says what that means in its own words)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default:" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+DESCRIPTIONS = {
+    "run": (
+        "Run CMD with the shim active in every Python process it starts: a bootstrap sitecustomize goes\n"
+        "first on PYTHONPATH, which torchrun workers, Lightning's launcher and spawned processes inherit.\n"
+        "The command replaces fsdp-shim (exec): its exit code and signals are its own.",
+        "fsdp-shim run torchrun --nproc-per-node 8 train.py",
+    ),
+    "install": (
+        "Write the environment-wide start-up file (fsdp_shim.pth, and fsdp_shim.start for Python 3.15+),\n"
+        "so every Python process of this environment has the shim. It imports nothing until a process\n"
+        "imports Lightning. A file at those names that fsdp-shim did not write is left alone unless --force.",
+        "fsdp-shim install",
+    ),
+    "uninstall": (
+        "Remove the start-up files, only where their whole content is what fsdp-shim wrote; anything else\n"
+        "at those names is left and named (exit code 1).",
+        "fsdp-shim uninstall --user",
+    ),
+    "status": (
+        "What is installed and active (start-up file, fsdp-shim run, FSDP_SHIM), which Lightning releases\n"
+        "are installed, and whether the pieces agree: exit code 1 with a PROBLEM line when they do not.",
+        "fsdp-shim status --python-check",
+    ),
+    "verify": (
+        "Train a model for a few steps with FSDP, with the shim off and on, in fresh processes, and compare\n"
+        "dtypes and exact byte counts: a verdict per installed Lightning (fixed, not needed, FAILED).\n"
+        "Exit codes: 0 fixed or not needed; 1 FAILED, your model raised, or a step ran past --timeout;\n"
+        "2 verify could not run; 130 interrupted.",
+        "fsdp-shim verify --model my_project.model:MyModel --devices 2",
+    ),
+}
+
+
+def _command(commands: Any, name: str, summary: str) -> argparse.ArgumentParser:
+    description, example = DESCRIPTIONS[name]
+    return commands.add_parser(
+        name, help=summary, description=description, epilog=f"example:\n  {example}", formatter_class=_Formatter
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fsdp-shim",
         description="Lightning 2.5.0's FSDP 'true'-precision fix for Lightning 2.1-2.4.",
+        epilog="example:\n  fsdp-shim verify          # does the shim fix this environment?\n"
+        "  fsdp-shim run python train.py\n\n'fsdp-shim COMMAND --help' describes each command.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"fsdp-shim {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
 
-    run = commands.add_parser("run", help="run CMD with the shim active in every Python process it starts")
+    run = _command(commands, "run", "run CMD with the shim active in every Python process it starts")
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="the command and its arguments")
 
     for name, text in (("install", "write"), ("uninstall", "remove")):
-        sub = commands.add_parser(name, help=f"{text} the environment-wide start-up file")
+        sub = _command(commands, name, f"{text} the environment-wide start-up file")
         where = sub.add_mutually_exclusive_group()
-        where.add_argument("--user", action="store_true", help="the user site-packages instead")
-        where.add_argument("--target", type=Path, metavar="DIR", help="this directory instead")
+        where.add_argument(
+            "--user", action="store_true", help="the user site-packages instead of this environment's site-packages"
+        )
+        where.add_argument(
+            "--target", type=Path, metavar="DIR", help="this directory instead (default: this environment's)"
+        )
         if name == "install":
             sub.add_argument(
                 "--force",
@@ -36,14 +94,19 @@ def _parser() -> argparse.ArgumentParser:
                 "fsdp-shim did not write",
             )
 
-    status = commands.add_parser("status", help="what is installed and active, and whether it agrees")
+    status = _command(commands, "status", "what is installed and active, and whether it agrees")
     status.add_argument("--json", action="store_true", help="machine-readable output")
-    status.add_argument("--python-check", action="store_true", help="also ask a fresh interpreter")
-
-    verify = commands.add_parser(
-        "verify", help="train a model with the shim off and on, in fresh processes, and compare"
+    status.add_argument(
+        "--python-check", action="store_true", help="also ask a fresh interpreter what importing Lightning gives"
     )
-    verify.add_argument("--precision", choices=("bf16-true", "16-true"), default="bf16-true")
+
+    verify = _command(commands, "verify", "train a model with the shim off and on, in fresh processes, and compare")
+    verify.add_argument(
+        "--precision",
+        choices=("bf16-true", "16-true"),
+        default="bf16-true",
+        help="the Lightning precision both runs use",
+    )
     verify.add_argument("--devices", type=_positive_int, default=1, metavar="N", help="processes (GPUs with CUDA)")
     verify.add_argument("--steps", type=_positive_int, default=3, metavar="N", help="training steps per run")
     verify.add_argument(
@@ -53,13 +116,17 @@ def _parser() -> argparse.ArgumentParser:
         "--model",
         type=_module_attribute,
         metavar="MODULE:ATTR",
-        help="your LightningModule class (built with no arguments) or a factory returning one",
+        help="your LightningModule class (built with no arguments) or a factory returning one "
+        "(default: verify's seed model)",
     )
     verify.add_argument(
         "--init-args", type=_json_object, default={}, metavar="JSON", help="keyword arguments for --model"
     )
     verify.add_argument(
-        "--datamodule", type=_module_attribute, metavar="MODULE:ATTR", help="LightningDataModule class or factory"
+        "--datamodule",
+        type=_module_attribute,
+        metavar="MODULE:ATTR",
+        help="LightningDataModule class or factory (default: the model's own train_dataloader)",
     )
     verify.add_argument(
         "--model-path",
@@ -256,7 +323,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # a bare `fsdp-shim`, as a bare `git`: what there is to do
+        parser.print_help()
+        return 0
     if args.command == "run":
         from fsdp_shim.runner import run
 

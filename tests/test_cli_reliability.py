@@ -274,3 +274,30 @@ def test_ctrl_c_stops_every_process_the_probe_started(tmp_path: Path) -> None:
     )
     time.sleep(0.5)
     assert [pid for pid in pids if alive(pid)] == []
+
+
+# ----------------------------------------------------------------------------- issue 18.5
+@pytest.mark.release_independent
+def test_a_bare_command_lists_the_commands_and_exits_0() -> None:
+    proc = cli()
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    for command in ("run", "install", "uninstall", "status", "verify"):
+        assert f"\n    {command}" in proc.stdout, command
+
+
+@pytest.mark.release_independent
+@pytest.mark.parametrize("command", ["run", "install", "uninstall", "status", "verify"])
+def test_every_command_help_has_a_description_its_defaults_and_an_example(command: str) -> None:
+    from fsdp_shim.cli import DESCRIPTIONS
+
+    proc = cli(command, "--help")
+    assert proc.returncode == 0, proc.stderr
+    description, example = DESCRIPTIONS[command]
+    assert description.splitlines()[0] in proc.stdout
+    assert f"example:\n  {example}\n" in proc.stdout
+    if command == "verify":
+        for default in ("(default: bf16-true)", "(default: 1)", "(default: 3)", "(default: 1800)"):
+            assert default in " ".join(proc.stdout.split()), default
+        assert "the Lightning precision both runs use" in proc.stdout
+    if command in ("install", "uninstall"):
+        assert "(default: this environment's)" in " ".join(proc.stdout.split())

@@ -20,6 +20,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -93,8 +94,11 @@ class Progress:
         return self
 
     def phase(self, label: str) -> None:
+        """Start the next phase; with ``total`` 0 (the gate, before the number of runs is known) it is
+        not numbered, so the counter never reads "[1/1]" and then starts again."""
         self._done += 1
-        self._label, self._start = f"[{self._done}/{self._total}] {label}", time.monotonic()
+        counter = f"[{self._done}/{self._total}] " if self._total else ""
+        self._label, self._start = f"{counter}{label}", time.monotonic()
         if not self._animated and not self._quiet:
             print(f"fsdp-shim verify: {self._label} ...", file=sys.stderr, flush=True)
 
@@ -112,7 +116,7 @@ class Progress:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-            sys.stderr.write("\r" + " " * 90 + "\r")
+            sys.stderr.write("\r" + " " * WIDTH + "\r")
             sys.stderr.flush()
 
 
@@ -345,7 +349,7 @@ def _measured(options: Options, workdir: Path, progress: Progress, namespace: st
 
 
 def verify(options: Options, workdir: Path) -> list[Section]:
-    with Progress(not options.as_json, total=1) as progress:
+    with Progress(not options.as_json, total=0) as progress:
         progress.phase(GATE_STEP)
         gate, error = run_gate(options, workdir)
     if error:
@@ -382,9 +386,14 @@ def _cell(key: str, value: Any) -> str:
         return str(value).removeprefix("torch.")
     if key == "peak_memory_bytes":
         return f"{value / 2**20:,.1f} MiB"
-    if key == "losses":
-        shown = ", ".join("nan" if v is None else f"{v:.3g}" for v in value[:4])
-        return shown + (", ..." if len(value) > 4 else "")
+    if key == "losses":  # as many as fit the column (--json has them all)
+        texts = ["nan" if v is None else f"{v:.3g}" for v in value]
+        shown = ""
+        for count in range(len(texts), 0, -1):
+            shown = ", ".join(texts[:count]) + (", ..." if count < len(texts) else "")
+            if len(shown) < VALUE - 1:
+                break
+        return shown
     return f"{value:,}" if isinstance(value, int) else str(value)
 
 
@@ -394,48 +403,79 @@ def _change(off: Any, on: Any) -> str:
     return ""
 
 
+WIDTH = 100
+"""verify's output fits a 100-column terminal: the table, the verdicts (wrapped) and the terms."""
+LABEL, VALUE = 46, 22
+
+TERMS = {
+    "GPU guards lifted": "Lightning refuses FSDP without a GPU; verify lifts that check in its own processes only, "
+    "never in your training processes, to run the same code on CPU with gloo.",
+    "flat parameter": "FSDP keeps the parameters of each wrapped unit in one flat tensor per rank; its dtype is "
+    "what the sharded parameter, gradient and optimizer-state bytes are made of.",
+    "seed model": "verify's own model when --model is not given: two copies of Lightning's demo Transformer, "
+    "one built in configure_model, one loaded in float32 as from_pretrained does.",
+}
+
+
 def _row(label: str, key: str, off: Any, on: Any, indent: int = 2) -> str:
-    row = f"{'':<{indent}}{label:<{48 - indent}}{_cell(key, off):>22}{_cell(key, on):>22}  {_change(off, on)}"
-    return row.rstrip()
+    row = f"{'':<{indent}}{label:<{LABEL - indent}}{_cell(key, off):>{VALUE}}{_cell(key, on):>{VALUE}}"
+    return f"{row}  {_change(off, on)}".rstrip()
 
 
-def render_section(section: Section, options: Options) -> list[str]:
+def _wrapped(text: str, indent: str) -> list[str]:
+    return textwrap.wrap(text, WIDTH, initial_indent=indent, subsequent_indent=indent + "  ")
+
+
+def render_section(section: Section, options: Options, used: set[str] | None = None) -> list[str]:
+    """One section's lines; ``used`` collects the terms it shows, explained once under all sections."""
+    used = set() if used is None else used
     lines = [f"{section.namespace} {section.version or ''}".rstrip()]
     if section.shim_off and section.shim_on:
         off, on = section.shim_off[0], section.shim_on[0]
-        where = (
-            f"CUDA with NCCL, {options.devices} GPU(s)"
-            if on["device"] == "cuda"
-            else f"CPU check with gloo, {options.devices} process(es); GPU guards lifted in the check's own processes"
-        )
-        lines += [f"  {where}. Figures are rank 0's; --json has every rank.", ""]
-        lines.append(f"  {'':<46}{'shim off':>22}{'shim on':>22}")
+        if on["device"] == "cuda":
+            lines.append(f"  CUDA with NCCL, {options.devices} GPU(s).")
+        else:
+            lines.append(f"  CPU check with gloo, {options.devices} process(es); GPU guards lifted (see Terms).")
+            used.add("GPU guards lifted")
+        lines += ["  Figures are rank 0's; --json has every rank.", ""]
+        lines.append(f"  {'':<{LABEL - 2}}{'shim off':>{VALUE}}{'shim on':>{VALUE}}")
         rows = [
             ("LightningModule.dtype", "module_dtype"),
             ("flat-parameter dtypes", "flat_param_dtypes"),
             ("sharded parameter bytes", "param_bytes"),
         ]
+        used.add("flat parameter")
         lines += [_row(label, key, off[key], on[key]) for label, key in rows]
         for unit, label in seed.UNITS.items() if options.model is None else ():
             lines.append(_row(label, "bytes", off["unit_param_bytes"][unit], on["unit_param_bytes"][unit], indent=4))
+        if options.model is None:
+            used.add("seed model")
         rows = [
             ("sharded gradient bytes", "grad_bytes"),
             ("optimizer-state bytes", "optimizer_state_bytes"),
-            (f"peak memory ({on['peak_memory_kind']})", "peak_memory_bytes"),
+            ("peak memory", "peak_memory_bytes"),
             (f"losses ({len(on['losses'])} steps)", "losses"),
         ]
         lines += [_row(label, key, off[key], on[key]) for label, key in rows]
+        lines.append(f"    (peak memory: {on['peak_memory_kind']})")
         lines.append("")
-    lines.append(f"  {section.verdict}: {section.reason}")
+    lines += _wrapped(f"{section.verdict}: {section.reason}", "  ")
     return lines
 
 
 def render(sections: list[Section], options: Options) -> str:
     lines = [f"fsdp-shim verify ({options.precision}, {options.devices} device(s), {options.steps} steps)", ""]
+    used: set[str] = set()
     for section in sections:
-        lines += [*render_section(section, options), ""]
+        lines += [*render_section(section, options, used), ""]
+    if used:
+        lines.append("Terms:")
+        for term, meaning in TERMS.items():
+            if term in used:
+                lines += _wrapped(f"{term}: {meaning}", "  ")
+        lines.append("")
     verdict, reason = overall(sections)
-    lines.append(f"verdict: {verdict} ({reason})")
+    lines += _wrapped(f"verdict: {verdict} ({reason})", "")
     return "\n".join(lines)
 
 
