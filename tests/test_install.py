@@ -263,3 +263,26 @@ def test_concurrent_installs_into_one_folder_all_succeed(tmp_path: Path) -> None
     assert [proc.returncode for proc in procs] == [0] * 6, errors
     assert startup_files_in(folder) == ["fsdp_shim.pth", "fsdp_shim.start"]
     assert (folder / "fsdp_shim.pth").read_text() == PTH_TEXT
+
+
+def test_a_user_site_install_is_not_read_under_python_s_as_the_docs_say(tmp_path: Path) -> None:
+    """Issue 17.9: `install --user`, then `python -s` or PYTHONNOUSERSITE=1: not armed, so the
+    "cannot reach" table in docs/activation.md lists it, with what to do instead."""
+    base_python = getattr(sys, "_base_executable", sys.executable)
+    env = clean_env(PYTHONUSERBASE=str(tmp_path / "userbase"), PYTHONPATH=str(ROOT))
+    installed = shim("install", "--user", env=env, python=base_python)
+    if installed.returncode != 0:
+        pytest.skip(f"this base interpreter does not read a user site: {installed.stderr}")
+    armed = "import sys; print(any(getattr(f, '__name__', '') == 'fsdp_shim_watcher' for f in sys.meta_path))"
+    runs = {
+        "plain": ([base_python, "-c", armed], env),
+        "-s": ([base_python, "-s", "-c", armed], env),
+        "PYTHONNOUSERSITE": ([base_python, "-c", armed], {**env, "PYTHONNOUSERSITE": "1"}),
+    }
+    seen = {name: subprocess.check_output(cmd, env=e, text=True).strip() for name, (cmd, e) in runs.items()}
+    assert seen == {"plain": "True", "-s": "False", "PYTHONNOUSERSITE": "False"}
+    row = next(
+        line for line in (ROOT / "docs" / "activation.md").read_text().splitlines() if "PYTHONNOUSERSITE" in line
+    )
+    assert "`python -s`" in row and "not active if installed with `install --user`" in row
+    assert shim("uninstall", "--user", env=env, python=base_python).returncode == 0
