@@ -112,6 +112,15 @@ def read_ranks(out: Path, world: int) -> list[dict[str, Any]]:
     return [json.loads(Path(f"{out}.rank{rank}.json").read_text()) for rank in range(world)]
 
 
+def report(text: str) -> None:
+    """Print to the log; the cluster session also collects these in a file for the closing note."""
+    print(text, flush=True)
+    tables = os.environ.get("FSDP_SHIM_TEST_CLUSTER_TABLES")
+    if tables:
+        with open(tables, "a") as file:
+            file.write(text + "\n")
+
+
 def print_table(title: str, command: list[str] | str, ranks: list[dict[str, Any]]) -> None:
     """The per-rank table for the log (and the issue's closing note)."""
     shown = command if isinstance(command, str) else " ".join(command)
@@ -124,7 +133,7 @@ def print_table(title: str, command: list[str] | str, ranks: list[dict[str, Any]
                 f"{result['rank']:<5} {result['node']:<6} {api:<8} {dtype:<15} "
                 f"{row['flat_param_bytes']:>10}  {row['grad_bytes']:>10}  {row['optimizer_state_bytes']:>10}"
             )
-    print("\n".join(lines), flush=True)
+    report("\n".join(lines))
 
 
 def assert_placement(ranks: list[dict[str, Any]], nodes: int, per_node: int) -> None:
@@ -332,7 +341,7 @@ def check_half_patched(title: str, commands: list[list[str]], outputs: list[tupl
         entry = ranks[rank]
         outcome = entry["failed"][:300] or "-"
         lines.append(f"{rank:<5} {entry.get('node', '?'):<6} {entry.get('shim', '?'):<10} {outcome}")
-    print("\n".join(lines), flush=True)
+    report("\n".join(lines))
     assert sorted(ranks) == list(range(world)), ranks
     assert any(code != 0 for code, _ in outputs), "a half-patched job must not succeed"
     unshimmed = [rank for rank, entry in ranks.items() if entry.get("shim") == "0"]
@@ -370,7 +379,7 @@ def test_fsdp_shim_run_srun_export_without_all_warns_once() -> None:
     """srun --export=MASTER_ADDR,PATH drops PYTHONPATH (and FSDP_SHIM): `fsdp-shim run` says so, once."""
     command = [*shim_command(), "run", *srun(1, "--export=MASTER_ADDR,PATH"), python(), "-c", "pass"]
     ((code, output),) = launch([command], slurm_env(), timeout=60)
-    print(f"\n=== fsdp-shim run srun --export=MASTER_ADDR,PATH\n$ {' '.join(command)}\n{output.strip()}", flush=True)
+    report(f"\n=== fsdp-shim run srun --export=MASTER_ADDR,PATH\n$ {' '.join(command)}\n{output.strip()}")
     assert code == 0, output
     warnings = [line for line in output.splitlines() if line.startswith("fsdp-shim run:") and "--export" in line]
     assert len(warnings) == 1, output
