@@ -13,7 +13,8 @@ from __future__ import annotations
 import contextvars
 from typing import TYPE_CHECKING, Any
 
-from fsdp_shim import log
+from _fsdp_shim_startup import LIGHTNING_NAMESPACES
+from fsdp_shim import log, rank_check
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -82,7 +83,18 @@ def convert_module_as_in_2_5(
             "losses. Use precision='bf16-true', or eps >= 1e-4. See %s.",
             NUMERICS_PAGE,
         )
-    return module.to(dtype=dtype)
+    module = module.to(dtype=dtype)
+    rank_check.confirm_every_rank(dtype, _namespace_of(instance))
+    return module
+
+
+def _namespace_of(precision_plugin: Any) -> str:
+    """The Lightning namespace (``lightning.pytorch``, ``lightning_fabric``, ...) whose plugin this is."""
+    module = type(precision_plugin).__module__
+    for name, _ in LIGHTNING_NAMESPACES:
+        if module == name or module.startswith(name + "."):
+            return name
+    return module
 
 
 def connect_without_early_conversion(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 
 logger = logging.getLogger("fsdp_shim")
@@ -34,6 +35,16 @@ def process_rank() -> int:
 def info_on_rank_zero(message: str, *args: object) -> None:
     if process_rank() == 0:
         logger.info(message, *args)
+
+
+def announce(message: str, *args: object) -> None:
+    """An INFO record that is seen even where nobody configured logging (Python drops INFO records
+    then): a cluster operator confirms a job from this one line, so it must not depend on setup."""
+    if logger.isEnabledFor(logging.INFO) and logger.hasHandlers():
+        logger.info(message, *args)
+    else:
+        sys.stderr.write((message % args) + "\n")
+        sys.stderr.flush()
 
 
 def warn_once_on_rank_zero(key: str, message: str, *args: object) -> None:

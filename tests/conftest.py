@@ -167,53 +167,79 @@ class Scenarios:
         extra: tuple[str, ...],
     ) -> dict[int, dict[str, Any]]:
         out = self._workdir / f"run{len(self._cache)}"
-        command = [sys.executable, str(SCENARIO)]
-        if api == "torch":
-            command = [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nproc-per-node",
-                str(devices),
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                str(free_port()),
-                str(SCENARIO),
-            ]
-        command += [
-            "--api",
-            api,
-            "--package",
-            package,
-            "--shim",
-            shim,
-            "--devices",
-            str(devices),
-            "--cases",
-            ",".join(cases),
-            "--out",
-            str(out),
-            *extra,
+        launcher = ("torchrun", devices) if api == "torch" else None
+        run_scenario(api, package, shim, cases, devices, out, env=env, extra=extra, launcher=launcher)
+        return scenario_results(out, devices)
+
+
+def run_scenario(
+    api: str,
+    package: str,
+    shim: str,
+    cases: list[str],
+    devices: int,
+    out: Path,
+    *,
+    env: dict[str, str] | None = None,
+    extra: tuple[str, ...] = (),
+    launcher: tuple[str, int] | None = None,
+    expect_ok: bool = True,
+    timeout: float = 600,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``tests/scenarios/fsdp_train.py`` once; ``launcher=("torchrun", N)`` starts N ranks with
+    torchrun instead of Lightning's own launcher (``devices`` is then the ranks per node)."""
+    command = [sys.executable, str(SCENARIO)]
+    if launcher is not None:
+        command = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(launcher[1]),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            str(SCENARIO),
         ]
-        proc = subprocess.run(
-            command,
-            capture_output=True,
-            text=True,
-            env=clean_env(PYTHONWARNINGS="ignore", **env),
-            cwd=ROOT,
-            timeout=600,
+    command += [
+        "--api",
+        api,
+        "--package",
+        package,
+        "--shim",
+        shim,
+        "--devices",
+        str(devices),
+        "--cases",
+        ",".join(cases),
+        "--out",
+        str(out),
+        *extra,
+    ]
+    proc = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        env=clean_env(PYTHONWARNINGS="ignore", **(env or {})),
+        cwd=ROOT,
+        timeout=timeout,
+    )
+    if expect_ok and proc.returncode != 0:
+        raise AssertionError(
+            f"scenario failed (exit {proc.returncode}): {' '.join(command)}\n"
+            f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
         )
-        if proc.returncode != 0:
-            raise AssertionError(
-                f"scenario failed (exit {proc.returncode}): {' '.join(command)}\n"
-                f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-            )
-        results = {}
-        for rank in range(devices):
-            rows = json.loads(Path(f"{out}.rank{rank}.json").read_text())
-            results[rank] = {row.pop("case"): row for row in rows}
-        return results
+    return proc
+
+
+def scenario_results(out: Path, ranks: int) -> dict[int, dict[str, Any]]:
+    """Each rank's report of a scenario run, by rank, each keyed by case."""
+    results = {}
+    for rank in range(ranks):
+        rows = json.loads(Path(f"{out}.rank{rank}.json").read_text())
+        results[rank] = {row.pop("case"): row for row in rows}
+    return results
 
 
 @pytest.fixture(scope="session")

@@ -58,7 +58,26 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--cases", required=True, help="comma-separated MODEL:PRECISION")
     parser.add_argument("--checkpoint-dir", default=None, help="trainer only: fit, save, resume")
     parser.add_argument("--out", required=True)
+    parser.add_argument(
+        "--shim-off-rank", type=int, default=None, help="this global rank (RANK, under torchrun) runs with FSDP_SHIM=0"
+    )
+    parser.add_argument(
+        "--delay-rank", default=None, help="RANK:SECONDS: that rank sleeps after joining the process group"
+    )
     return parser.parse_args(argv)
+
+
+def delay_if_asked(delay: str | None) -> None:
+    """Sleep on one rank between the process group's start and the FSDP setup (a slow rank)."""
+    if delay is None:
+        return
+    import time
+
+    import torch.distributed as dist
+
+    rank, seconds = delay.split(":")
+    if dist.is_initialized() and dist.get_rank() == int(rank):
+        time.sleep(float(seconds))
 
 
 def namespaces(package: str) -> tuple[str, str]:
@@ -143,7 +162,14 @@ def seed_loss(transformer: nn.Module, batch: torch.Tensor) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- Trainer
 def run_trainer_case(
-    pl: Any, strategy_cls: type, kind: str, precision: str, devices: int, ckpt_dir: str | None, num_nodes: int = 1
+    pl: Any,
+    strategy_cls: type,
+    kind: str,
+    precision: str,
+    devices: int,
+    ckpt_dir: str | None,
+    num_nodes: int = 1,
+    delay: str | None = None,
 ) -> dict[str, Any]:
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -162,6 +188,7 @@ def run_trainer_case(
                 self.body = make_body().double()
 
         def setup(self, stage: str) -> None:
+            delay_if_asked(delay)
             if kind == "setup_hook" and self.body is None:
                 self.body = make_body()
                 self.head = make_head()
@@ -264,8 +291,9 @@ def train_plain(model: nn.Module, optimizer: torch.optim.Optimizer, backward: An
     return grads
 
 
-def run_fabric_case(fabric: Any, kind: str, precision: str) -> dict[str, Any]:
+def run_fabric_case(fabric: Any, kind: str, precision: str, delay: str | None = None) -> dict[str, Any]:
     model = Plain(build_plain_model(kind, getattr(fabric, "init_module", None)))  # 2.0.x has none
+    delay_if_asked(delay)
     model = fabric.setup_module(model)
     optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=1e-3))
     fsdp_root = model._forward_module
@@ -332,6 +360,8 @@ def main(argv: list[str]) -> None:
     args = parse_args(argv)
     cases = [tuple(case.split(":")) for case in args.cases.split(",")]
     trainer_ns, fabric_ns = namespaces(args.package)
+    if args.shim_off_rank is not None and os.environ.get("RANK") == str(args.shim_off_rank):
+        os.environ["FSDP_SHIM"] = "0"  # what a node exported with FSDP_SHIM=0 looks like to its ranks
     if args.shim == "before":
         import fsdp_shim
     results: list[dict[str, Any]] = []
@@ -353,7 +383,14 @@ def main(argv: list[str]) -> None:
             strategy_cls = importlib.import_module(f"{trainer_ns}.strategies").FSDPStrategy
             for kind, precision in cases:
                 result = run_trainer_case(
-                    pl, strategy_cls, kind, precision, args.devices, args.checkpoint_dir, args.num_nodes
+                    pl,
+                    strategy_cls,
+                    kind,
+                    precision,
+                    args.devices,
+                    args.checkpoint_dir,
+                    args.num_nodes,
+                    args.delay_rank,
                 )
                 results.append({"case": f"{kind}:{precision}", **result})
             rank = pl.utilities.rank_zero_only.rank
@@ -361,10 +398,15 @@ def main(argv: list[str]) -> None:
             fabric_strategy = importlib.import_module(f"{fabric_ns}.strategies").FSDPStrategy
             for kind, precision in cases:
                 fabric = fabric_module.Fabric(
-                    accelerator="cpu", devices=args.devices, strategy=fabric_strategy(), precision=precision
+                    accelerator="cpu",
+                    devices=args.devices,
+                    num_nodes=args.num_nodes,
+                    strategy=fabric_strategy(),
+                    precision=precision,
                 )
                 fabric.launch()
-                results.append({"case": f"{kind}:{precision}", **run_fabric_case(fabric, kind, precision)})
+                result = run_fabric_case(fabric, kind, precision, args.delay_rank)
+                results.append({"case": f"{kind}:{precision}", **result})
                 rank = fabric.global_rank
         results.append({"case": "_shim", **(shim_facts(trainer_ns, fabric_ns) if "fsdp_shim" in sys.modules else {})})
         results.append({"case": "_versions", "trainer": pl.__version__, "fabric": fabric_module.__version__})
