@@ -18,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -43,11 +45,13 @@ APIS = ("trainer", "fabric")
 BYTE_KEYS = ("flat_param_bytes", "grad_bytes", "optimizer_state_bytes")
 JOB_TIMEOUT = 240
 """Seconds one job may take (about 10-40 s here); a hung rank fails the test and its job is killed."""
+RANK_CHECK_TIMEOUT = "10"
+"""Seconds the shimmed ranks of a half-patched job wait: the ranks reach their FSDP setup within a
+second or two of each other (they have just met in the process group's rendezvous)."""
 SLURM_TIME_LIMIT = "5"  # minutes: SLURM ends the job itself if the test's own kill did not reach it
 
 # Waiting for (a)/(b)/(c) from the lead: see the report; these skips go when they are on main.
 NEEDS_ENV_ACTIVATION = "needs `FSDP_SHIM=1` activation at start-up (issue 16.2), not yet on main"
-NEEDS_RANK_CHECK = "needs the cross-rank check (issue 16.1), not yet on main"
 NEEDS_EXPORT_WARNING = "needs `fsdp-shim run`'s dropped-environment warning (issue 16.3), not yet on main"
 
 
@@ -123,7 +127,7 @@ def report(text: str) -> None:
 
 def print_table(title: str, command: list[str] | str, ranks: list[dict[str, Any]]) -> None:
     """The per-rank table for the log (and the issue's closing note)."""
-    shown = command if isinstance(command, str) else " ".join(command)
+    shown = command if isinstance(command, str) else shlex.join(command)
     lines = [f"\n=== {title}", f"$ {shown}", "rank  node   api      dtype           flat bytes  grad bytes  adam bytes"]
     for result in ranks:
         for api in APIS:
@@ -228,7 +232,9 @@ def program(per_node: int, out: Path, shim: str = "off", interpreter: str | None
     ]
 
 
-def slurm_mode_command(mode: str, per_node: int, out: Path, startup: str | None) -> tuple[list[str], dict[str, str]]:
+def slurm_mode_command(
+    mode: str, per_node: int, out: Path, startup: str | None = None
+) -> tuple[list[str], dict[str, str]]:
     if mode == "srun fsdp-shim run python":
         return [*srun(per_node), *shim_command(), "run", *program(per_node, out)], slurm_env()
     if mode == "fsdp-shim run srun python":
@@ -251,7 +257,7 @@ class Jobs:
         self.outputs: dict[str, str] = {}
 
     def out(self, name: str) -> Path:
-        return self.workdir / name.replace(" ", "_").replace("/", "_").replace("=", "")
+        return self.workdir / re.sub(r"[^A-Za-z0-9_.-]+", "_", name)
 
     def run(self, name: str, commands: list[list[str]], env: dict[str, str], world: int) -> list[dict[str, Any]]:
         if name not in self.cache:
@@ -261,7 +267,7 @@ class Jobs:
                 assert code == 0, f"{name}: exit {code}\n{output[-8000:]}"
             self.cache[name] = read_ranks(self.out(name), world)
             self.outputs[name] = "\n".join(output for _, output in results)
-            shown = " & ".join(" ".join(c) for c in commands)
+            shown = " & ".join(shlex.join(c) for c in commands)
             print_table(f"{name} ({time.monotonic() - started:.0f} s)", shown, self.cache[name])
         return self.cache[name]
 
@@ -301,17 +307,20 @@ def test_slurm_every_rank_trains_bfloat16(jobs: Jobs, startup_python: str, mode:
     if SLURM_MODES[mode]:
         pytest.skip(SLURM_MODES[mode])
     per_node = SLURM_TOPOLOGIES[topology]
-    baseline = slurm_baseline(jobs, per_node)
-    name = f"slurm 2x{per_node} {mode}"
-    command, env = slurm_mode_command(mode, per_node, jobs.out(name), startup_python)
-    ranks = jobs.run(name, [command], env, 2 * per_node)
+    ranks = slurm_job(jobs, mode, per_node, startup_python)
     assert_placement(ranks, 2, per_node)
-    assert_patched(ranks, baseline)
+    assert_patched(ranks, slurm_baseline(jobs, per_node))
+
+
+def slurm_job(jobs: Jobs, mode: str, per_node: int, startup: str | None = None) -> list[dict[str, Any]]:
+    name = f"slurm 2x{per_node} {mode}"
+    command, env = slurm_mode_command(mode, per_node, jobs.out(name), startup)
+    return jobs.run(name, [command], env, 2 * per_node)
 
 
 def half_patched_slurm_command(per_node: int, out: Path) -> list[str]:
     """``srun fsdp-shim run python`` with ``FSDP_SHIM=0`` on node n2 only (set inside the task)."""
-    inner = " ".join([*shim_command(), "run", *program(per_node, out)])
+    inner = shlex.join([*shim_command(), "run", *program(per_node, out)])
     return [*srun(per_node), "bash", "-c", f'[ "$SLURMD_NODENAME" = n2 ] && export FSDP_SHIM=0; exec {inner}']
 
 
@@ -335,14 +344,14 @@ def check_half_patched(title: str, commands: list[list[str]], outputs: list[tupl
     """The job stops (non-zero exit), every rank with the shim raises FSDPShimError naming exactly the
     ranks with FSDP_SHIM=0, and those ranks do not report success either. Prints the per-rank table."""
     ranks = rank_lines(outputs)
-    lines = [f"\n=== {title}", "$ " + " & ".join(" ".join(c) for c in commands)]
+    lines = [f"\n=== {title}", "$ " + " & ".join(shlex.join(c) for c in commands)]
     lines += [f"exit codes: {[code for code, _ in outputs]}", "rank  node   FSDP_SHIM  outcome"]
     for rank in sorted(ranks):
         entry = ranks[rank]
         outcome = entry["failed"][:300] or "-"
         lines.append(f"{rank:<5} {entry.get('node', '?'):<6} {entry.get('shim', '?'):<10} {outcome}")
     report("\n".join(lines))
-    assert sorted(ranks) == list(range(world)), ranks
+    assert sorted(ranks) == list(range(world)), "\n".join(output[-6000:] for _, output in outputs)
     assert any(code != 0 for code, _ in outputs), "a half-patched job must not succeed"
     unshimmed = [rank for rank, entry in ranks.items() if entry.get("shim") == "0"]
     assert 0 < len(unshimmed) < world, ranks
@@ -353,25 +362,23 @@ def check_half_patched(title: str, commands: list[list[str]], outputs: list[tupl
             assert entry["failed"].startswith("FSDPShimError") and named in entry["failed"], (rank, entry)
 
 
-@pytest.mark.skipif(True, reason=NEEDS_RANK_CHECK)
 @pytest.mark.parametrize("topology", SLURM_TOPOLOGIES)
 def test_slurm_half_patched_job_stops_naming_the_ranks_without_the_shim(jobs: Jobs, topology: str) -> None:
     per_node = SLURM_TOPOLOGIES[topology]
     name = f"slurm 2x{per_node} half-patched (n2: FSDP_SHIM=0)"
     command = half_patched_slurm_command(per_node, jobs.out(name))
     started = time.monotonic()
-    outputs = launch([command], slurm_env(FSDP_SHIM_RANK_CHECK_TIMEOUT="20"))
+    outputs = launch([command], slurm_env(FSDP_SHIM_RANK_CHECK_TIMEOUT=RANK_CHECK_TIMEOUT))
     check_half_patched(f"{name} ({time.monotonic() - started:.0f} s)", [command], outputs, 2 * per_node)
 
 
-@pytest.mark.skipif(True, reason=NEEDS_RANK_CHECK)
 @pytest.mark.parametrize("topology", SLURM_TOPOLOGIES)
 def test_slurm_rank_zero_confirms_every_rank_once_per_api(jobs: Jobs, topology: str) -> None:
     """The shimmed jobs above say so: one line from rank zero per conversion (Trainer, Fabric)."""
     per_node = SLURM_TOPOLOGIES[topology]
-    assert jobs.outputs[f"slurm 2x{per_node} srun fsdp-shim run python"].count(
-        f"fsdp-shim: patched on all {2 * per_node} ranks (bfloat16)"
-    ) == len(APIS)
+    slurm_job(jobs, "srun fsdp-shim run python", per_node)
+    output = jobs.outputs[f"slurm 2x{per_node} srun fsdp-shim run python"]
+    assert output.count(f"fsdp-shim: patched on all {2 * per_node} ranks (bfloat16)") == len(APIS), output[-6000:]
 
 
 @pytest.mark.skipif(True, reason=NEEDS_EXPORT_WARNING)
@@ -379,7 +386,7 @@ def test_fsdp_shim_run_srun_export_without_all_warns_once() -> None:
     """srun --export=MASTER_ADDR,PATH drops PYTHONPATH (and FSDP_SHIM): `fsdp-shim run` says so, once."""
     command = [*shim_command(), "run", *srun(1, "--export=MASTER_ADDR,PATH"), python(), "-c", "pass"]
     ((code, output),) = launch([command], slurm_env(), timeout=60)
-    report(f"\n=== fsdp-shim run srun --export=MASTER_ADDR,PATH\n$ {' '.join(command)}\n{output.strip()}")
+    report(f"\n=== fsdp-shim run srun --export=MASTER_ADDR,PATH\n$ {shlex.join(command)}\n{output.strip()}")
     assert code == 0, output
     warnings = [line for line in output.splitlines() if line.startswith("fsdp-shim run:") and "--export" in line]
     assert len(warnings) == 1, output
@@ -473,12 +480,11 @@ def test_torchrun_every_rank_trains_bfloat16(jobs: Jobs, startup_python: str, mo
     assert_patched(ranks, baseline)
 
 
-@pytest.mark.skipif(True, reason=NEEDS_RANK_CHECK)
 @pytest.mark.parametrize("rendezvous", RENDEZVOUS)
 def test_torchrun_half_patched_job_stops_naming_the_rank_without_the_shim(jobs: Jobs, rendezvous: str) -> None:
     name = f"torchrun {rendezvous} half-patched (node 1: FSDP_SHIM=0)"
     run = [*shim_command(), "run"]
     commands = torchrun_nodes(rendezvous, jobs.out(name), (run, ["env", "FSDP_SHIM=0", *run]))
     started = time.monotonic()
-    outputs = launch(commands, torchrun_env(FSDP_SHIM_RANK_CHECK_TIMEOUT="20"))
+    outputs = launch(commands, torchrun_env(FSDP_SHIM_RANK_CHECK_TIMEOUT=RANK_CHECK_TIMEOUT))
     check_half_patched(f"{name} ({time.monotonic() - started:.0f} s)", commands, outputs, 2)
