@@ -295,6 +295,21 @@ def on_first_lightning_import(name: str, source: str) -> "ModuleSpec | None":
     return _watched_spec(_watcher, name, None, None)
 
 
+ENVIRONMENT_SOURCE = "FSDP_SHIM=1 (start-up file installed with the package)"
+
+
+def arm_from_environment() -> None:
+    """What ``fsdp_shim_env.pth``, which pip installs and removes with the package, calls at every
+    interpreter start where ``FSDP_SHIM`` is set at all (a dictionary lookup where it is not).
+
+    "On" arms the shim, so ``FSDP_SHIM=1`` alone reaches every Python process that inherits the
+    variable, whatever the launcher did to ``PYTHONPATH``. An unreadable value arms it too: the package
+    then loads at Lightning's import, says that the value switched the shim off, and stays off.
+    """
+    if switch_state(os.environ.get(SHIM_VARIABLE)) in ("on", "invalid"):
+        arm(ENVIRONMENT_SOURCE)
+
+
 def arm_from_startup_file() -> None:
     """PEP 829 entry point (``_fsdp_shim_startup:arm_from_startup_file``)."""
     arm("startup file")

@@ -15,9 +15,12 @@ GPU: see the footer of docs/compatibility.md.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import nox
@@ -28,6 +31,30 @@ nox.options.error_on_missing_interpreters = True
 ROOT = Path(__file__).parent
 MATRIX_DIR = ROOT / ".matrix"
 RESULTS_DIR = MATRIX_DIR / "results"
+TIMES_FILE = MATRIX_DIR / "session-times.tsv"
+"""One line per session run: name, seconds, outcome. ``.ci/run`` prints it at the end."""
+SESSION_LIMIT_SECONDS = 1500
+"""A whole test session is killed after this (with everything it started): a hang that the per-test
+timeout cannot end (in collection, in a fixture) still fails in minutes, not at CI's limit."""
+
+
+def timed(function: Callable[..., None]) -> Callable[..., None]:
+    """Record the session's wall time in ``TIMES_FILE``, whether it passes or fails."""
+
+    @functools.wraps(function)
+    def wrapper(session: nox.Session, *args: object, **kwargs: object) -> None:
+        start = time.monotonic()
+        outcome = "failed"
+        try:
+            function(session, *args, **kwargs)
+            outcome = "passed"
+        finally:
+            MATRIX_DIR.mkdir(exist_ok=True)
+            with TIMES_FILE.open("a") as times:
+                times.write(f"{session.name}\t{time.monotonic() - start:.0f}\t{outcome}\n")
+
+    return wrapper
+
 
 # lightning 2.0.x imports lightning.app at import time, which needs these.
 APP_DEPS_2_0 = [
@@ -50,7 +77,6 @@ MATRIX: dict[str, list[str]] = {
     "lightning-2.3.3": ["lightning==2.3.3"],
     "lightning-2.4.0": ["lightning==2.4.0"],
     "lightning-2.5.0": ["lightning==2.5.0"],
-    "lightning-2.5.6": ["lightning==2.5.6"],
     "lightning-2.6.6": ["lightning==2.6.6"],
     "standalone-2.1.4": ["pytorch-lightning==2.1.4", "lightning-fabric==2.1.4"],
     "standalone-2.4.0": ["pytorch-lightning==2.4.0", "lightning-fabric==2.4.0"],
@@ -111,6 +137,9 @@ def run_matrix_session(session: nox.Session, name: str, python: str = sys.execut
     junit = RESULTS_DIR / f"{name}.xml"
     try:
         session.run(
+            "timeout",
+            "--kill-after=30",
+            str(SESSION_LIMIT_SECONDS),
             python,
             "-m",
             "pytest",
@@ -141,29 +170,34 @@ for _name in MATRIX:
         continue
 
     @nox.session(name=f"tests-{_name}")
+    @timed
     def _matrix_session(session: nox.Session, _name: str = _name) -> None:
         run_matrix_session(session, _name)
 
 
 for _name, _torch in OTHER_TORCH.items():
 
-    @nox.session(name=f"tests-{_name}", venv_backend="venv")
+    @nox.session(name=f"tests-{_name}", venv_backend="uv")
+    @timed
     def _other_torch_session(session: nox.Session, _name: str = _name, _torch: str = _torch) -> None:
-        session.install(f"torch=={_torch}")  # first and pinned: nothing below may resolve another torch
-        session.install("-r", str(ROOT / ".ci" / "requirements-test.txt"))
-        session.install("--no-deps", "-e", str(ROOT))
-        session.install("wrapt>=1.14,!=2.2.0,<3", "packaging>=20")
+        pin = f"torch=={_torch}"  # first, and repeated in every install: nothing may resolve another torch
+        session.install(pin)
+        session.install(pin, "-r", str(ROOT / ".ci" / "requirements-test.txt"))
+        session.install(pin, "--no-deps", "-e", str(ROOT))
+        session.install(pin, "wrapt>=1.14,!=2.2.0,<3", "packaging>=20")
         session.run("python", "-c", f"import torch; assert torch.__version__.startswith('{_torch}'), torch.__version__")
         run_matrix_session(session, _name, python=str(Path(session.virtualenv.bin) / "python"))
 
 
 @nox.session
+@timed
 def lint(session: nox.Session) -> None:
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
 
 
 @nox.session(name="compat-table")
+@timed
 def compat_table(session: nox.Session) -> None:
     """Write docs/compatibility.md from the results of the matrix sessions run before it."""
     session.run(
@@ -175,9 +209,53 @@ def compat_table(session: nox.Session) -> None:
     )
 
 
+def docs_tools(session: nox.Session, python: str) -> None:
+    """The docs extra of pyproject.toml in this environment, and Debian's chromium and chromium-driver."""
+    import shutil
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    def satisfied(spec: str) -> bool:
+        requirement = Requirement(spec)
+        try:
+            return requirement.specifier.contains(metadata.version(requirement.name), prereleases=True)
+        except metadata.PackageNotFoundError:
+            return False
+
+    wanted = nox.project.load_toml(ROOT / "pyproject.toml")["project"]["optional-dependencies"]["docs"]
+    if missing := [spec for spec in wanted if not satisfied(spec)]:
+        session.run(python, "-m", "pip", "install", "-q", *missing, external=True)
+    if not (shutil.which("chromium") and shutil.which("chromedriver")):
+        if os.geteuid() != 0 or not shutil.which("apt-get"):
+            session.error(
+                "the docs check needs Debian's chromium and chromium-driver: "
+                "apt-get install -y --no-install-recommends chromium chromium-driver"
+            )
+        session.run("apt-get", "update", "-qq", external=True)
+        session.run(
+            "apt-get", "install", "-y", "-qq", "--no-install-recommends", "chromium", "chromium-driver", external=True
+        )
+
+
 @nox.session
+@timed
 def docs(session: nox.Session) -> None:
-    session.run("mkdocs", "build", "--strict", "--site-dir", str(ROOT / "build" / "site"))
+    """Build the docs with warnings as errors, then read every page in headless Chromium at 1280 px.
+
+    scripts/check_docs_in_browser.py first proves it can fail (``--self-test``: a copy of the docs with an
+    over-wide table and code block, broken links, a console error and a request to another host must
+    fail), then checks the real site and writes a screenshot of every page to build/docs-screenshots.
+    """
+    python = sys.executable
+    docs_tools(session, python)
+    site = ROOT / "build" / "site"
+    env = {"NO_MKDOCS_2_WARNING": "1"}  # Material's banner about its successor, printed on every build
+    session.run(python, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site), env=env, external=True)
+    checker = str(ROOT / "scripts" / "check_docs_in_browser.py")
+    session.run(python, checker, "--self-test", env=env, external=True)
+    screenshots = str(ROOT / "build" / "docs-screenshots")
+    session.run(python, checker, str(site), "--markdown", "README.md", "--screenshots", screenshots, external=True)
 
 
 nox.options.sessions = ["lint", *(f"tests-{name}" for name in MATRIX), "compat-table", "docs"]

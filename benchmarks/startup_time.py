@@ -1,10 +1,13 @@
 """Start-up cost of the shim, as ratios measured in one invocation.
 
-1. ``python -c pass`` with the environment-wide start-up file installed vs without it: two fresh
-   virtual environments that differ only in that file, run in interleaved pairs; the figure is the
-   median of the per-pair ratios (robust to drift in machine load).
-2. ``python -c "import fsdp_shim"`` and ``python -c "import wrapt"`` against ``python -c pass``, the
-   same way, in the environment without the start-up file.
+1. ``python -c pass`` with fsdp-shim installed (its ``fsdp_shim_env.pth``, ``FSDP_SHIM`` unset) vs a
+   fresh virtual environment without fsdp-shim: what every interpreter of an environment pays for
+   having the package installed. The figure is the median of the per-pair ratios of interleaved
+   runs (robust to drift in machine load).
+2. The same environment with ``FSDP_SHIM=1`` vs unset: what arming at start-up costs.
+3. ``fsdp-shim install``'s start-up file vs no fsdp-shim.
+4. ``python -c "import fsdp_shim"`` and ``python -c "import wrapt"`` against ``python -c pass``, the
+   same way, in the environment with fsdp-shim installed.
 
 Both environments get the shim the way users do, from a wheel installed into site-packages (pip
 writes the .pyc files), and see this environment's wrapt through a plain path entry.
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -34,34 +38,44 @@ def build_wheel(folder: Path) -> Path:
     return next(folder.glob("fsdp_shim-*.whl"))
 
 
-def make_venv(folder: Path, wheel: Path) -> str:
+def make_venv(folder: Path, wheel: Path | None) -> str:
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(folder)], check=True)
     python = str(folder / "bin" / "python")
     purelib = subprocess.check_output(
         [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True
     ).strip()
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "install", "--no-deps", "--target", purelib, str(wheel)], check=True)
+    if wheel is not None:
+        subprocess.run([*pip, "install", "--no-deps", "--target", purelib, str(wheel)], check=True)
     # wrapt and the rest of this environment as a plain path entry: no start-up code of theirs runs.
     (Path(purelib) / "zz_outer_environment.pth").write_text(f"{sysconfig.get_paths()['purelib']}\n")
     return python
 
 
-def elapsed(command: list[str]) -> float:
+UNSET = {key: value for key, value in os.environ.items() if not key.startswith("FSDP_SHIM")}
+SET = {**UNSET, "FSDP_SHIM": "1"}
+
+
+def elapsed(command: list[str], env: dict[str, str]) -> float:
     start = time.perf_counter()
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     return time.perf_counter() - start
 
 
-def paired(baseline: list[str], candidate: list[str], pairs: int) -> dict[str, float]:
+def paired(
+    baseline: list[str], candidate: list[str], pairs: int, candidate_env: dict[str, str] = UNSET
+) -> dict[str, float]:
     for _ in range(3):  # warm the page cache for both
-        elapsed(baseline)
-        elapsed(candidate)
+        elapsed(baseline, UNSET)
+        elapsed(candidate, candidate_env)
     base_times, cand_times, ratios = [], [], []
     for index in range(pairs):
-        order = (baseline, candidate) if index % 2 == 0 else (candidate, baseline)
-        first, second = elapsed(order[0]), elapsed(order[1])
-        base, cand = (first, second) if order[0] is baseline else (second, first)
+        if index % 2 == 0:
+            base = elapsed(baseline, UNSET)
+            cand = elapsed(candidate, candidate_env)
+        else:
+            cand = elapsed(candidate, candidate_env)
+            base = elapsed(baseline, UNSET)
         base_times.append(base)
         cand_times.append(cand)
         ratios.append(cand / base)
@@ -79,12 +93,15 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         wheel = build_wheel(Path(tmp) / "wheel")
+        bare = make_venv(Path(tmp) / "bare", None)
         plain = make_venv(Path(tmp) / "plain", wheel)
         with_file = make_venv(Path(tmp) / "with-startup-file", wheel)
-        subprocess.run([with_file, "-m", "fsdp_shim", "install"], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run([with_file, "-m", "fsdp_shim", "install"], check=True, stdout=subprocess.DEVNULL, env=UNSET)
         results = {
-            "python -c pass: start-up file / none": paired(
-                [plain, "-c", "pass"], [with_file, "-c", "pass"], args.pairs
+            "pass: installed, FSDP_SHIM unset / none": paired([bare, "-c", "pass"], [plain, "-c", "pass"], args.pairs),
+            "pass: FSDP_SHIM=1 / unset": paired([plain, "-c", "pass"], [plain, "-c", "pass"], args.pairs, SET),
+            "pass: `fsdp-shim install` file / none": paired(
+                [bare, "-c", "pass"], [with_file, "-c", "pass"], args.pairs
             ),
             "import fsdp_shim / python -c pass": paired(
                 [plain, "-c", "pass"], [plain, "-c", "import fsdp_shim"], args.pairs

@@ -20,6 +20,7 @@ import json
 import os
 import socket
 import threading
+import time
 from collections.abc import Mapping
 from datetime import timedelta
 from typing import Any
@@ -82,6 +83,7 @@ def confirm_every_rank(dtype: Any, namespace: str) -> None:
     if limit == 0:
         return
     number = _next_conversion()
+    started = time.monotonic()
     try:
         reports = _exchange(store, number, rank, world_size, _decision(dtype, namespace), limit)
     except Exception as error:
@@ -94,7 +96,8 @@ def confirm_every_rank(dtype: Any, namespace: str) -> None:
     if len(set(dtypes.values())) > 1:
         raise FSDPShimError(_disagreement_message(reports, world_size))
     if rank == 0:
-        log.announce("fsdp-shim: patched on all %d ranks (%s)", world_size, _short(dtype))
+        waited = time.monotonic() - started
+        log.announce("fsdp-shim: patched on all %d ranks (%s), confirmed in %.2f s", world_size, _short(dtype), waited)
 
 
 def _process_group() -> tuple[Any, int, int] | None:

@@ -22,6 +22,9 @@ from pathlib import Path
 from _fsdp_shim_startup import HAND_OVER_CODE, LIGHTNING_PACKAGES, WATCHER_CODE
 
 STEM = "fsdp_shim"
+ENVIRONMENT_FILE = "fsdp_shim_env.pth"
+"""The start-up file pip installs with the package: it arms the shim where ``FSDP_SHIM`` is on, and
+is not one of the files ``fsdp-shim install`` writes or removes."""
 MARKER = "# fsdp-shim start-up file"
 
 PTH_TEXT = (

@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+pytest_plugins = ["process_cleanup"]
+
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIO = ROOT / "tests" / "scenarios" / "fsdp_train.py"
 DTYPES = {"bf16-true": "torch.bfloat16", "16-true": "torch.float16", "32-true": "torch.float32"}

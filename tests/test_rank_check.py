@@ -53,8 +53,11 @@ def test_agreeing_ranks_train_and_rank_zero_says_so_once(tmp_path, layouts, api,
     results = scenario_results(out, ranks)
     for rank in range(ranks):
         assert results[rank][CASE]["flat_param_dtypes"] == ["torch.bfloat16"], (rank, results[rank][CASE])
-    line = f"fsdp-shim: patched on all {ranks} ranks (bfloat16)"
-    assert (proc.stdout + proc.stderr).count(line) == 1, proc.stderr[-3000:]
+    line = f"fsdp-shim: patched on all {ranks} ranks (bfloat16), confirmed in "
+    lines = [text for text in (proc.stdout + proc.stderr).splitlines() if line in text]
+    assert len(lines) == 1, proc.stderr[-3000:]
+    waited = float(lines[0].rpartition(" in ")[2].removesuffix(" s"))
+    assert 4 <= waited < 60, lines  # it waited for the late rank (6 s), and no longer than it had to
 
 
 @pytest.mark.parametrize(("api", "ranks", "off", "strict"), [("trainer", 2, 1, "0"), ("fabric", 4, 3, "1")])

@@ -21,10 +21,15 @@ from conftest import ROOT, SCENARIO, Layout, child_json, clean_env, free_port, r
 import _fsdp_shim_startup as startup
 from fsdp_shim.bootstrap import sitecustomize as bootstrap
 from fsdp_shim.runner import BOOTSTRAP_DIRECTORY
-from fsdp_shim.startup_files import PTH_TEXT, START_TEXT
+from fsdp_shim.startup_files import ENVIRONMENT_FILE, PTH_TEXT, START_TEXT, site_directories
 from fsdp_shim.versions import is_affected_release
 
 pytestmark = pytest.mark.release_independent
+
+HAS_ENVIRONMENT_FILE = any((d / ENVIRONMENT_FILE).is_file() for d in site_directories())
+RUN_SOURCES = [startup.ENVIRONMENT_SOURCE, "fsdp-shim run"] if HAS_ENVIRONMENT_FILE else ["fsdp-shim run"]
+"""How `fsdp-shim run` arms this interpreter: FSDP_SHIM=1 through the start-up file pip installed with
+the package (read first, at site-packages time), then the bootstrap sitecustomize."""
 
 
 @dataclass
@@ -223,7 +228,7 @@ def test_run_activates_and_chains_the_users_sitecustomize_once(
     folder, counter = user_sitecustomize
     prefix = shim_cli("run") + (shim_cli("run") if nested else [])
     result = child_json("startup:probe", launcher=tuple(prefix), env=with_pythonpath(clean_env(), folder))
-    assert result["loaded"] and result["sources"] == ["fsdp-shim run"]
+    assert result["loaded"] and result["sources"] == RUN_SOURCES
     assert result["patched"]["lightning.pytorch"] is True
     assert result["shim_layers"] == 1
     assert_each_process_ran_it_once(counter, expected_processes=3 if nested else 2)
@@ -254,7 +259,7 @@ def test_under_run_the_users_sitecustomize_keeps_its_sys_path_and_its_name(
     assert result["imported"] == "site_extra_module"
     assert str(tmp_path / "site_extra") in result["sys_path"]
     assert result["sitecustomize_marker"] == "the user sitecustomize"
-    assert result["shim_sources"] == ["fsdp-shim run"]
+    assert result["shim_sources"] == RUN_SOURCES
     assert all(os.path.realpath(entry or ".") != BOOTSTRAP_DIRECTORY for entry in result["sys_path"])
 
 
@@ -276,14 +281,24 @@ def test_under_run_an_empty_pythonpath_entry_still_means_the_current_directory(t
 
 
 @pytest.mark.parametrize(
-    ("flags", "warned"),
-    [(("-I",), True), (("-E",), True), (("-S",), True), (("-IB",), True), (("-B",), False), ((), False)],
+    ("flags", "other_python", "warned"),
+    [
+        (("-I",), True, True),
+        (("-E",), True, True),
+        (("-IB",), True, True),
+        (("-S",), False, True),
+        (("-I",), False, not HAS_ENVIRONMENT_FILE),  # FSDP_SHIM=1 reaches an interpreter that has fsdp-shim
+        (("-B",), True, False),
+        ((), False, False),
+    ],
 )
 def test_run_warns_before_starting_a_python_that_cannot_see_the_bootstrap(
-    flags: tuple[str, ...], warned: bool, layouts: dict[str, Layout]
+    flags: tuple[str, ...], other_python: bool, warned: bool, venv: Venv
 ) -> None:
-    """Issue 8.8: one line, before exec; the process itself then runs without the shim."""
-    proc = run([*shim_cli("run"), sys.executable, *flags, "-c", "pass"])
+    """One line, before exec; the process itself then runs without the shim. Another environment's
+    Python (no fsdp-shim of its own) depends on PYTHONPATH; this one's also reads FSDP_SHIM=1."""
+    python = venv.python if other_python else sys.executable
+    proc = run([*shim_cli("run"), python, *flags, "-c", "pass"])
     lines = [line for line in proc.stderr.splitlines() if line.startswith("fsdp-shim run: warning")]
     assert len(lines) == (1 if warned else 0), proc.stderr
     if warned:
@@ -346,8 +361,10 @@ def test_isolated_and_no_site_modes(venv: Venv, layouts: dict[str, Layout]) -> N
     isolated = run_child(
         "startup:probe", python_args=("-I",), sys_path=tuple(pythonpath_entries()), launcher=tuple(shim_cli("run"))
     )
-    assert json.loads(isolated.stdout.splitlines()[-1])["loaded"] is False
-    assert "fsdp-shim run: warning" in isolated.stderr
+    # -I ignores PYTHONPATH (the bootstrap), not FSDP_SHIM=1, which `run` sets for this interpreter's
+    # start-up file from the package.
+    assert json.loads(isolated.stdout.splitlines()[-1])["loaded"] is HAS_ENVIRONMENT_FILE
+    assert ("fsdp-shim run: warning" in isolated.stderr) is not HAS_ENVIRONMENT_FILE
     venv.run("-m", "fsdp_shim", "install")
     entries = [item for path in pythonpath_entries() for item in ("--sys-path", path)]
     child_py = str(ROOT / "tests" / "child.py")

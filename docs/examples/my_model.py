@@ -19,14 +19,19 @@ class MyModel(L.LightningModule):
     def __init__(self, features: int = 64, hidden: int = 256) -> None:
         super().__init__()
         self.features, self.hidden = features, hidden
-        self.encoder = nn.Sequential(nn.Linear(features, hidden), nn.GELU(), nn.Linear(hidden, hidden))
+        self.encoder = nn.Sequential(
+            nn.Linear(features, hidden),
+            nn.GELU(),
+            nn.Linear(hidden, hidden),
+        )
         self.head: nn.Module | None = None
 
     def configure_model(self) -> None:
         if self.head is not None:
             return
+        std = self.hidden**-0.5
         checkpoint = {  # what torch.load gives for a float32 checkpoint
-            "weight": torch.randn(self.features, self.hidden, dtype=torch.float32) / self.hidden**0.5,
+            "weight": torch.randn(self.features, self.hidden, dtype=torch.float32) * std,
             "bias": torch.zeros(self.features, dtype=torch.float32),
         }
         self.head = nn.Linear(self.hidden, self.features)
