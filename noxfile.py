@@ -266,7 +266,12 @@ CLUSTER_LIGHTNING = DEFAULT_SESSION
 """The Lightning the cluster tests train with (2.4.0, affected): the same .matrix folder as its session."""
 
 
+CLUSTER_LIMIT_SECONDS = 900
+"""The cluster tests are killed after this (about 5-10 minutes here; each job has its own 240 s bound)."""
+
+
 @nox.session
+@timed
 def cluster(session: nox.Session) -> None:
     """A real SLURM (two slurmd "nodes" on 127.0.0.1) and two torchrun nodes on loopback, running real
     FSDP in every activation mode (tests/test_cluster.py). Installs Debian's slurm and munge with
@@ -274,7 +279,6 @@ def cluster(session: nox.Session) -> None:
     stops exactly those afterwards, also when the tests fail."""
     import shutil
     import tempfile
-    import time
 
     started = time.monotonic()
     if os.geteuid() != 0 or not shutil.which("apt-get"):
@@ -300,6 +304,9 @@ def cluster(session: nox.Session) -> None:
     try:
         session.run(*slurm, "start", str(state), external=True)
         session.run(
+            "timeout",
+            "--kill-after=30",
+            str(CLUSTER_LIMIT_SECONDS),
             sys.executable,
             "-m",
             "pytest",
