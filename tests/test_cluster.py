@@ -342,12 +342,12 @@ def check_half_patched(title: str, commands: list[list[str]], outputs: list[tupl
     lines += [f"exit codes: {[code for code, _ in outputs]}", "rank  node   FSDP_SHIM  outcome"]
     for rank in sorted(ranks):
         entry = ranks[rank]
-        outcome = entry["failed"][:300] or "-"
+        outcome = entry["failed"][:160] or "-"
         lines.append(f"{rank:<5} {entry.get('node', '?'):<6} {entry.get('shim', '?'):<10} {outcome}")
     report("\n".join(lines))
     assert sorted(ranks) == list(range(world)), "\n".join(output[-6000:] for _, output in outputs)
     assert any(code != 0 for code, _ in outputs), "a half-patched job must not succeed"
-    unshimmed = [rank for rank, entry in ranks.items() if entry.get("shim") == "0"]
+    unshimmed = sorted(rank for rank, entry in ranks.items() if entry.get("shim") == "0")
     assert 0 < len(unshimmed) < world, ranks
     noun = "rank" if len(unshimmed) == 1 else "ranks"
     named = f"{noun} {', '.join(map(str, unshimmed))} of {world} did not confirm"
