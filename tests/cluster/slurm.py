@@ -48,9 +48,13 @@ def install() -> None:
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     # Wait for another apt/dpkg run instead of failing at once; a fresh machine needs the lists first.
     apt = ["apt-get", "-q", "-o", "DPkg::Lock::Timeout=300"]
-    if not any(Path("/var/lib/apt/lists").glob("*_Packages*")):
-        subprocess.run([*apt, "update"], check=True, env=env, timeout=600)
-    subprocess.run([*apt, "install", "-y", "--no-install-recommends", *PACKAGES], check=True, env=env, timeout=900)
+    install_command = [*apt, "install", "-y", "--no-install-recommends", *PACKAGES]
+    if any(Path("/var/lib/apt/lists").glob("*_Packages*")):
+        if subprocess.run(install_command, env=env, timeout=900).returncode == 0:
+            return
+        print("apt-get install failed with the package lists on disk (stale?): updating them and trying again")
+    subprocess.run([*apt, "update"], check=True, env=env, timeout=600)
+    subprocess.run(install_command, check=True, env=env, timeout=900)
 
 
 def slurm_conf(state: Path, host: str, ports: dict[str, int], munge_socket: Path) -> str:
