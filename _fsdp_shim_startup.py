@@ -96,8 +96,11 @@ FSDPShimWarning.__module__ = "fsdp_shim"
 # ----------------------------------------------------------------------------- the import watcher
 _before: "dict[str, list[Callback]]" = {}
 _after: "dict[str, list[Callback]]" = {}
+_every: "dict[str, list[Callback]]" = {}
+"""Callbacks for every execution of a module, not just the first: test frameworks and reloaders
+remove Lightning from ``sys.modules`` and import it again, which makes new classes."""
 _executing: "set[str]" = set()
-# Guards the three containers above. Never held while a callback runs or anything is imported.
+# Guards the four containers above. Never held while a callback runs or anything is imported.
 _lock = _thread.allocate_lock()
 
 sources: "list[str]" = []
@@ -108,9 +111,11 @@ class _CallbackLoader:
     """Wraps a module's real loader: runs the ``before`` callbacks, the module's code, then the
     ``after`` callbacks (only when the code ran without error, so a failed import keeps them)."""
 
-    def __init__(self, name: str, loader: object) -> None:
+    def __init__(self, name: str, loader: object, catch_up: bool = False) -> None:
         self.name = name
         self.loader = loader
+        self.catch_up = catch_up
+        """Also run the callbacks of watched modules that another finder loaded past the watcher."""
 
     def create_module(self, spec: "ModuleSpec") -> "ModuleType | None":
         create = getattr(self.loader, "create_module", None)
@@ -131,8 +136,13 @@ class _CallbackLoader:
         finally:
             with _lock:
                 _executing.discard(self.name)
-        for callback in _take(_after, self.name):
+        once = _take(_after, self.name)
+        with _lock:
+            every = [callback for callback in _every.get(self.name, ()) if callback not in once]
+        for callback in once + every:
             callback(module)
+        if self.catch_up:
+            _catch_up(self.name)
 
     def __getattr__(self, attribute: str) -> object:
         return getattr(self.loader, attribute)
@@ -142,15 +152,19 @@ class _ImportWatcher:
     """The ``sys.meta_path`` finder for watched names. It finds nothing itself."""
 
     def find_spec(self, name: str, path: "Sequence[str] | None" = None, target: object = None) -> "ModuleSpec | None":
-        if name not in _before and name not in _after:
-            return None
+        if name not in _before and name not in _after and name not in _every:
+            if not loaded_past_the_watcher():
+                return None
+            return _watched_spec(self, name, path, target, catch_up=True)
         return _watched_spec(self, name, path, target)
 
     def __repr__(self) -> str:
         return "<fsdp-shim import watcher>"
 
 
-def _watched_spec(watcher: object, name: str, path: object, target: object) -> "ModuleSpec | None":
+def _watched_spec(
+    watcher: object, name: str, path: object, target: object, catch_up: bool = False
+) -> "ModuleSpec | None":
     """The spec the finders after ``watcher`` give ``name``, with its loader wrapped.
 
     Only finders are asked, as the import system itself would ask them; nothing is imported."""
@@ -168,8 +182,55 @@ def _watched_spec(watcher: object, name: str, path: object, target: object) -> "
         return None
     loader = spec.loader
     if loader is not None and hasattr(loader, "exec_module") and not isinstance(loader, _CallbackLoader):
-        spec.loader = _CallbackLoader(name, loader)
+        spec.loader = _CallbackLoader(name, loader, catch_up)
     return spec
+
+
+missed: "dict[str, str]" = {}
+"""Watched modules that a finder in front of the shim's watcher loaded itself, so that the shim saw them
+only at a later import: name -> who loaded them (for the warning and ``status()``)."""
+
+_STANDARD_FINDERS = ("_frozen_importlib", "_frozen_importlib_external", "importlib._bootstrap", "importlib.machinery")
+
+
+def _loaded(name: str) -> bool:
+    """Whether ``name`` is in ``sys.modules`` and done executing (its spec no longer initializing)."""
+    module = sys.modules.get(name)
+    return module is not None and getattr(getattr(module, "__spec__", None), "_initializing", True) is False
+
+
+def loaded_past_the_watcher() -> "list[str]":
+    """Watched names with callbacks waiting that are imported and done: loaded past the watcher."""
+    return [name for name in list(_after) if _after.get(name) and name not in _executing and _loaded(name)]
+
+
+def finders_in_front(module: "ModuleType | None" = None) -> str:
+    """The finders on ``sys.meta_path`` in front of the shim's watchers (the start-up file's
+    trampoline or this module's), for messages: what loaded a module the shim did not see."""
+    names = []
+    for finder in sys.meta_path:
+        if finder is _watcher or _is_inline_watcher(finder):
+            break
+        if (
+            type(finder).__module__ not in _STANDARD_FINDERS
+            and getattr(finder, "__module__", "") not in _STANDARD_FINDERS
+        ):
+            names.append(repr(finder))
+    if names:
+        return "the finder(s) in front of fsdp-shim's import watcher on sys.meta_path (" + ", ".join(names) + ")"
+    loader = getattr(getattr(module, "__spec__", None), "loader", None)
+    return f"a finder that loaded it past fsdp-shim's import watcher (loader: {loader!r})"
+
+
+def _catch_up(trigger: str) -> None:
+    """Run the waiting callbacks of watched modules another finder loaded itself (noticed at the
+    import of ``trigger``, the first the watcher saw after them)."""
+    for name in loaded_past_the_watcher():
+        module = sys.modules[name]
+        with _lock:
+            missed.setdefault(name, finders_in_front(module) + "; noticed at the import of " + trigger)
+        for callback in _take(_after, name):
+            callback(module)
 
 
 def _take(callbacks: "dict[str, list[Callback]]", name: str) -> "list[Callback]":
@@ -202,6 +263,16 @@ def when_imported(name: str, callback: "Callback") -> None:
             _ensure_watcher()
     if not pending:
         callback(module)  # type: ignore[arg-type]
+
+
+def whenever_executed(name: str, callback: "Callback") -> None:
+    """Also call ``callback(module)`` after every later execution of the module ``name`` (a copy
+    imported again after it was removed from ``sys.modules``); ``when_imported`` covers the first."""
+    with _lock:
+        callbacks = _every.setdefault(name, [])
+        if callback not in callbacks:
+            callbacks.append(callback)
+        _ensure_watcher()
 
 
 def before_executed(name: str, callback: "Callback") -> None:
@@ -332,17 +403,28 @@ def _take_over_inline_watchers() -> None:
 
 
 def hand_over(module: "ModuleType", loader: object, source: str) -> None:
-    """Called by the start-up file's trampoline when the first Lightning package is about to execute."""
+    """Called by the start-up file's trampoline when the first Lightning package is about to execute,
+    or, when a finder in front of the trampoline loaded Lightning itself, at the first import after."""
+    loaded_past = (
+        [name for name in LIGHTNING_PACKAGES if _loaded(name)] if module.__name__ not in LIGHTNING_PACKAGES else []
+    )
+    who = finders_in_front(sys.modules.get(loaded_past[0])) if loaded_past else ""
     _record_source(source)
     _take_over_inline_watchers()
     _arm_lightning_packages()
     real = loader if isinstance(loader, _CallbackLoader) else _CallbackLoader(module.__name__, loader)
     real.exec_module(module)
+    if loaded_past:
+        for name, _ in LIGHTNING_NAMESPACES:
+            if name.partition(".")[0] in loaded_past and name in sys.modules:
+                missed.setdefault(name, who + "; noticed at the import of " + module.__name__)
+        load_shim()  # it patches what is imported at once
 
 
 WATCHER_CODE = """\
 def fsdp_shim_watcher(name, path=None, target=None):
-    if name in WATCHED:
+    if name in WATCHED or WATCHED and [1 for p in WATCHED if getattr(
+            getattr(sys.modules.get(p), "__spec__", None), "_initializing", 1) is False]:
         if "watched_spec" not in globals():
             exec(HAND_OVER_CODE, globals())
         return watched_spec(name, path, target)
@@ -353,7 +435,9 @@ sys.meta_path.insert(0, fsdp_shim_watcher)
 ``SOURCE`` (how the shim was armed), ``WATCHED`` (a list of ``LIGHTNING_PACKAGES``) and
 ``HAND_OVER_CODE``. A function that is its own ``find_spec`` is a complete finder, so no class is
 compiled at start-up, and the rest (``HAND_OVER_CODE``) is compiled only when a watched package is
-first looked up: compiling it at every interpreter start cost about 0.2 ms more."""
+first looked up: compiling it at every interpreter start cost about 0.2 ms more. A Lightning package
+that is already loaded (a finder in front of the trampoline answered for it) hands over at the next
+import the trampoline sees, so the shim still loads and patches it."""
 
 HAND_OVER_CODE = """\
 def watched_spec(name, path, target):

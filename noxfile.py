@@ -69,18 +69,20 @@ APP_DEPS_2_0 = [
     "requests",
 ]
 
+# A session that installs both layouts of one release (`lightning` and the standalone
+# `pytorch_lightning` + `lightning_fabric`) tests both in one run: they are separate class objects,
+# gated and patched on their own, and the suite is parametrized by layout, so nothing is lost against
+# one session per layout, while each session's fixed cost (collection, probing the environment, the
+# release-wide checks) is paid once.
 MATRIX: dict[str, list[str]] = {
     "lightning-2.0.9": ["lightning==2.0.9"],
     "lightning-2.1.0": ["lightning==2.1.0"],
-    "lightning-2.1.4": ["lightning==2.1.4"],
+    "lightning-2.1.4": ["lightning==2.1.4", "pytorch-lightning==2.1.4", "lightning-fabric==2.1.4"],
     "lightning-2.2.5": ["lightning==2.2.5"],
     "lightning-2.3.3": ["lightning==2.3.3"],
-    "lightning-2.4.0": ["lightning==2.4.0"],
+    "lightning-2.4.0": ["lightning==2.4.0", "pytorch-lightning==2.4.0", "lightning-fabric==2.4.0"],
     "lightning-2.5.0": ["lightning==2.5.0"],
-    "lightning-2.6.6": ["lightning==2.6.6"],
-    "standalone-2.1.4": ["pytorch-lightning==2.1.4", "lightning-fabric==2.1.4"],
-    "standalone-2.4.0": ["pytorch-lightning==2.4.0", "lightning-fabric==2.4.0"],
-    "standalone-2.6.6": ["pytorch-lightning==2.6.6", "lightning-fabric==2.6.6"],
+    "lightning-2.6.6": ["lightning==2.6.6", "pytorch-lightning==2.6.6", "lightning-fabric==2.6.6"],
     # What `pip install lightning==2.4.0` creates: an affected lightning.* next to the newest,
     # fixed pytorch_lightning/lightning_fabric. The default development environment.
     "mixed-2.4.0": ["lightning==2.4.0", "pytorch-lightning==2.6.6"],

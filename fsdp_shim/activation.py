@@ -8,6 +8,7 @@ imported). The patching code itself (wrapt, ``packaging``, ``logging``) loads on
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from typing import TYPE_CHECKING
@@ -19,7 +20,7 @@ from fsdp_shim.toggles import shim_enabled
 if TYPE_CHECKING:
     from types import ModuleType
 
-    from fsdp_shim.report import ShimStatus
+    from fsdp_shim.report import NamespaceStatus, ShimStatus
 
 _NAMESPACE_NAMES = tuple(name for name, _ in startup.LIGHTNING_NAMESPACES)
 
@@ -38,6 +39,8 @@ def activate() -> bool:
     operator's kill switch and outranks code.
     """
     global _active, _hooks_registered
+    if _in_the_fsdp_shim_command() and startup.switch_state(os.environ.get(startup.SHIM_VARIABLE)) == "invalid":
+        return False  # the command imports no Lightning; `fsdp-shim status` reports the value as a PROBLEM line
     if not shim_enabled():
         return False
     with _lock:
@@ -47,11 +50,22 @@ def activate() -> bool:
         _hooks_registered = True
     for name in _NAMESPACE_NAMES:
         if first:
+            startup.whenever_executed(name, _on_import)  # a copy imported again gets new classes
             startup.when_imported(name, _on_import)
         elif name in sys.modules:
             _patch_namespace(name)
     startup.fire_pending()
     return True
+
+
+def _in_the_fsdp_shim_command() -> bool:
+    """Whether this process is the ``fsdp-shim`` command (console script or ``python -m fsdp_shim``),
+    where a Python warning about an unreadable ``FSDP_SHIM`` would point into the console script."""
+    main = sys.modules.get("__main__")
+    if os.path.basename(getattr(main, "__file__", None) or "") in ("fsdp-shim", "fsdp-shim.exe", "fsdp-shim-script.py"):
+        return True
+    argv = list(getattr(sys, "orig_argv", ()))
+    return any((a == "-m" and b == "fsdp_shim") or a == "-mfsdp_shim" for a, b in zip(argv, [*argv[1:], ""]))
 
 
 def deactivate() -> None:
@@ -82,6 +96,27 @@ def status() -> ShimStatus:
     return collect_status()
 
 
+def _report_loaded_past_the_watcher(name: str, who: str, status: NamespaceStatus) -> None:
+    """A finder in front of the shim's watcher loaded ``name`` itself (an instrumenting import hook):
+    say so, naming it, whether or not the late patch worked; a failed one is an error in strict mode."""
+    from fsdp_shim import failures
+
+    remedy = "import fsdp_shim (or install that hook) so fsdp-shim's watcher comes first on sys.meta_path"
+    if status.patched:
+        failures.warn_once(
+            f"fsdp-shim: {who} loaded {name} without fsdp-shim's import watcher seeing it, so it was patched "
+            f"only then; a model FSDP wrapped before that keeps its dtype. To patch it at its import, {remedy}",
+            key=f"missed:{name}",
+        )
+    else:
+        failures.report(
+            f"fsdp-shim: {who} loaded {name} without fsdp-shim's import watcher seeing it, and it could not be "
+            f"patched then ({status.reason})",
+            f"Lightning was left unchanged, so FSDP 'true' precisions keep the memory bug; {remedy}",
+            key=f"missed:{name}",
+        )
+
+
 def _on_import(module: ModuleType) -> None:
     _patch_namespace(module.__name__)
 
@@ -97,7 +132,10 @@ def _patch_namespace(name: str) -> None:
         from fsdp_shim import integration
         from fsdp_shim.targets import namespace_named
 
-        integration.patch(namespace_named(name), activated_after_import=name in _imported_before_activation)
+        status = integration.patch(namespace_named(name), activated_after_import=name in _imported_before_activation)
+        who = startup.missed.get(name)
+        if who is not None and status.affected:
+            _report_loaded_past_the_watcher(name, who, status)
     except (FSDPShimError, Warning):
         raise
     except ImportError as error:  # the shim's own dependencies (wrapt, packaging) are missing

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -11,35 +12,101 @@ from typing import Any
 from fsdp_shim import __version__, startup_files
 
 
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions and examples as written, and every option's default in its help (an option whose
+    default is "absent" says what that means in its own words)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "(default:" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+DESCRIPTIONS = {
+    "run": (
+        "Run CMD with the shim active in every Python process it starts: a bootstrap sitecustomize goes\n"
+        "first on PYTHONPATH, which torchrun workers, Lightning's launcher and spawned processes inherit.\n"
+        "The command replaces fsdp-shim (exec): its exit code and signals are its own.",
+        "fsdp-shim run torchrun --nproc-per-node 8 train.py",
+    ),
+    "install": (
+        "Write the environment-wide start-up file (fsdp_shim.pth, and fsdp_shim.start for Python 3.15+),\n"
+        "so every Python process of this environment has the shim. It imports nothing until a process\n"
+        "imports Lightning. A file at those names that fsdp-shim did not write is left alone unless --force.",
+        "fsdp-shim install",
+    ),
+    "uninstall": (
+        "Remove the start-up files, only where their whole content is what fsdp-shim wrote; anything else\n"
+        "at those names is left and named (exit code 1).",
+        "fsdp-shim uninstall --user",
+    ),
+    "status": (
+        "What is installed and active (start-up file, fsdp-shim run, FSDP_SHIM), which Lightning releases\n"
+        "are installed, and whether the pieces agree: exit code 1 with a PROBLEM line when they do not.",
+        "fsdp-shim status --python-check",
+    ),
+    "verify": (
+        "Train a model for a few steps with FSDP, with the shim off and on, in fresh processes, and compare\n"
+        "dtypes and exact byte counts: a verdict per installed Lightning (fixed, not needed, FAILED).\n"
+        "Exit codes: 0 fixed or not needed; 1 FAILED, your model raised, or a step ran past --timeout;\n"
+        "2 verify could not run; 130 interrupted.",
+        "fsdp-shim verify --model my_project.model:MyModel --devices 2",
+    ),
+}
+
+
+def _command(commands: Any, name: str, summary: str) -> argparse.ArgumentParser:
+    description, example = DESCRIPTIONS[name]
+    return commands.add_parser(
+        name, help=summary, description=description, epilog=f"example:\n  {example}", formatter_class=_Formatter
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fsdp-shim",
-        description="Lightning 2.5.0's FSDP 'true'-precision fix for Lightning 2.1–2.4.",
+        description="Lightning 2.5.0's FSDP 'true'-precision fix for Lightning 2.1-2.4.",
+        epilog="example:\n  fsdp-shim verify          # does the shim fix this environment?\n"
+        "  fsdp-shim run python train.py\n\n'fsdp-shim COMMAND --help' describes each command.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"fsdp-shim {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True)
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
 
-    run = commands.add_parser("run", help="run CMD with the shim active in every Python process it starts")
+    run = _command(commands, "run", "run CMD with the shim active in every Python process it starts")
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="the command and its arguments")
 
     for name, text in (("install", "write"), ("uninstall", "remove")):
-        sub = commands.add_parser(name, help=f"{text} the environment-wide start-up file")
+        sub = _command(commands, name, f"{text} the environment-wide start-up file")
         where = sub.add_mutually_exclusive_group()
-        where.add_argument("--user", action="store_true", help="the user site-packages instead")
-        where.add_argument("--target", type=Path, metavar="DIR", help="this directory instead")
+        where.add_argument(
+            "--user", action="store_true", help="the user site-packages instead of this environment's site-packages"
+        )
+        where.add_argument(
+            "--target", type=Path, metavar="DIR", help="this directory instead (default: this environment's)"
+        )
         if name == "install":
             sub.add_argument(
-                "--force", action="store_true", help="write even where this Python does not read start-up files"
+                "--force",
+                action="store_true",
+                help="write even where this Python does not read start-up files, and replace files there that "
+                "fsdp-shim did not write",
             )
 
-    status = commands.add_parser("status", help="what is installed and active, and whether it agrees")
+    status = _command(commands, "status", "what is installed and active, and whether it agrees")
     status.add_argument("--json", action="store_true", help="machine-readable output")
-    status.add_argument("--python-check", action="store_true", help="also ask a fresh interpreter")
-
-    verify = commands.add_parser(
-        "verify", help="train a model with the shim off and on, in fresh processes, and compare"
+    status.add_argument(
+        "--python-check", action="store_true", help="also ask a fresh interpreter what importing Lightning gives"
     )
-    verify.add_argument("--precision", choices=("bf16-true", "16-true"), default="bf16-true")
+
+    verify = _command(commands, "verify", "train a model with the shim off and on, in fresh processes, and compare")
+    verify.add_argument(
+        "--precision",
+        choices=("bf16-true", "16-true"),
+        default="bf16-true",
+        help="the Lightning precision both runs use",
+    )
     verify.add_argument("--devices", type=_positive_int, default=1, metavar="N", help="processes (GPUs with CUDA)")
     verify.add_argument("--steps", type=_positive_int, default=3, metavar="N", help="training steps per run")
     verify.add_argument(
@@ -49,13 +116,32 @@ def _parser() -> argparse.ArgumentParser:
         "--model",
         type=_module_attribute,
         metavar="MODULE:ATTR",
-        help="your LightningModule class (built with no arguments) or a factory returning one",
+        help="your LightningModule class (built with no arguments) or a factory returning one "
+        "(default: verify's seed model)",
     )
     verify.add_argument(
         "--init-args", type=_json_object, default={}, metavar="JSON", help="keyword arguments for --model"
     )
     verify.add_argument(
-        "--datamodule", type=_module_attribute, metavar="MODULE:ATTR", help="LightningDataModule class or factory"
+        "--datamodule",
+        type=_module_attribute,
+        metavar="MODULE:ATTR",
+        help="LightningDataModule class or factory (default: the model's own train_dataloader)",
+    )
+    verify.add_argument(
+        "--model-path",
+        type=Path,
+        metavar="DIR",
+        help="the folder --model and --datamodule are imported from (default: the current folder; no other "
+        "probe sees it)",
+    )
+    verify.add_argument(
+        "--timeout",
+        type=_positive_number,
+        default=command_timeout(),
+        metavar="SECONDS",
+        help="how long one probe (reading Lightning, or one training run) may take before verify stops it and "
+        "every process it started, and exits 1",
     )
     verify.add_argument("--json", action="store_true", help="machine-readable output, every figure per rank")
     return parser
@@ -69,6 +155,22 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not a positive number")
     return value
+
+
+def _positive_number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
+    return value
+
+
+def command_timeout() -> float:
+    from fsdp_shim.verify.command import PROBE_TIMEOUT
+
+    return PROBE_TIMEOUT
 
 
 def _module_attribute(text: str) -> str:
@@ -128,13 +230,22 @@ def _install(args: argparse.Namespace) -> int:
         print(f"fsdp-shim install: refusing: {refusal}; --force writes there anyway.", file=sys.stderr)
         return 1
     try:
-        written, unchanged = startup_files.install(directory, create=args.force or args.user)
+        result = startup_files.install(directory, create=args.force or args.user, replace_foreign=args.force)
+    except startup_files.ForeignFileError as error:
+        print(f"fsdp-shim install: refusing: {error}; nothing was written. --force replaces it.", file=sys.stderr)
+        return 1
     except startup_files.StartupFileError as error:
         print(f"fsdp-shim install: {error}; nothing was written. {_where_to_instead(args)}.", file=sys.stderr)
         return 1
-    for path in written:
+    for existing in result.replaced_foreign:
+        print(
+            f"fsdp-shim install: replaced {existing.path}, which fsdp-shim did not write "
+            f"({existing.why_not_ours()}), because of --force",
+            file=sys.stderr,
+        )
+    for path in result.written:
         print(f"wrote {path}")
-    for path in unchanged:
+    for path in result.unchanged:
         print(f"already installed: {path}")
     return 0
 
@@ -142,21 +253,30 @@ def _install(args: argparse.Namespace) -> int:
 def _uninstall(args: argparse.Namespace) -> int:
     directory = _directory(args)
     try:
-        removed = startup_files.uninstall(directory)
+        removed, left = startup_files.uninstall(directory)
     except startup_files.StartupFileError as error:
         print(f"fsdp-shim uninstall: {error}.", file=sys.stderr)
         return 1
     for path in removed:
         print(f"removed {path}")
-    if not removed:
+    for existing in left:
+        print(
+            f"fsdp-shim uninstall: left {existing.path}: {existing.why_not_ours()}; delete it yourself if it should go",
+            file=sys.stderr,
+        )
+    if not removed and not left:
         print(f"nothing to remove in {directory}")
-    return 0
+    return 1 if left else 0
 
 
 def _status(args: argparse.Namespace) -> int:
     from fsdp_shim import environment_report
 
-    report = environment_report.collect(python_check=args.python_check)
+    try:
+        report = environment_report.collect(python_check=args.python_check)
+    except environment_report.NoTemporaryFolder as error:
+        print(f"fsdp-shim status: --python-check needs {error}", file=sys.stderr)
+        return 2
     print(json.dumps(report.as_dict(), indent=2) if args.json else environment_report.render(report))
     return 0 if report.consistent else 1
 
@@ -164,8 +284,8 @@ def _status(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from fsdp_shim.verify import command
 
-    if args.model is None and (args.init_args or args.datamodule):
-        print("fsdp-shim verify: --init-args and --datamodule need --model", file=sys.stderr)
+    if args.model is None and (args.init_args or args.datamodule or args.model_path):
+        print("fsdp-shim verify: --init-args, --datamodule and --model-path need --model", file=sys.stderr)
         return 2
     options = command.Options(
         precision=args.precision,
@@ -176,12 +296,38 @@ def _verify(args: argparse.Namespace) -> int:
         model=args.model,
         init_args=args.init_args,
         datamodule=args.datamodule,
+        model_path=str(args.model_path.resolve()) if args.model_path is not None else None,
+        timeout=args.timeout,
     )
     return command.main(options)
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    """Run one command; its exit code.
+
+    Output never crashes the command: characters the terminal's encoding cannot show are escaped
+    (``PYTHONIOENCODING=ascii``), and a reader that goes away (``fsdp-shim status | head -1``) ends it
+    quietly with 141, as a shell reports a tool that SIGPIPE stopped."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(errors="backslashreplace")
+    try:
+        code = _main(argv)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's own flush at exit is silent too
+        return 141
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # a bare `fsdp-shim`, as a bare `git`: what there is to do
+        parser.print_help()
+        return 0
     if args.command == "run":
         from fsdp_shim.runner import run
 

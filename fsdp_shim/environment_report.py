@@ -11,9 +11,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from _fsdp_shim_startup import LIGHTNING_PACKAGES, switch_state
@@ -24,10 +27,15 @@ from fsdp_shim.runner import BOOTSTRAP_DIRECTORY, bootstrap_on_pythonpath
 from fsdp_shim.toggles import valid_values
 from fsdp_shim.versions import is_affected_release
 
-# Run with ``python -c`` (not ``-m fsdp_shim...``, which would import the shim before Lightning):
-# it imports Lightning the way a training script does and reports what the shim did.
+# Run as a script from a private temporary folder (not ``-c``, and not ``-m fsdp_shim...``, which
+# would import the shim before Lightning): ``-c`` and ``-m`` put the current folder first on
+# ``sys.path``, so a ``yaml.py`` there would run in the child; a script's folder (holding nothing but
+# this script) goes there instead. It imports Lightning the way a training script does and writes what
+# the shim did to the file named by its argument, not to stdout, which start-up code of the
+# environment (an ``atexit`` print in a sitecustomize) may write to as well.
 CHILD_CHECK = f"""
 import importlib, importlib.util, json, sys, warnings
+OUT = sys.argv[1]
 warnings.simplefilter("ignore")
 imported, failed = [], {{}}
 for name in {LIGHTNING_PACKAGES!r}:
@@ -42,7 +50,8 @@ shim = sys.modules.get("fsdp_shim")
 report = {{"python": sys.executable, "imported": imported, "failed": failed, "shim_loaded": shim is not None}}
 if shim is not None:
     report["status"] = shim.status().as_dict()
-print(json.dumps(report))
+with open(OUT, "w") as handle:
+    json.dump(report, handle)
 """
 
 
@@ -65,7 +74,14 @@ class EnvironmentReport:
         return {**asdict(self), "consistent": self.consistent}
 
 
+def _switched_off() -> str | None:
+    """``FSDP_SHIM='0'`` (as written) when the variable switches the shim off, else ``None``."""
+    raw = os.environ.get(FSDP_SHIM)
+    return f"{FSDP_SHIM}={raw!r}" if switch_state(raw) in ("off", "invalid") else None
+
+
 def _installed_lightning() -> list[dict[str, Any]]:
+    off = _switched_off()
     rows = []
     for module in LIGHTNING_PACKAGES:
         found = distribution_of(module)
@@ -80,9 +96,13 @@ def _installed_lightning() -> list[dict[str, Any]]:
                     "distribution": distribution,
                     "version": version,
                     "affected": affected,
-                    "verdict": "would be patched (release lacks the fix)"
-                    if affected
-                    else "left untouched (fixed upstream, or no 'true' precisions)",
+                    "verdict": (
+                        f"not patched: {off} switches the shim off"
+                        if affected and off
+                        else "would be patched (release lacks the fix)"
+                        if affected
+                        else "left untouched (fixed upstream, or no 'true' precisions)"
+                    ),
                 }
             )
     return sorted(rows, key=lambda row: row["namespace"])
@@ -114,12 +134,33 @@ def _check_activations(report: EnvironmentReport) -> None:
             )
 
 
+class NoTemporaryFolder(Exception):
+    """``--python-check`` needs a temporary folder for its child's script and report, and has none."""
+
+
+def _run_child_check() -> tuple[subprocess.CompletedProcess[str], dict[str, Any] | None]:
+    try:
+        folder = tempfile.mkdtemp(prefix="fsdp-shim-status-")
+    except OSError as error:
+        raise NoTemporaryFolder(f"no usable temporary folder ({type(error).__name__}: {error}); set TMPDIR") from None
+    try:
+        script, out = Path(folder, "python_check.py"), Path(folder, "report.json")
+        script.write_text(CHILD_CHECK)
+        proc = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=600)
+        try:
+            return proc, json.loads(out.read_text())
+        except (OSError, ValueError):
+            return proc, None
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def _check_child(report: EnvironmentReport) -> None:
-    proc = subprocess.run([sys.executable, "-c", CHILD_CHECK], capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        report.problems.append(f"a fresh interpreter failed to import Lightning: {proc.stderr.strip()[-500:]}")
+    proc, child = _run_child_check()
+    if proc.returncode != 0 or child is None:
+        tail = proc.stderr.strip()[-500:] or f"exit {proc.returncode}, no report"
+        report.problems.append(f"a fresh interpreter failed to import Lightning: {tail}")
         return
-    child = json.loads(proc.stdout.strip().splitlines()[-1])
     report.child = child
     for package, failure in child.get("failed", {}).items():
         report.problems.append(describe_import_failure(package, failure))
@@ -146,7 +187,11 @@ def collect(python_check: bool = False) -> EnvironmentReport:
 def render(report: EnvironmentReport) -> str:
     lines = [f"fsdp-shim {report.shim_version}  (python: {report.python})", ""]
     shim = report.toggles.get(FSDP_SHIM)
-    lines.append(f"{FSDP_SHIM}={shim!r}" if shim is not None else f"{FSDP_SHIM} unset (shim on)")
+    off = switch_state(shim) in ("off", "invalid")
+    if shim is None:
+        lines.append(f"{FSDP_SHIM} unset (shim on)")
+    else:
+        lines.append(f"{FSDP_SHIM}={shim!r}" + (" (the shim is OFF: Lightning runs as shipped)" if off else ""))
     strict = report.toggles.get(FSDP_SHIM_STRICT)
     lines.append(f"{FSDP_SHIM_STRICT}={strict!r}" if strict is not None else f"{FSDP_SHIM_STRICT} unset (strict off)")
     lines += ["", "Activations:"]
@@ -168,10 +213,12 @@ def render(report: EnvironmentReport) -> str:
     if report.child is not None:
         lines += ["", "A fresh interpreter (imports Lightning, not fsdp_shim):"]
         if not report.child["shim_loaded"]:
-            lines.append("  shim not loaded: no start-up activation reached it")
+            why = f"{FSDP_SHIM}={shim!r} switches it off" if off else "no start-up activation reached it"
+            lines.append(f"  shim not loaded: {why}")
         for namespace in (report.child.get("status") or {}).get("namespaces", []):
             if namespace["imported"]:
                 lines.append(f"  {namespace['namespace']:<18} {namespace['version'] or '-':<10} {namespace['reason']}")
     lines.append("")
-    lines += [f"PROBLEM: {p}" for p in report.problems] or ["OK: consistent"]
+    ok = f"OK: consistent; the shim is OFF ({FSDP_SHIM}={shim!r}), so nothing is patched" if off else "OK: consistent"
+    lines += [f"PROBLEM: {p}" for p in report.problems] or [ok]
     return "\n".join(lines)

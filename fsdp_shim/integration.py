@@ -18,6 +18,7 @@ import threading
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from _fsdp_shim_startup import finders_in_front, loaded_past_the_watcher
 from _fsdp_shim_startup import pending as pending_imports
 from fsdp_shim import failures, late_activation, patching
 from fsdp_shim.log import debug, info_on_rank_zero
@@ -33,6 +34,9 @@ class _Record:
     installed: list[patching.Installed] = field(default_factory=list)
     deactivated: bool = False
     activated_after_import: bool = False
+    module: Any = None
+    """The namespace's module object when it was checked: another one in ``sys.modules`` now means it
+    was imported again (new classes), and this record describes a copy that is gone."""
 
 
 @dataclass
@@ -61,7 +65,43 @@ class _Refusal:
 
 
 _records: dict[str, _Record] = {ns.name: _Record() for ns in NAMESPACES}
+_retired: dict[str, list[_Record]] = {ns.name: [] for ns in NAMESPACES}
+"""Records of earlier copies of a namespace (imported again since): ``unpatch`` still restores them."""
 _lock = threading.Lock()
+
+
+def _replaced(record: _Record, namespace: Namespace) -> str | None:
+    """Why ``record`` no longer describes the namespace in ``sys.modules``, or ``None`` if it does.
+
+    Read from the modules themselves: a namespace module, or a module holding one of the patched
+    classes, that was removed from ``sys.modules`` and imported again holds new, unpatched classes."""
+    if record.decision is None:
+        return None
+    if record.module is not None and sys.modules.get(namespace.name) is not record.module:
+        return f"{namespace.name} was imported again after fsdp-shim checked it"
+    for item in record.installed:
+        current = getattr(sys.modules.get(item.owner.__module__), item.owner.__name__, None)
+        if current is not item.owner:
+            return (
+                f"{item.owner.__module__} was imported again after fsdp-shim patched it ({item.label} is a new class)"
+            )
+    return None
+
+
+def _renew(namespace: Namespace) -> _Record:
+    """The record for the namespace as imported now; a stale one is retired (call with ``_lock``)."""
+    record = _records[namespace.name]
+    if _replaced(record, namespace) is None:
+        return record
+    record.installed = [item for item in record.installed if not _still_current(item)]  # the rest: adopted
+    _retired[namespace.name].append(record)
+    fresh = _Record(activated_after_import=record.activated_after_import)
+    _records[namespace.name] = fresh
+    return fresh
+
+
+def _still_current(item: patching.Installed) -> bool:
+    return getattr(sys.modules.get(item.owner.__module__), item.owner.__name__, None) is item.owner
 
 
 def get_version(namespace: Namespace) -> str | None:
@@ -77,10 +117,10 @@ def patch(namespace: Namespace, *, activated_after_import: bool = False) -> Name
     Idempotent: a namespace is checked once; after ``deactivate()`` it is checked again, and a
     wrapper that had to stay under another library's wrapper is switched back on, not stacked.
     """
-    record = _records[namespace.name]
     if namespace.name not in sys.modules:
         return current_status(namespace)
     with _lock:
+        record = _renew(namespace)
         if activated_after_import:
             record.activated_after_import = True
         if _switch_back_on(record) or (record.decision is not None and not record.deactivated):
@@ -90,6 +130,7 @@ def patch(namespace: Namespace, *, activated_after_import: bool = False) -> Name
     with _lock:
         if record.installed or (record.decision is not None and not record.deactivated):
             return current_status(namespace)  # another thread got here first
+        record.module = sys.modules.get(namespace.name)
         if isinstance(outcome, NamespaceStatus):
             record.decision = outcome
         elif isinstance(outcome, _Refusal):
@@ -216,6 +257,11 @@ def unpatch(namespace: Namespace) -> NamespaceStatus:
     """
     record = _records[namespace.name]
     with _lock:
+        for old in _retired[namespace.name]:  # earlier copies' classes, which old objects may still use
+            for item in reversed(old.installed):
+                if item.placement() == "on top":
+                    item.remove()
+            old.installed = []
         results = [(item, item.remove()) for item in reversed(record.installed)]
         record.installed = [item for item, placement in results if placement == "under another wrapper"]
         if record.decision is not None:
@@ -246,7 +292,13 @@ def current_status(namespace: Namespace) -> NamespaceStatus:
     decision = record.decision
     if decision is None:
         reason = "imported; not checked yet"
-        if namespace.name in pending_imports():
+        if namespace.name in loaded_past_the_watcher():
+            module = sys.modules.get(namespace.name)
+            reason = (
+                f"imported; not checked yet: {finders_in_front(module)} loaded it without fsdp-shim's import "
+                "watcher seeing it (fsdp_shim.activate() checks it now)"
+            )
+        elif namespace.name in pending_imports():
             reason += " (its import finished while fsdp-shim was being activated; call fsdp_shim.activate())"
         return NamespaceStatus(
             namespace=namespace.name,
@@ -256,6 +308,15 @@ def current_status(namespace: Namespace) -> NamespaceStatus:
             activated_after_import=record.activated_after_import,
         )
     status = replace(decision, activated_after_import=record.activated_after_import)
+    gone = _replaced(record, namespace)
+    if gone is not None:
+        return replace(
+            status,
+            version=get_version(namespace),
+            patched=False,
+            targets=(),
+            reason=f"not patched: {gone}, and its new classes were not checked yet (fsdp_shim.activate() checks them)",
+        )
     if not decision.patched:
         return status
     if record.deactivated and not record.installed:

@@ -59,5 +59,5 @@ def describe_import_failure(name: str, failure: list[str | None]) -> str:
     installed = f" ({found[0]} {found[1]})" if found else ""
     text = f"{name}{installed} is installed but fails to import ({kind}: {message})"
     if missing == "pkg_resources":
-        text += "; Lightning 2.1–2.3 needs setuptools<81 (pip install 'setuptools<81')"
+        text += "; Lightning 2.1-2.3 needs setuptools<81 (pip install 'setuptools<81')"
     return text

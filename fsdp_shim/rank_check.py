@@ -172,7 +172,8 @@ def _missing_message(
     noun = "rank" if len(missing) == 1 else "ranks"
     return (
         f"fsdp-shim: {noun} {_ranks(missing)} of {world_size} did not confirm the FSDP precision fix within "
-        f"{limit:g} s, so this job is half-patched: ranks {_ranks(sorted(reports))} (on {', '.join(hosts)}) hold "
+        f"{limit:g} s, so this job is half-patched: {'rank' if len(reports) == 1 else 'ranks'} "
+        f"{_ranks(sorted(reports))} (on {', '.join(hosts)}) hold "
         f"their shards, gradients and optimizer state in {_short(dtype)}, the others most likely in float32, "
         "and it would fail or mix dtypes at its first checkpoint. Stopping before training. Likely causes on "
         f"the ranks that did not answer: {SHIM_VARIABLE}=0 in their environment; a node whose Python "
@@ -192,7 +193,9 @@ def _disagreement_message(reports: dict[int, dict[str, Any]], world_size: int) -
             f"fsdp-shim {report.get('fsdp_shim')})"
         )
         groups.setdefault(label, []).append(r)
-    described = "; ".join(f"ranks {_ranks(ranks)}: {label}" for label, ranks in groups.items())
+    described = "; ".join(
+        f"{'rank' if len(ranks) == 1 else 'ranks'} {_ranks(ranks)}: {label}" for label, ranks in groups.items()
+    )
     return (
         f"fsdp-shim: the {world_size} ranks of this job converted their models to different dtypes ({described}), "
         "so their shards, gradients and optimizer state would not match. Stopping before training. Use one "

@@ -13,10 +13,14 @@ for it.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import os
 import site
+import stat
 import sysconfig
-from dataclasses import dataclass
+import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from _fsdp_shim_startup import HAND_OVER_CODE, LIGHTNING_PACKAGES, WATCHER_CODE
@@ -80,11 +84,86 @@ class StartupFile:
     """Whether the content is what this version of fsdp-shim writes."""
 
 
-def install(directory: Path, create: bool = False) -> tuple[list[Path], list[Path]]:
-    """Write both files, or neither; returns (written, already current). Idempotent.
+PREVIOUS_DIGESTS = frozenset(
+    {
+        # SHA-256 of every start-up file text earlier fsdp-shim versions wrote (0.1.0 and the
+        # development versions since), so `install` upgrades them and `uninstall` removes them
+        # without asking, while a file with any other content is someone else's.
+        "8b08d613d3f4054110b3883c81dbd2ae20cecf241985bda4d437ec054ead13aa",  # 0.2.0
+        "44ad4bf1742e8c50dc472ae77b7aefd23dfccf55571728f8276b981f995b5d63",
+        "af4661eeab14bc5646e48889b51d51ad2aba0e2a60f30e6c1e3ac9c203e50270",
+        "60134e6b1aa147cdc9e63777a12df51b066cf499ea706559eabbd94cba4515b1",
+        "e8986c188fc8523ab7ebc214e759e53f1788091a71c3c000f0c0976366d7f098",
+        "438893b3ddfa127391f3b5fe1f887e98096f0dcd4c391688fc6dc89308d2be66",
+        "77cda68d971c2389cfe7f95ec5b1826d2b3a4c9dc2b698f6e82c68320b57fd5e",
+        "27630d4bd7548ec9de6f44aee8b9ffdc14c46fa47d0474398ce43227f27af865",
+        "ccbfe4ddb1d22604b17211e8202f5f8bfdc8cec63e4e70e162980558a98d304b",
+        "10663d3e05c8027aefc8860e93fa1a4a9f3de7a067a8958778cd9ad21fb7e15a",
+    }
+)
 
-    ``create`` makes a missing directory first. Each file is written to a temporary name and renamed
-    into place, so a starting interpreter sees the old file or the new one, never half of one.
+
+class ForeignFileError(StartupFileError):
+    """A file at one of fsdp-shim's names holds content fsdp-shim never wrote; ``--force`` replaces it."""
+
+
+@dataclass(frozen=True)
+class Existing:
+    """What sits at one start-up file's path, looked at without following a link."""
+
+    path: Path
+    kind: str
+    """``missing``, ``current`` (this version's text), ``ours`` (an earlier version's text), ``foreign``
+    (a regular file with other content), ``link``, ``directory`` or ``special``."""
+
+    def why_not_ours(self) -> str:
+        return {
+            "foreign": "its content is not what fsdp-shim wrote (edited, or another program's file)",
+            "link": "it is a symbolic link",
+            "directory": "it is a directory",
+            "special": "it is not a regular file",
+        }[self.kind]
+
+
+def inspect(path: Path, text: str) -> Existing:
+    """Classify what is at ``path``; ``text`` is what this version writes there."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return Existing(path, "missing")
+    except OSError:
+        return Existing(path, "special")
+    if stat.S_ISLNK(info.st_mode):
+        return Existing(path, "link")
+    if stat.S_ISDIR(info.st_mode):
+        return Existing(path, "directory")
+    if not stat.S_ISREG(info.st_mode):
+        return Existing(path, "special")
+    content = _read_bytes(path)
+    if content == text.encode():
+        return Existing(path, "current")
+    if content is not None and hashlib.sha256(content).hexdigest() in PREVIOUS_DIGESTS:
+        return Existing(path, "ours")
+    return Existing(path, "foreign")
+
+
+@dataclass
+class Installed:
+    written: list[Path] = field(default_factory=list)
+    unchanged: list[Path] = field(default_factory=list)
+    replaced_foreign: list[Existing] = field(default_factory=list)
+    """Files fsdp-shim did not write that ``replace_foreign`` let it replace (reported, never silent)."""
+
+
+def install(directory: Path, create: bool = False, replace_foreign: bool = False) -> Installed:
+    """Write both files, or neither. Idempotent.
+
+    ``create`` makes a missing directory first. Each file is written to a new file with an
+    unpredictable name (``tempfile.mkstemp``: created exclusively, never through a link another user
+    planted in a shared site-packages) and renamed over the final name, which replaces a link there
+    rather than writing through it; a starting interpreter sees the old file or the new one, never
+    half of one. Concurrent installs into one folder each rename their own file, so all succeed.
+    A file at either name that fsdp-shim did not write is replaced only with ``replace_foreign``.
     """
     if not directory.is_dir():
         if directory.exists():
@@ -95,36 +174,84 @@ def install(directory: Path, create: bool = False) -> tuple[list[Path], list[Pat
             directory.mkdir(parents=True)
         except OSError as error:
             raise _cannot_write(directory, error) from error
-    pending = [(directory / name, text) for name, text in FILES.items()]
-    unchanged = [path for path, text in pending if _read(path) == text]
-    pending = [(path, text) for path, text in pending if path not in unchanged]
-    temporaries: list[tuple[Path, Path]] = []
+    result = Installed()
+    pending: list[tuple[Existing, str]] = []
+    for name, text in FILES.items():
+        existing = inspect(directory / name, text)
+        if existing.kind in ("directory", "special"):
+            raise StartupFileError(f"{existing.path} exists and {existing.why_not_ours()}")
+        if existing.kind == "current":
+            result.unchanged.append(existing.path)
+            continue
+        if existing.kind in ("foreign", "link"):
+            if not replace_foreign:
+                raise ForeignFileError(
+                    f"{existing.path} exists and fsdp-shim did not write it: {existing.why_not_ours()}"
+                )
+            result.replaced_foreign.append(existing)
+        pending.append((existing, text))
+    temporaries: list[tuple[str, Existing]] = []
     try:
-        for path, text in pending:
-            temporary = path.with_name(f".{path.name}.tmp")
-            temporaries.append((temporary, path))
-            temporary.write_text(text)
-    except OSError as error:
-        for temporary, _ in temporaries:
-            temporary.unlink(missing_ok=True)
-        raise _cannot_write(directory, error) from error
-    for temporary, path in temporaries:  # renames within one directory: both succeed once writes did
-        temporary.replace(path)
-    return [path for _, path in temporaries], unchanged
-
-
-def uninstall(directory: Path) -> list[Path]:
-    """Remove both files where they are ours; returns what was removed."""
-    removed = []
-    for name in FILES:
-        path = directory / name
-        if _read(path).startswith(MARKER):
+        for existing, text in pending:
+            temporaries.append((_write_temporary(directory, text), existing))
+        for index, (temporary, existing) in enumerate(temporaries):
             try:
-                path.unlink()
-            except OSError as error:
-                raise _cannot_write(directory, error) from error
-            removed.append(path)
-    return removed
+                os.replace(temporary, existing.path)
+            except OSError:
+                for _, done in temporaries[:index]:  # both or neither: take back a file that was not there
+                    if done.kind == "missing":
+                        _unlink(done.path)
+                raise
+            result.written.append(existing.path)
+    except OSError as error:
+        raise _cannot_write(directory, error) from error
+    finally:
+        for temporary, _ in temporaries:
+            _unlink(Path(temporary))
+    return result
+
+
+def _write_temporary(directory: Path, text: str) -> str:
+    descriptor, name = tempfile.mkstemp(prefix=f".{STEM}-", suffix=".tmp", dir=directory)
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(descriptor, 0o666 & ~umask)  # as a plain write would make it: readable by every user
+        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+            descriptor = -1
+            handle.write(text)
+    except BaseException:
+        if descriptor != -1:
+            os.close(descriptor)
+        _unlink(Path(name))
+        raise
+    return name
+
+
+def _unlink(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink()
+
+
+def uninstall(directory: Path) -> tuple[list[Path], list[Existing]]:
+    """Remove both files where their whole content is what fsdp-shim wrote (this or an earlier
+    version); returns (removed, left): anything else at those names is left and reported."""
+    removed, left = [], []
+    for name, text in FILES.items():
+        existing = inspect(directory / name, text)
+        if existing.kind == "missing":
+            continue
+        if existing.kind not in ("current", "ours"):
+            left.append(existing)
+            continue
+        try:
+            existing.path.unlink()
+        except FileNotFoundError:
+            continue  # a concurrent uninstall got there first
+        except OSError as error:
+            raise _cannot_write(directory, error) from error
+        removed.append(existing.path)
+    return removed, left
 
 
 def find(directories: list[Path] | None = None) -> list[StartupFile]:
@@ -139,10 +266,27 @@ def find(directories: list[Path] | None = None) -> list[StartupFile]:
 
 
 def _read(path: Path) -> str:
+    content = _read_bytes(path)
+    return "" if content is None else content.decode("utf-8", errors="replace")
+
+
+def _read_bytes(path: Path) -> bytes | None:
+    """The file's bytes, or ``None``; a symbolic link is not followed (it is nobody's start-up file)."""
     try:
-        return path.read_text(errors="replace") if path.is_file() else ""
+        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     except OSError:
-        return ""
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            return None
+        with os.fdopen(descriptor, "rb") as handle:
+            descriptor = -1
+            return handle.read(1 << 20)
+    except OSError:
+        return None
+    finally:
+        if descriptor != -1:
+            os.close(descriptor)
 
 
 def _cannot_write(directory: Path, error: OSError) -> StartupFileError:

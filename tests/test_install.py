@@ -143,3 +143,146 @@ def test_a_read_only_site_packages(readonly_folder: tuple[Path, tuple[str, ...]]
         os.chmod(site_packages, 0o755)
     assert_one_line_failure(proc, f"cannot write to {site_packages}", "nothing was written. Use --target DIR")
     assert startup_files_in(site_packages) == ["aa_outer_environment.pth"]
+
+
+# ----------------------------------------------------------------------------- issue 17.1, 17.3, 17.8
+@pytest.fixture
+def site_packages(tmp_path: Path) -> tuple[str, Path]:
+    """A new virtual environment's python and site-packages (a folder it reads start-up files from)."""
+    environment = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(environment)], check=True)
+    python = str(environment / "bin" / "python")
+    folder = Path(
+        subprocess.check_output(
+            [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True
+        ).strip()
+    )
+    (folder / "aa_outer_environment.pth").write_text(f"{ROOT}\n")
+    return python, folder
+
+
+def test_a_link_planted_at_the_old_temporary_name_or_the_final_name_is_never_written_through(
+    site_packages: tuple[str, Path], tmp_path: Path
+) -> None:
+    """Issue 17.1: a symlink in a shared site-packages must not make install overwrite its target."""
+    python, folder = site_packages
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    (folder / ".fsdp_shim.pth.tmp").symlink_to(victim)  # the fixed temporary name 0.2.0 used
+    (folder / ".fsdp_shim.start.tmp").symlink_to(victim)
+    proc = shim("install", python=python)
+    assert proc.returncode == 0, proc.stderr
+    assert victim.read_text() == "precious\n"
+    for name, text in (("fsdp_shim.pth", PTH_TEXT), ("fsdp_shim.start", START_TEXT)):
+        assert not (folder / name).is_symlink()
+        assert (folder / name).read_text() == text
+    assert startup_files_in(folder) == [
+        ".fsdp_shim.pth.tmp",
+        ".fsdp_shim.start.tmp",
+        "aa_outer_environment.pth",
+        "fsdp_shim.pth",
+        "fsdp_shim.start",
+    ]
+
+    shim("uninstall", python=python)
+    (folder / "fsdp_shim.pth").symlink_to(victim)  # a link at the final name: refused, then replaced, not followed
+    refused = shim("install", python=python)
+    assert_one_line_failure(refused, "refusing", "fsdp_shim.pth", "symbolic link", "nothing was written", "--force")
+    assert (folder / "fsdp_shim.pth").is_symlink() and not (folder / "fsdp_shim.start").exists()
+    forced = shim("install", "--force", python=python)
+    assert forced.returncode == 0, forced.stderr
+    assert "replaced" in forced.stderr and "symbolic link" in forced.stderr
+    assert victim.read_text() == "precious\n"
+    assert not (folder / "fsdp_shim.pth").is_symlink() and (folder / "fsdp_shim.pth").read_text() == PTH_TEXT
+
+
+def test_a_foreign_startup_file_is_not_replaced_without_force_and_an_edited_one_not_removed(
+    site_packages: tuple[str, Path],
+) -> None:
+    """Issue 17.3: fsdp-shim replaces or removes only what it wrote, whole content compared."""
+    python, folder = site_packages
+    foreign = "# another tool's file that happens to be called fsdp_shim.pth\n"
+    (folder / "fsdp_shim.pth").write_text(foreign)
+    refused = shim("install", python=python)
+    assert_one_line_failure(refused, "refusing", "fsdp_shim.pth", "not what fsdp-shim wrote", "--force")
+    assert (folder / "fsdp_shim.pth").read_text() == foreign and not (folder / "fsdp_shim.start").exists()
+
+    assert shim("uninstall", python=python).returncode == 1  # not ours: left, and said so
+    assert (folder / "fsdp_shim.pth").read_text() == foreign
+
+    (folder / "fsdp_shim.pth").unlink()
+    assert shim("install", python=python).returncode == 0
+    edited = PTH_TEXT + "# my own note\n"  # first line still fsdp-shim's marker
+    (folder / "fsdp_shim.pth").write_text(edited)
+    proc = shim("uninstall", python=python)
+    assert proc.returncode == 1
+    assert f"removed {folder / 'fsdp_shim.start'}" in proc.stdout
+    assert f"left {folder / 'fsdp_shim.pth'}" in proc.stderr and "not what fsdp-shim wrote" in proc.stderr
+    assert (folder / "fsdp_shim.pth").read_text() == edited
+
+
+def test_a_file_from_fsdp_shim_0_1_is_upgraded_and_removed_without_force(tmp_path: Path) -> None:
+    folder = tmp_path / "site-packages"
+    folder.mkdir()
+    (folder / "fsdp_shim.pth").write_text((ROOT / "tests" / "data" / "fsdp_shim-0.1.0.pth").read_text())
+    proc = shim("install", "--target", str(folder), "--force")
+    assert proc.returncode == 0 and "replaced" not in proc.stderr, proc.stderr
+    assert (folder / "fsdp_shim.pth").read_text() == PTH_TEXT
+    (folder / "fsdp_shim.pth").write_text((ROOT / "tests" / "data" / "fsdp_shim-0.1.0.pth").read_text())
+    assert shim("uninstall", "--target", str(folder)).returncode == 0
+    assert startup_files_in(folder) == []
+
+
+def test_a_directory_at_one_of_the_names_writes_neither_file(tmp_path: Path) -> None:
+    """Issue 17.8: both files or neither, and no temporary file left behind."""
+    folder = tmp_path / "site-packages"
+    (folder / "fsdp_shim.start").mkdir(parents=True)
+    proc = shim("install", "--target", str(folder), "--force")
+    assert_one_line_failure(proc, "fsdp_shim.start exists and it is a directory", "nothing was written")
+    assert startup_files_in(folder) == ["fsdp_shim.start"]
+
+
+def test_concurrent_installs_into_one_folder_all_succeed(tmp_path: Path) -> None:
+    """Issue 17.8: `srun fsdp-shim install` runs one install per task, all at once."""
+    folder = tmp_path / "site-packages"
+    folder.mkdir()
+    script = (
+        "import contextlib, pathlib, sys\n"
+        "from fsdp_shim.startup_files import install\n"
+        "folder = pathlib.Path(sys.argv[1])\n"
+        "for _ in range(30):\n"
+        "    install(folder)\n"
+        "    for name in ('fsdp_shim.pth', 'fsdp_shim.start'):\n"
+        "        with contextlib.suppress(FileNotFoundError):\n"
+        "            (folder / name).unlink()\n"
+        "install(folder)\n"
+    )
+    command = [sys.executable, "-c", script, str(folder)]
+    procs = [subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=clean_env()) for _ in range(6)]
+    errors = [proc.communicate(timeout=120)[1] for proc in procs]
+    assert [proc.returncode for proc in procs] == [0] * 6, errors
+    assert startup_files_in(folder) == ["fsdp_shim.pth", "fsdp_shim.start"]
+    assert (folder / "fsdp_shim.pth").read_text() == PTH_TEXT
+
+
+def test_a_user_site_install_is_not_read_under_python_s_as_the_docs_say(tmp_path: Path) -> None:
+    """Issue 17.9: `install --user`, then `python -s` or PYTHONNOUSERSITE=1: not armed, so the
+    "cannot reach" table in docs/activation.md lists it, with what to do instead."""
+    base_python = getattr(sys, "_base_executable", sys.executable)
+    env = clean_env(PYTHONUSERBASE=str(tmp_path / "userbase"), PYTHONPATH=str(ROOT))
+    installed = shim("install", "--user", env=env, python=base_python)
+    if installed.returncode != 0:
+        pytest.skip(f"this base interpreter does not read a user site: {installed.stderr}")
+    armed = "import sys; print(any(getattr(f, '__name__', '') == 'fsdp_shim_watcher' for f in sys.meta_path))"
+    runs = {
+        "plain": ([base_python, "-c", armed], env),
+        "-s": ([base_python, "-s", "-c", armed], env),
+        "PYTHONNOUSERSITE": ([base_python, "-c", armed], {**env, "PYTHONNOUSERSITE": "1"}),
+    }
+    seen = {name: subprocess.check_output(cmd, env=e, text=True).strip() for name, (cmd, e) in runs.items()}
+    assert seen == {"plain": "True", "-s": "False", "PYTHONNOUSERSITE": "False"}
+    row = next(
+        line for line in (ROOT / "docs" / "activation.md").read_text().splitlines() if "PYTHONNOUSERSITE" in line
+    )
+    assert "`python -s`" in row and "not active if installed with `install --user`" in row
+    assert shim("uninstall", "--user", env=env, python=base_python).returncode == 0

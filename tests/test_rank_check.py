@@ -83,6 +83,16 @@ def test_a_rank_without_the_shim_stops_the_job_and_is_named(tmp_path, layouts, a
         assert not (tmp_path / f"{out.name}.rank{rank}.json").exists()
 
 
+def test_ranks_that_converted_to_different_dtypes_stop_the_job(tmp_path, layouts):
+    """Every rank has the shim, but one node was configured for 16-true: the disagreement is named."""
+    package = affected_package(layouts)
+    proc, _ = torchrun(tmp_path, package, "trainer", 2, extra=("--precision-on-rank", "1:16-true"), expect_ok=False)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "FSDPShimError: fsdp-shim: the 2 ranks of this job converted their models to different dtypes" in output
+    assert "rank 0: bfloat16 (lightning.pytorch" in output and "rank 1: float16 (lightning.pytorch" in output
+
+
 def test_timeout_zero_switches_the_check_off(tmp_path, layouts):
     """With the check off, the half-patched job trains as it would without it: mixed dtypes, exit 0."""
     package = affected_package(layouts)

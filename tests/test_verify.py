@@ -111,10 +111,21 @@ def test_the_table_two_processes_and_the_phases(layouts: dict[str, Layout]) -> N
         "losses (3 steps)",
     ):
         assert row in proc.stdout
+    assert "(peak memory: peak RSS above the import baseline)" in proc.stdout
     pretrained_row = next(line for line in proc.stdout.splitlines() if seed.UNITS["pretrained"] in line)
     assert pretrained_row.rstrip().endswith("-50%")
-    assert f"[1/2] {affected[0]}" in proc.stderr and "training with the shim off" in proc.stderr
-    assert f"[2/2] {affected[0]}" in proc.stderr and "training with the shim on" in proc.stderr
+    # Issue 18.5: the counter counts the runs once (the gate, before their number is known, is not
+    # numbered), everything fits 100 columns, and each term is explained once.
+    phases = [line for line in proc.stderr.splitlines() if line.startswith("fsdp-shim verify: ")]
+    assert phases[0] == "fsdp-shim verify: reading the installed Lightning ..."
+    label = f"{affected[0]} {trainer_versions(layouts)[affected[0]]}"
+    assert phases[1:] == [
+        f"fsdp-shim verify: [1/2] {label}: training with the shim off ...",
+        f"fsdp-shim verify: [2/2] {label}: training with the shim on ...",
+    ]
+    assert max(len(line) for line in proc.stdout.splitlines()) <= 100, proc.stdout
+    for term in ("GPU guards lifted:", "flat parameter:", "seed model:"):
+        assert sum(line.startswith(f"  {term}") for line in proc.stdout.splitlines()) == 1, term
 
 
 @pytest.mark.release_independent

@@ -48,7 +48,10 @@ def assert_exactly_half(section: dict[str, Any], devices: int, steps: int = 3) -
         assert off["peak_memory_kind"] == "peak RSS above the import baseline"
 
 
-@pytest.mark.parametrize("devices", [1, pytest.param(2, marks=pytest.mark.release_independent)])
+# `verify` itself runs on every release (tests/test_verify.py); with a user's model it is the same
+# probe with another module, so once is enough.
+@pytest.mark.release_independent
+@pytest.mark.parametrize("devices", [1, 2])
 def test_layers_from_init_configure_model_and_a_float32_state_dict_are_exactly_halved(
     devices: int, layouts: dict[str, Layout]
 ) -> None:
@@ -177,3 +180,18 @@ def test_the_docs_worked_example_runs_as_written(layouts: dict[str, Layout]) -> 
     proc = verify("--model", "my_model:MyModel", cwd=example, env=clean_env())
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "fixed: sharded parameters, gradients and optimizer state are 50% smaller on rank 0" in proc.stdout
+
+
+@pytest.mark.release_independent
+def test_a_model_that_casts_itself_is_told_the_shim_changes_nothing(layouts: dict[str, Layout]) -> None:
+    """Issue 17.6: right without the shim, so "fixed" would claim what the shim did not do."""
+    namespace = affected_trainer(layouts)
+    proc = verify_model(namespace, "--model", "user_models:CastsItself", "--json")
+    assert proc.returncode == 0, proc.stderr
+    section = only_section(proc)
+    assert section["verdict"] == "not needed", section["reason"]
+    assert "the shim changes nothing for this model" in section["reason"]
+    off, on = section["shim_off"][0], section["shim_on"][0]
+    assert off["module_dtype"] == on["module_dtype"] == "torch.bfloat16"
+    for key in BYTE_KEYS:
+        assert off[key] == on[key]

@@ -10,16 +10,22 @@ script, multiprocessing spawn.
 If the shim cannot be armed (the interpreter ``run`` started belongs to another environment, without
 fsdp-shim), the first import of Lightning says so, and fails in strict mode.
 
+``fsdp-shim run python2.7 ...`` (or any Python older than the shim supports, 3.9) runs this file too,
+so it is written to be parsed by every Python (no f-strings, no annotations): under such a Python it
+only chains to the shadowed ``sitecustomize`` and says nothing, since the shim cannot run there anyway.
+
 Do not import anything heavy here: it runs in every Python process the command starts.
 """
+# ruff: noqa: ANN001, ANN202, ANN204, UP031  (parsed by every Python: no annotations, no f-strings)
 
 import os
 import sys
 
 LIGHTNING_PACKAGES = ("lightning", "lightning_fabric", "pytorch_lightning")  # as _fsdp_shim_startup's
+SUPPORTED = sys.version_info >= (3, 9)
 
 
-def _arm_shim() -> None:
+def _arm_shim():
     try:
         import _fsdp_shim_startup
 
@@ -31,17 +37,17 @@ def _arm_shim() -> None:
 class _NotArmed:
     """Finder that reports, once, at the first Lightning import, that the shim could not be armed."""
 
-    def __init__(self, error: Exception) -> None:
+    def __init__(self, error):
         self.error = error
 
-    def find_spec(self, name: str, path: object = None, target: object = None) -> None:
+    def find_spec(self, name, path=None, target=None):
         if name not in LIGHTNING_PACKAGES or self.error is None:
             return None
         error, self.error = self.error, None
         message = (
-            f"fsdp-shim run: the shim could not be armed in {sys.executable} ({type(error).__name__}: {error}), "
-            "so Lightning runs without its FSDP 'true'-precision fix. Install fsdp-shim in this interpreter's "
-            "environment."
+            "fsdp-shim run: the shim could not be armed in %s (%s: %s), so Lightning runs without its FSDP "
+            "'true'-precision fix. Install fsdp-shim in this interpreter's environment."
+            % (sys.executable, type(error).__name__, error)
         )
         strict = os.environ.get("FSDP_SHIM_STRICT", "").strip().lower()
         if strict and strict not in ("0", "false", "off", "no", "n", "disable", "disabled"):
@@ -50,7 +56,7 @@ class _NotArmed:
         return None
 
 
-def _run_shadowed_sitecustomize() -> None:
+def _run_shadowed_sitecustomize():
     """Import the next ``sitecustomize`` on the path, with this folder (and any alias of it) removed
     from ``sys.path`` for good: only that folder, so entries the other module adds stay."""
     here = os.path.realpath(os.path.dirname(os.path.abspath(__file__)))
@@ -59,7 +65,7 @@ def _run_shadowed_sitecustomize() -> None:
     try:
         import sitecustomize  # noqa: F401 - the shadowed one, if there is one
     except ImportError as error:
-        if error.name != "sitecustomize":  # the user's sitecustomize itself failed to import something
+        if getattr(error, "name", "sitecustomize") != "sitecustomize":  # the user's sitecustomize failed
             _report(error)
     except Exception as error:
         _report(error)
@@ -67,10 +73,13 @@ def _run_shadowed_sitecustomize() -> None:
         sys.modules[__name__] = this_module  # there was none to shadow: the import system expects one
 
 
-def _report(error: BaseException) -> None:
+def _report(error):
     """What ``site`` itself does when a sitecustomize fails: print and carry on."""
-    sys.stderr.write(f"Error in sitecustomize; set PYTHONVERBOSE for traceback:\n{type(error).__name__}: {error}\n")
+    sys.stderr.write(
+        "Error in sitecustomize; set PYTHONVERBOSE for traceback:\n%s: %s\n" % (type(error).__name__, error)
+    )
 
 
-_arm_shim()
+if SUPPORTED:
+    _arm_shim()
 _run_shadowed_sitecustomize()

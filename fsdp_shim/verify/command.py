@@ -11,12 +11,16 @@ raised (their traceback is printed); 2 a usage problem or an environment verify 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import textwrap
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -30,6 +34,7 @@ from fsdp_shim.versions import FIRST_AFFECTED, base_release, is_affected_release
 DTYPES = {"bf16-true": "torch.bfloat16", "16-true": "torch.float16"}
 BYTE_KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes")
 PROBE_TIMEOUT = 1800
+"""Seconds one probe (reading Lightning, or one training run) may take before verify stops it (--timeout)."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,9 @@ class Options:
     model: str | None = None
     init_args: dict[str, Any] = field(default_factory=dict)
     datamodule: str | None = None
+    timeout: float = PROBE_TIMEOUT
+    model_path: str | None = None
+    """The folder ``--model`` and ``--datamodule`` are imported from (default: the current folder)."""
 
 
 @dataclass
@@ -86,8 +94,11 @@ class Progress:
         return self
 
     def phase(self, label: str) -> None:
+        """Start the next phase; with ``total`` 0 (the gate, before the number of runs is known) it is
+        not numbered, so the counter never reads "[1/1]" and then starts again."""
         self._done += 1
-        self._label, self._start = f"[{self._done}/{self._total}] {label}", time.monotonic()
+        counter = f"[{self._done}/{self._total}] " if self._total else ""
+        self._label, self._start = f"{counter}{label}", time.monotonic()
         if not self._animated and not self._quiet:
             print(f"fsdp-shim verify: {self._label} ...", file=sys.stderr, flush=True)
 
@@ -105,13 +116,36 @@ class Progress:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-            sys.stderr.write("\r" + " " * 90 + "\r")
+            sys.stderr.write("\r" + " " * WIDTH + "\r")
             sys.stderr.flush()
 
 
 # ----------------------------------------------------------------------------- running the probe
+PROBE_SCRIPT = """\
+# fsdp-shim verify's probe, run as a script from verify's own temporary folder: ``-m`` and ``-c`` put
+# the current folder first on sys.path, where a yaml.py (or packaging.py, ...) would run in the probe.
+# Lightning's launcher re-runs this same script on every other rank.
+import os, sys
+PACKAGE_ROOT = {root!r}
+if PACKAGE_ROOT not in sys.path:  # fsdp-shim run from a clone without being installed
+    sys.path.insert(1, PACKAGE_ROOT)
+os.environ.setdefault("PYTHONWARNINGS", "ignore")
+from fsdp_shim.verify.probe import main
+main(sys.argv[1:])
+"""
+
+
+def _probe_script(workdir: Path) -> Path:
+    import fsdp_shim
+
+    script = workdir / "fsdp_shim_verify_probe.py"
+    if not script.exists():
+        script.write_text(PROBE_SCRIPT.format(root=str(Path(fsdp_shim.__file__).resolve().parent.parent)))
+    return script
+
+
 def _probe_command(mode: str, out: Path, options: Options, namespace: str | None = None) -> list[str]:
-    command = [sys.executable, "-m", "fsdp_shim.verify.probe", mode, "--out", str(out)]
+    command = [sys.executable, str(_probe_script(out.parent)), mode, "--out", str(out)]
     command += ["--precision", options.precision, "--devices", str(options.devices), "--steps", str(options.steps)]
     if namespace is not None:
         command += ["--namespace", namespace]
@@ -119,12 +153,42 @@ def _probe_command(mode: str, out: Path, options: Options, namespace: str | None
         command += ["--model", options.model, "--init-args", json.dumps(options.init_args)]
     if options.datamodule is not None:
         command += ["--datamodule", options.datamodule]
+    if options.model is not None or options.datamodule is not None:
+        command += ["--model-path", options.model_path or os.getcwd()]
     return command
 
 
-def _run_probe(command: list[str], shim: str, out: Path) -> subprocess.CompletedProcess[str]:
+def _run_probe(command: list[str], shim: str, out: Path, step: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run one probe in a session of its own, and leave none of its processes behind.
+
+    The probe and every process it starts (the other ranks Lightning's launcher starts, their workers)
+    share one process group, which is killed whatever happens: after the probe ends, when it runs past
+    ``timeout``, when the user presses Ctrl-C (the terminal's SIGINT reaches only verify's own group),
+    and when verify itself fails. A rank that hangs in a collective survives SIGTERM, hence SIGKILL.
+    """
     env = dict(os.environ, FSDP_SHIM=shim, PYTHONWARNINGS="ignore")
-    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=PROBE_TIMEOUT)
+    proc = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        raise Stop(
+            1,
+            f"fsdp-shim verify: {step} did not finish within {timeout:g} s, so verify stopped it and every "
+            "process it started; --timeout SECONDS allows longer",
+        ) from None
+    except KeyboardInterrupt:
+        _kill_group(proc)
+        raise Stop(130, f"fsdp-shim verify: interrupted while {step}; every process it started was stopped") from None
+    finally:
+        _kill_group(proc)
     errors = sorted(out.parent.glob(f"{out.name}.rank*.error.json"))
     if errors:
         record = json.loads(errors[0].read_text())
@@ -136,7 +200,16 @@ def _run_probe(command: list[str], shim: str, out: Path) -> subprocess.Completed
             f"{record['traceback'].rstrip()}\n\nfsdp-shim verify: your code raised while {record['phase']} "
             f"(shim {state}); the traceback above is from your model, not from fsdp-shim.",
         )
-    return proc
+    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL the probe's process group (its own session's id is its pid), then reap the probe."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    if proc.returncode is None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.communicate(timeout=30)
 
 
 def _failure(proc: subprocess.CompletedProcess[str], what: str) -> str:
@@ -144,18 +217,23 @@ def _failure(proc: subprocess.CompletedProcess[str], what: str) -> str:
     return f"{what} failed (exit {proc.returncode}): {tail}"
 
 
+GATE_STEP = "reading the installed Lightning"
+
+
 def run_gate(options: Options, workdir: Path) -> tuple[dict[str, Any], str]:
     """The gate probe's findings, or an error when the probe itself failed."""
     out = workdir / "gate.json"
-    proc = _run_probe(_probe_command("gate", out, options), "1", out)
+    proc = _run_probe(_probe_command("gate", out, options), "1", out, GATE_STEP, options.timeout)
     if proc.returncode != 0 or not out.exists():
         return {}, _failure(proc, "reading the installed Lightning")
     return json.loads(out.read_text()), ""
 
 
-def run_measure(options: Options, workdir: Path, namespace: str | None, shim: str) -> tuple[list[dict[str, Any]], str]:
+def run_measure(
+    options: Options, workdir: Path, namespace: str | None, shim: str, step: str = "training"
+) -> tuple[list[dict[str, Any]], str]:
     out = workdir / f"{namespace or 'model'}-shim{shim}"
-    proc = _run_probe(_probe_command("measure", out, options, namespace), shim, out)
+    proc = _run_probe(_probe_command("measure", out, options, namespace), shim, out, step, options.timeout)
     reports = [json.loads(p.read_text()) for p in sorted(workdir.glob(f"{out.name}.rank*.json"))]
     if proc.returncode != 0 or len(reports) != options.devices:
         return reports, _failure(proc, f"the run with FSDP_SHIM={shim}")
@@ -198,6 +276,12 @@ def judge(off: list[dict[str, Any]], on: list[dict[str, Any]], precision: str, s
         )
     if problems:
         return "FAILED", "; ".join(problems)
+    already_right = all(a["module_dtype"] == want and a["flat_param_dtypes"] == [want] for a in off)
+    if not seed_model and already_right and all(_figures(a) == _figures(b) for a, b in zip(off, on)):
+        return "not needed", (
+            f"this model is already {want.removeprefix('torch.')} without the shim (it casts itself), so the shim "
+            "changes nothing for this model: measured, every dtype and byte count is the same with it on"
+        )
     note = ""
     if not measure.finite(on[0]["losses"]):
         note = (
@@ -253,8 +337,9 @@ def _not_measured(namespace: str, info: dict[str, Any], options: Options) -> Sec
 def _measured(options: Options, workdir: Path, progress: Progress, namespace: str | None, label: str) -> Section:
     runs: dict[str, list[dict[str, Any]]] = {}
     for shim, state in (("0", "off"), ("1", "on")):
-        progress.phase(f"{label}: training with the shim {state}")
-        reports, error = run_measure(options, workdir, namespace, shim)
+        step = f"{label}: training with the shim {state}"
+        progress.phase(step)
+        reports, error = run_measure(options, workdir, namespace, shim, step)
         if error:
             return Section(namespace or "model", None, "FAILED", error, runs.get("0"), reports or None)
         runs[shim] = reports
@@ -264,8 +349,8 @@ def _measured(options: Options, workdir: Path, progress: Progress, namespace: st
 
 
 def verify(options: Options, workdir: Path) -> list[Section]:
-    with Progress(not options.as_json, total=1) as progress:
-        progress.phase("reading the installed Lightning")
+    with Progress(not options.as_json, total=0) as progress:
+        progress.phase(GATE_STEP)
         gate, error = run_gate(options, workdir)
     if error:
         return [Section("Lightning", None, "FAILED", error)]
@@ -301,9 +386,14 @@ def _cell(key: str, value: Any) -> str:
         return str(value).removeprefix("torch.")
     if key == "peak_memory_bytes":
         return f"{value / 2**20:,.1f} MiB"
-    if key == "losses":
-        shown = ", ".join("nan" if v is None else f"{v:.3g}" for v in value[:4])
-        return shown + (", ..." if len(value) > 4 else "")
+    if key == "losses":  # as many as fit the column (--json has them all)
+        texts = ["nan" if v is None else f"{v:.3g}" for v in value]
+        shown = ""
+        for count in range(len(texts), 0, -1):
+            shown = ", ".join(texts[:count]) + (", ..." if count < len(texts) else "")
+            if len(shown) < VALUE - 1:
+                break
+        return shown
     return f"{value:,}" if isinstance(value, int) else str(value)
 
 
@@ -313,48 +403,79 @@ def _change(off: Any, on: Any) -> str:
     return ""
 
 
+WIDTH = 100
+"""verify's output fits a 100-column terminal: the table, the verdicts (wrapped) and the terms."""
+LABEL, VALUE = 46, 22
+
+TERMS = {
+    "GPU guards lifted": "Lightning refuses FSDP without a GPU; verify lifts that check in its own processes only, "
+    "never in your training processes, to run the same code on CPU with gloo.",
+    "flat parameter": "FSDP keeps the parameters of each wrapped unit in one flat tensor per rank; its dtype is "
+    "what the sharded parameter, gradient and optimizer-state bytes are made of.",
+    "seed model": "verify's own model when --model is not given: two copies of Lightning's demo Transformer, "
+    "one built in configure_model, one loaded in float32 as from_pretrained does.",
+}
+
+
 def _row(label: str, key: str, off: Any, on: Any, indent: int = 2) -> str:
-    row = f"{'':<{indent}}{label:<{48 - indent}}{_cell(key, off):>22}{_cell(key, on):>22}  {_change(off, on)}"
-    return row.rstrip()
+    row = f"{'':<{indent}}{label:<{LABEL - indent}}{_cell(key, off):>{VALUE}}{_cell(key, on):>{VALUE}}"
+    return f"{row}  {_change(off, on)}".rstrip()
 
 
-def render_section(section: Section, options: Options) -> list[str]:
+def _wrapped(text: str, indent: str) -> list[str]:
+    return textwrap.wrap(text, WIDTH, initial_indent=indent, subsequent_indent=indent + "  ")
+
+
+def render_section(section: Section, options: Options, used: set[str] | None = None) -> list[str]:
+    """One section's lines; ``used`` collects the terms it shows, explained once under all sections."""
+    used = set() if used is None else used
     lines = [f"{section.namespace} {section.version or ''}".rstrip()]
     if section.shim_off and section.shim_on:
         off, on = section.shim_off[0], section.shim_on[0]
-        where = (
-            f"CUDA with NCCL, {options.devices} GPU(s)"
-            if on["device"] == "cuda"
-            else f"CPU check with gloo, {options.devices} process(es); GPU guards lifted in the check's own processes"
-        )
-        lines += [f"  {where}. Figures are rank 0's; --json has every rank.", ""]
-        lines.append(f"  {'':<46}{'shim off':>22}{'shim on':>22}")
+        if on["device"] == "cuda":
+            lines.append(f"  CUDA with NCCL, {options.devices} GPU(s).")
+        else:
+            lines.append(f"  CPU check with gloo, {options.devices} process(es); GPU guards lifted (see Terms).")
+            used.add("GPU guards lifted")
+        lines += ["  Figures are rank 0's; --json has every rank.", ""]
+        lines.append(f"  {'':<{LABEL - 2}}{'shim off':>{VALUE}}{'shim on':>{VALUE}}")
         rows = [
             ("LightningModule.dtype", "module_dtype"),
             ("flat-parameter dtypes", "flat_param_dtypes"),
             ("sharded parameter bytes", "param_bytes"),
         ]
+        used.add("flat parameter")
         lines += [_row(label, key, off[key], on[key]) for label, key in rows]
         for unit, label in seed.UNITS.items() if options.model is None else ():
             lines.append(_row(label, "bytes", off["unit_param_bytes"][unit], on["unit_param_bytes"][unit], indent=4))
+        if options.model is None:
+            used.add("seed model")
         rows = [
             ("sharded gradient bytes", "grad_bytes"),
             ("optimizer-state bytes", "optimizer_state_bytes"),
-            (f"peak memory ({on['peak_memory_kind']})", "peak_memory_bytes"),
+            ("peak memory", "peak_memory_bytes"),
             (f"losses ({len(on['losses'])} steps)", "losses"),
         ]
         lines += [_row(label, key, off[key], on[key]) for label, key in rows]
+        lines.append(f"    (peak memory: {on['peak_memory_kind']})")
         lines.append("")
-    lines.append(f"  {section.verdict}: {section.reason}")
+    lines += _wrapped(f"{section.verdict}: {section.reason}", "  ")
     return lines
 
 
 def render(sections: list[Section], options: Options) -> str:
     lines = [f"fsdp-shim verify ({options.precision}, {options.devices} device(s), {options.steps} steps)", ""]
+    used: set[str] = set()
     for section in sections:
-        lines += [*render_section(section, options), ""]
+        lines += [*render_section(section, options, used), ""]
+    if used:
+        lines.append("Terms:")
+        for term, meaning in TERMS.items():
+            if term in used:
+                lines += _wrapped(f"{term}: {meaning}", "  ")
+        lines.append("")
     verdict, reason = overall(sections)
-    lines.append(f"verdict: {verdict} ({reason})")
+    lines += _wrapped(f"verdict: {verdict} ({reason})", "")
     return "\n".join(lines)
 
 
@@ -365,11 +486,21 @@ def main(options: Options) -> int:
         return 2
     start = time.monotonic()
     try:
-        with tempfile.TemporaryDirectory(prefix="fsdp-shim-verify-") as tmp:
-            sections = verify(options, Path(tmp))
+        tmp = tempfile.mkdtemp(prefix="fsdp-shim-verify-")
+    except OSError as error:
+        print(
+            f"fsdp-shim verify: no usable temporary folder ({type(error).__name__}: {error}); "
+            "set TMPDIR to a writable folder",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        sections = verify(options, Path(tmp))
     except Stop as stop:
         print(stop.message, file=sys.stderr)
         return stop.code
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     verdict, reason = overall(sections)
     if options.as_json:
         document = {

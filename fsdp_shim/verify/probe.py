@@ -1,4 +1,4 @@
-"""The verify child process: ``python -m fsdp_shim.verify.probe gate|measure ...``.
+"""The verify child process: ``python <verify's temporary folder>/fsdp_shim_verify_probe.py gate|measure ...``.
 
 ``gate`` imports every installed Lightning Trainer namespace (and the user's module, with
 ``--model``) with the shim on and reports versions, import failures and what the shim did: enough
@@ -46,7 +46,8 @@ def usage_error(message: str) -> ProbeStop:
 
 
 def resolve(spec: str) -> Any:
-    """``package.module:attribute`` -> the attribute. Importing the user's module runs their code."""
+    """``package.module:attribute`` (or ``:Class.factory``) -> the attribute. Importing the user's
+    module runs their code."""
     module_name, _, attribute = spec.partition(":")
     try:
         module = importlib.import_module(module_name)
@@ -54,15 +55,19 @@ def resolve(spec: str) -> Any:
         if error.name and module_name.startswith(error.name):
             raise usage_error(
                 f"cannot import {module_name!r} (from {spec!r}): run verify where it is importable "
-                "(the current directory or PYTHONPATH)"
+                "(the current folder, --model-path DIR, or PYTHONPATH)"
             ) from error
         raise user_error(f"importing {module_name}") from error
     except Exception as error:
         raise user_error(f"importing {module_name}") from error
-    try:
-        return getattr(module, attribute)
-    except AttributeError as error:
-        raise usage_error(f"{module_name} has no attribute {attribute!r} (from {spec!r})") from error
+    target: Any = module
+    for index, name in enumerate(attribute.split(".")):
+        try:
+            target = getattr(target, name)
+        except AttributeError as error:
+            owner = ".".join([module_name, *attribute.split(".")[:index]])
+            raise usage_error(f"{owner} has no attribute {name!r} (from {spec!r})") from error
+    return target
 
 
 def trainer_namespace_of(obj: Any, kind: str) -> str | None:
@@ -229,12 +234,14 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--model", default=None)
     parser.add_argument("--init-args", default="{}")
     parser.add_argument("--datamodule", default=None)
+    parser.add_argument("--model-path", default=None)
     return parser.parse_args(argv)
 
 
 def main(argv: list[str]) -> None:
     args = parse(argv)
-    sys.path.insert(0, os.getcwd())  # the user's modules, as `python -m` would find them
+    if args.model_path is not None:  # only for --model/--datamodule: the user's modules, from their folder
+        sys.path.insert(0, args.model_path)
     try:
         if args.mode == "gate":
             Path(args.out).write_text(json.dumps(gate(args.model, args.datamodule)))
@@ -247,6 +254,6 @@ def main(argv: list[str]) -> None:
     leave_process_group(0)
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # verify runs it through command.PROBE_SCRIPT; this is for a person debugging
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     main(sys.argv[1:])

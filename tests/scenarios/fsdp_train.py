@@ -62,6 +62,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--shim-off-rank", type=int, default=None, help="this global rank (RANK, under torchrun) runs with FSDP_SHIM=0"
     )
     parser.add_argument(
+        "--precision-on-rank", default=None, help="RANK:PRECISION: that rank (RANK, under torchrun) uses another one"
+    )
+    parser.add_argument(
         "--delay-rank", default=None, help="RANK:SECONDS: that rank sleeps after joining the process group"
     )
     return parser.parse_args(argv)
@@ -359,6 +362,10 @@ def init_torch_distributed(devices: int) -> int:
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
     cases = [tuple(case.split(":")) for case in args.cases.split(",")]
+    if args.precision_on_rank is not None:
+        rank_text, _, other = args.precision_on_rank.partition(":")
+        if os.environ.get("RANK") == rank_text:  # a node configured differently from the others
+            cases = [(kind, other) for kind, _ in cases]
     trainer_ns, fabric_ns = namespaces(args.package)
     if args.shim_off_rank is not None and os.environ.get("RANK") == str(args.shim_off_rank):
         os.environ["FSDP_SHIM"] = "0"  # what a node exported with FSDP_SHIM=0 looks like to its ranks

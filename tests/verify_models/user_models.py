@@ -77,3 +77,22 @@ class RaisesInTrainingStep(ThreeWays):
 
 
 NOT_A_MODULE = 42
+
+
+class CastsItself(pl.LightningModule):
+    """Casts itself to bfloat16 in ``__init__``: right without the shim, which changes nothing for it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(FEATURES, FEATURES)
+        self.to(torch.bfloat16)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        return self.layer(x.to(torch.bfloat16)).float().pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.trainer.model.parameters(), lr=1e-3)
+
+    def train_dataloader(self) -> DataLoader:
+        return _data()

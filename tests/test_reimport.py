@@ -1,0 +1,39 @@
+"""Issue 17.4: Lightning imported again after being removed from ``sys.modules``."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import Layout, child_json
+
+from fsdp_shim.versions import is_affected_release
+
+TRAINER = {"lightning": "lightning.pytorch", "standalone": "pytorch_lightning"}
+
+
+def affected_namespace(layouts: dict[str, Layout]) -> str:
+    for package, layout in layouts.items():
+        if is_affected_release(layout.trainer_version):
+            return TRAINER[package]
+    pytest.skip("needs an affected Lightning")
+
+
+def test_a_namespace_imported_again_gets_its_new_classes_patched(layouts: dict[str, Layout]) -> None:
+    namespace = affected_namespace(layouts)
+    result = child_json("reimport:import_again", {"namespace": namespace}, python_args=("-W", "ignore"))
+    assert result["new_class"]
+    assert result["dtype"] == "torch.bfloat16"
+    assert f"{namespace}:FSDPPrecision.convert_module" in result["wrappers"]
+    assert result["status"]["patched"] and result["status"]["reason"].startswith("patched"), result["status"]
+
+
+def test_status_reads_the_classes_in_sys_modules_now(layouts: dict[str, Layout]) -> None:
+    namespace = affected_namespace(layouts)
+    result = child_json("reimport:import_one_module_again", {"namespace": namespace}, python_args=("-W", "ignore"))
+    assert result["before"]["patched"]
+    stale = result["stale"]
+    assert stale["dtype"] == "torch.float32"
+    assert not stale["status"]["patched"]
+    assert "was imported again after fsdp-shim patched it" in stale["status"]["reason"], stale
+    assert "fsdp_shim.activate()" in stale["status"]["reason"]
+    assert result["after"]["dtype"] == "torch.bfloat16"
+    assert result["after"]["status"]["patched"], result["after"]
