@@ -261,3 +261,72 @@ def docs(session: nox.Session) -> None:
 
 
 nox.options.sessions = ["lint", *(f"tests-{name}" for name in MATRIX), "compat-table", "docs"]
+
+
+# ----------------------------------------------------------------------------- real cluster launchers
+CLUSTER_LIGHTNING = DEFAULT_SESSION
+"""The Lightning the cluster tests train with (2.4.0, affected): the same .matrix folder as its session."""
+
+
+CLUSTER_LIMIT_SECONDS = 900
+"""The cluster tests are killed after this (about 5-10 minutes here; each job has its own 240 s bound)."""
+
+
+@nox.session
+@timed
+def cluster(session: nox.Session) -> None:
+    """A real SLURM (two slurmd "nodes" on 127.0.0.1) and two torchrun nodes on loopback, running real
+    FSDP in every activation mode (tests/test_cluster.py). Installs Debian's slurm and munge with
+    apt-get if missing (about 30-60 s; needs root), starts its own daemons in a temporary folder and
+    stops exactly those afterwards, also when the tests fail."""
+    import shutil
+    import tempfile
+
+    started = time.monotonic()
+    if os.geteuid() != 0 or not shutil.which("apt-get"):
+        session.skip("needs root and apt-get (Debian) to install and run SLURM")
+    target = install_target(session, CLUSTER_LIGHTNING)
+    # Each of the ~80 ranks below imports Lightning; without .pyc files (uv writes none, and
+    # PYTHONDONTWRITEBYTECODE=1 keeps Python from writing them) each would compile it again: seconds each.
+    session.run(sys.executable, "-m", "compileall", "-q", str(target), external=True)
+    slurm = [sys.executable, str(ROOT / "tests" / "cluster" / "slurm.py")]
+    session.run(*slurm, "install", external=True)
+    state = Path(tempfile.mkdtemp(prefix="fsdp-shim-slurm-")) / "cluster"
+    state.parent.chmod(0o755)  # munged runs as user munge and must reach its folder inside
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    tables = RESULTS_DIR / "cluster-tables.txt"
+    tables.unlink(missing_ok=True)
+    env = {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH", "")])),
+        "FSDP_SHIM_TEST_SCOPE": "all",
+        "FSDP_SHIM_TEST_CLUSTER": "1",
+        "FSDP_SHIM_TEST_CLUSTER_TABLES": str(tables),
+        "SLURM_CONF": str(state / "slurm.conf"),
+    }
+    try:
+        session.run(*slurm, "start", str(state), external=True)
+        session.run(
+            "timeout",
+            "--kill-after=30",
+            str(CLUSTER_LIMIT_SECONDS),
+            sys.executable,
+            "-m",
+            "pytest",
+            "-v",
+            "-s",  # the per-rank tables go to the log as each job ends
+            "-p",
+            "no:cacheprovider",
+            f"--junitxml={RESULTS_DIR / 'cluster.xml'}",
+            str(ROOT / "tests" / "test_cluster.py"),
+            *session.posargs,
+            env=env,
+            external=True,
+        )
+    finally:
+        session.run(*slurm, "stop", str(state), external=True)
+        shutil.rmtree(state.parent, ignore_errors=True)
+        session.log(f"cluster session: {time.monotonic() - started:.0f} s wall; per-rank tables in {tables}")
+
+
+# After the matrix sessions (it reuses the default session's Lightning folder), before the table and docs.
+nox.options.sessions.insert(nox.options.sessions.index("compat-table"), "cluster")
