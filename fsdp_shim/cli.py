@@ -167,9 +167,12 @@ def _positive_number(text: str) -> float:
     return value
 
 
-def command_timeout() -> float:
-    from fsdp_shim.verify.command import PROBE_TIMEOUT
+PROBE_TIMEOUT = 1800
+"""verify's default --timeout, in seconds. Here, not in verify.command, so that building the parser
+imports nothing beyond the standard library (install runs in bare environments)."""
 
+
+def command_timeout() -> float:
     return PROBE_TIMEOUT
 
 
