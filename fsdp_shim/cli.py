@@ -167,9 +167,12 @@ def _positive_number(text: str) -> float:
     return value
 
 
-def command_timeout() -> float:
-    from fsdp_shim.verify.command import PROBE_TIMEOUT
+PROBE_TIMEOUT = 1800
+"""verify's default --timeout, in seconds. Here, not in verify.command, so that building the parser
+imports nothing beyond the standard library (install runs in bare environments)."""
 
+
+def command_timeout() -> float:
     return PROBE_TIMEOUT
 
 
@@ -284,8 +287,11 @@ def _status(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from fsdp_shim.verify import command
 
-    if args.model is None and (args.init_args or args.datamodule or args.model_path):
-        print("fsdp-shim verify: --init-args, --datamodule and --model-path need --model", file=sys.stderr)
+    if args.model is None and (args.init_args or args.datamodule):
+        print("fsdp-shim verify: --init-args and --datamodule need --model", file=sys.stderr)
+        return 2
+    if args.model is None and args.model_path is not None:
+        print("fsdp-shim verify: --model-path needs --model", file=sys.stderr)
         return 2
     options = command.Options(
         precision=args.precision,

@@ -107,7 +107,7 @@ def test_the_table_two_processes_and_the_phases(layouts: dict[str, Layout]) -> N
         seed.UNITS["model"],
         "sharded gradient bytes",
         "optimizer-state bytes",
-        "peak memory (peak RSS above the import baseline)",
+        "peak memory",
         "losses (3 steps)",
     ):
         assert row in proc.stdout
