@@ -140,6 +140,8 @@ def inspect(path: Path, text: str) -> Existing:
     if not stat.S_ISREG(info.st_mode):
         return Existing(path, "special")
     content = _read_bytes(path)
+    if content is None and not os.path.lexists(path):
+        return Existing(path, "missing")  # removed between the look and the read (a concurrent uninstall)
     if content == text.encode():
         return Existing(path, "current")
     if content is not None and hashlib.sha256(content).hexdigest() in PREVIOUS_DIGESTS:

@@ -129,6 +129,13 @@ def layouts() -> dict[str, Layout]:
     return {package: Layout(package, *versions) for package, versions in found.items()}
 
 
+@pytest.fixture
+def lightning_installed(layouts: dict[str, Layout]) -> None:
+    """Skips where no Lightning is importable (the no-Lightning session): the test needs one to read."""
+    if not layouts:
+        pytest.skip("needs an installed Lightning")
+
+
 def layout_or_skip(layouts: dict[str, Layout], package: str) -> Layout:
     if package not in layouts:
         pytest.skip(f"the {package} layout of Lightning is not installed in this environment")

@@ -52,6 +52,7 @@ def markers(folder: Path) -> dict[str, str]:
 
 
 @pytest.mark.release_independent
+@pytest.mark.usefixtures("lightning_installed")
 def test_status_python_check_runs_no_code_from_the_current_folder(planted: Path) -> None:
     proc = cli("status", "--python-check", "--json", cwd=planted)
     assert markers(planted) == {}
@@ -60,6 +61,7 @@ def test_status_python_check_runs_no_code_from_the_current_folder(planted: Path)
     assert proc.returncode in (0, 1), proc.stderr
 
 
+@pytest.mark.usefixtures("lightning_installed")
 def test_verify_probes_run_no_code_from_the_current_folder(planted: Path) -> None:
     proc = cli("verify", "--steps", "1", "--json", cwd=planted)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
@@ -104,7 +106,11 @@ NO_TEMPORARY_FOLDER = (
 
 @pytest.mark.release_independent
 @pytest.mark.parametrize("command", [["verify"], ["status", "--python-check"]])
-def test_no_usable_temporary_folder_is_one_line_and_exit_2(command: list[str], tmp_path: Path) -> None:
+def test_no_usable_temporary_folder_is_one_line_and_exit_2(
+    command: list[str], tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    if command == ["verify"]:
+        request.getfixturevalue("lightning_installed")  # without Lightning, verify stops before it needs one
     missing = str(tmp_path / "no-such-folder")
     proc = subprocess.run(
         [sys.executable, "-c", NO_TEMPORARY_FOLDER, missing, *command],
@@ -237,6 +243,7 @@ def wait_for_pids(folder: Path, count: int, seconds: float = 120) -> list[int]:
 
 
 @pytest.mark.release_independent
+@pytest.mark.usefixtures("lightning_installed")
 def test_a_probe_that_hangs_is_stopped_with_everything_it_started(tmp_path: Path) -> None:
     env = clean_env(FSDP_SHIM_TEST_PIDS=str(tmp_path))
     start = time.monotonic()
@@ -255,6 +262,7 @@ def test_a_probe_that_hangs_is_stopped_with_everything_it_started(tmp_path: Path
 
 
 @pytest.mark.release_independent
+@pytest.mark.usefixtures("lightning_installed")
 def test_ctrl_c_stops_every_process_the_probe_started(tmp_path: Path) -> None:
     env = clean_env(FSDP_SHIM_TEST_PIDS=str(tmp_path))
     verify = subprocess.Popen(

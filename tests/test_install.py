@@ -284,5 +284,5 @@ def test_a_user_site_install_is_not_read_under_python_s_as_the_docs_say(tmp_path
     row = next(
         line for line in (ROOT / "docs" / "activation.md").read_text().splitlines() if "PYTHONNOUSERSITE" in line
     )
-    assert "`python -s`" in row and "not active if installed with `install --user`" in row
+    assert "`python -s`" in row and "not active if installed with" in row and "`install --user`" in row
     assert shim("uninstall", "--user", env=env, python=base_python).returncode == 0

@@ -5,24 +5,31 @@ from __future__ import annotations
 import pytest
 from conftest import Layout, child_json
 
+from fsdp_shim.targets import namespace_named, precision_convert_module
 from fsdp_shim.versions import is_affected_release
 
 TRAINER = {"lightning": "lightning.pytorch", "standalone": "pytorch_lightning"}
 
 
-def affected_namespace(layouts: dict[str, Layout]) -> str:
+def affected_trainer(layouts: dict[str, Layout]) -> tuple[str, str]:
+    """The Trainer namespace of an affected release in this session, and its release."""
     for package, layout in layouts.items():
         if is_affected_release(layout.trainer_version):
-            return TRAINER[package]
+            return TRAINER[package], layout.trainer_version
     pytest.skip("needs an affected Lightning")
 
 
+def affected_namespace(layouts: dict[str, Layout]) -> str:
+    return affected_trainer(layouts)[0]
+
+
 def test_a_namespace_imported_again_gets_its_new_classes_patched(layouts: dict[str, Layout]) -> None:
-    namespace = affected_namespace(layouts)
+    namespace, version = affected_trainer(layouts)
+    precision_class = precision_convert_module(namespace_named(namespace), version).class_name
     result = child_json("reimport:import_again", {"namespace": namespace}, python_args=("-W", "ignore"))
     assert result["new_class"]
     assert result["dtype"] == "torch.bfloat16"
-    assert f"{namespace}:FSDPPrecision.convert_module" in result["wrappers"]
+    assert f"{namespace}:{precision_class}.convert_module" in result["wrappers"]
     assert result["status"]["patched"] and result["status"]["reason"].startswith("patched"), result["status"]
 
 

@@ -143,7 +143,7 @@ def test_a_broken_lightning_next_to_a_working_one_is_failed_not_not_needed(
     assert found["lightning.pytorch"]["verdict"] == "FAILED"
     reason = found["lightning.pytorch"]["reason"]
     assert "lightning.pytorch" in reason and "fails to import" in reason and "No module named 'pkg_resources'" in reason
-    assert "Lightning 2.1–2.3 needs setuptools<81" in reason
+    assert "Lightning 2.1-2.3 needs setuptools<81" in reason
     assert found["pytorch_lightning"]["verdict"] == "not needed"
     assert json.loads(proc.stdout)["verdict"] == "FAILED"
     status = subprocess.run(
@@ -166,7 +166,7 @@ def test_real_lightning_2_1_to_2_3_without_pkg_resources(layouts: dict[str, Layo
     assert proc.returncode == 1
     reason = sections(proc)["lightning.pytorch"]["reason"]
     assert f"(lightning {version}) is installed but fails to import" in reason
-    assert "Lightning 2.1–2.3 needs setuptools<81" in reason
+    assert "Lightning 2.1-2.3 needs setuptools<81" in reason
 
 
 @pytest.mark.release_independent

@@ -191,12 +191,14 @@ def run_trainer_case(
                 self.body = make_body().double()
 
         def setup(self, stage: str) -> None:
-            delay_if_asked(delay)
             if kind == "setup_hook" and self.body is None:
                 self.body = make_body()
                 self.head = make_head()
 
         def configure_model(self) -> None:
+            # Here, not in setup(): the Trainer holds a barrier right after the setup hooks, which
+            # would absorb the delay before the FSDP setup and its rank check.
+            delay_if_asked(delay)
             if kind == "pretrained" and self.body is None:
                 self.body = make_body().float()  # what from_pretrained does: fp32 weights
             if kind in ("pretrained", "init+pretrained") and self.head is None:
