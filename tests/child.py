@@ -32,6 +32,12 @@ def main(argv: list[str]) -> None:
     module_name, _, function_name = target.partition(":")
     result = getattr(importlib.import_module(module_name), function_name)(**arguments)
     print(json.dumps(result))
+    distributed = sys.modules.get("torch.distributed")
+    if distributed is not None and distributed.is_available() and distributed.is_initialized():
+        # A process group still up at interpreter exit can abort a finished run: see there.
+        from scenarios.scenario_exit import leave_process_group
+
+        leave_process_group()
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from scenario_exit import leave_process_group
 from torch import nn
 
 FEATURES = 16
@@ -107,12 +108,7 @@ def main(argv: list[str]) -> None:
         **{key: describe(value) for key, value in adam_moments(trainer.optimizers[0]).items()},
     }
     Path(args.out).write_text(json.dumps(report))
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+    leave_process_group()
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from scenario_exit import leave_process_group
 from torch import nn
 
 SEQ = 8
@@ -421,27 +422,6 @@ def main(argv: list[str]) -> None:
         results.append({"case": "_versions", "trainer": pl.__version__, "fabric": fabric_module.__version__})
     Path(f"{args.out}.rank{rank}.json").write_text(json.dumps(results, indent=1))
     leave_process_group()
-
-
-def leave_process_group() -> None:
-    """Leave together, tear gloo down, then end the process without interpreter finalization.
-
-    Every rank has written its report before the barrier, so nothing is left to do. Finalization
-    is skipped because it is not what these runs measure and it is not reliable: objects still
-    holding torch.distributed state are freed while the interpreter is half gone, and a C++ thread
-    that needs the GIL then aborts the process ("terminate called without an active exception"),
-    intermittently, after a run whose results were complete (seen in CI in 3 of 15 matrix
-    sessions with the barrier and destroy_process_group already in place). It mirrors
-    ``fsdp_shim.verify.probe.leave_process_group`` because ``--shim off`` must never import fsdp_shim.
-    """
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 if __name__ == "__main__":
