@@ -353,19 +353,6 @@ def arm(source: str) -> None:
         _arm_lightning_packages()
 
 
-def on_first_lightning_import(name: str, source: str) -> "ModuleSpec | None":
-    """What start-up files written by fsdp-shim 0.1 call from their watcher, inside ``find_spec``.
-
-    Kept so that upgrading the package without running ``fsdp-shim install`` again does not leave
-    those files silently doing nothing (their watcher swallows every error). It arms this module's
-    watcher and returns the spec it gives, loader wrapped: nothing is imported here.
-    ``fsdp-shim status`` reports such a file as outdated.
-    """
-    _record_source(source)
-    _arm_lightning_packages()
-    return _watched_spec(_watcher, name, None, None)
-
-
 ENVIRONMENT_SOURCE = "FSDP_SHIM=1 (start-up file installed with the package)"
 
 

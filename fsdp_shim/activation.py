@@ -79,7 +79,7 @@ def deactivate() -> None:
         _active = False
     integration = sys.modules.get("fsdp_shim.integration")
     if integration is not None:
-        from fsdp_shim.targets import NAMESPACES
+        from fsdp_shim.backport import NAMESPACES
 
         for namespace in NAMESPACES:
             integration.unpatch(namespace)
@@ -130,7 +130,7 @@ def _patch_namespace(name: str) -> None:
         if not _active or not shim_enabled():
             return
         from fsdp_shim import integration
-        from fsdp_shim.targets import namespace_named
+        from fsdp_shim.backport import namespace_named
 
         status = integration.patch(namespace_named(name), activated_after_import=name in _imported_before_activation)
         who = startup.missed.get(name)

@@ -21,10 +21,17 @@ from typing import Any
 from _fsdp_shim_startup import finders_in_front, loaded_past_the_watcher
 from _fsdp_shim_startup import pending as pending_imports
 from fsdp_shim import failures, late_activation, patching
+from fsdp_shim.backport import (
+    NAMESPACES,
+    Namespace,
+    PatchTarget,
+    base_release,
+    is_affected_release,
+    patch_plan,
+    unaffected_reason,
+)
 from fsdp_shim.log import debug, info_on_rank_zero
 from fsdp_shim.report import NOT_IMPORTED, NamespaceStatus
-from fsdp_shim.targets import NAMESPACES, Namespace, PatchTarget, patch_plan
-from fsdp_shim.versions import base_release, is_affected_release, unaffected_reason
 
 
 @dataclass

@@ -3,7 +3,7 @@
 The methods the shim wraps live on the classes, so every strategy and plugin instance, old or new,
 uses the fix from its next ``setup`` on; only parameters FSDP already flattened cannot change. This
 module finds such models (a garbage-collector walk, like gevent's check for stale references) and
-warns once. The Lightning names it reads are in ``fsdp_shim.targets.MODEL_HOLDERS``.
+warns once. The only Lightning names it reads are in ``MODEL_HOLDERS``.
 """
 
 from __future__ import annotations
@@ -11,9 +11,25 @@ from __future__ import annotations
 import gc
 import sys
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from fsdp_shim import failures
-from fsdp_shim.targets import MODEL_HOLDERS, Namespace
+from fsdp_shim.backport import Kind, Namespace
+
+
+@dataclass(frozen=True)
+class ModelHolder:
+    """Where an FSDP-wrapped model lives after setup."""
+
+    module: str
+    class_name: str
+    attributes: tuple[str, ...]
+
+
+MODEL_HOLDERS: dict[Kind, ModelHolder] = {
+    "trainer": ModelHolder("strategies.fsdp", "FSDPStrategy", ("_model",)),
+    "fabric": ModelHolder("wrappers", "_FabricModule", ("_forward_module",)),
+}
 
 
 def warn_about_models_already_wrapped(namespace: Namespace) -> None:

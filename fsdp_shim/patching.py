@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import wrapt
 
 from fsdp_shim import failures
-from fsdp_shim.conversion import GlueError
+from fsdp_shim.backport import GlueError
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Iterator

@@ -94,7 +94,7 @@ def namespace_statuses() -> tuple[NamespaceStatus, ...]:
     names = [name for name, _ in startup.LIGHTNING_NAMESPACES]
     try:
         from fsdp_shim import integration
-        from fsdp_shim.targets import namespace_named
+        from fsdp_shim.backport import namespace_named
     except ImportError as error:  # its patching code cannot load (wrapt missing): nothing was patched
         reason = f"not patched: fsdp-shim's patching code cannot be imported ({error})"
         return tuple(

@@ -86,15 +86,14 @@ class StartupFile:
 
 PREVIOUS_DIGESTS = frozenset(
     {
-        # SHA-256 of every start-up file text earlier fsdp-shim versions wrote (0.1.0 and the
-        # development versions since), so `install` upgrades them and `uninstall` removes them
+        # SHA-256 of every start-up file text earlier fsdp-shim versions wrote (0.2.0 and the
+        # development versions around it), so `install` upgrades them and `uninstall` removes them
         # without asking, while a file with any other content is someone else's.
         "8b08d613d3f4054110b3883c81dbd2ae20cecf241985bda4d437ec054ead13aa",  # 0.2.0
         "44ad4bf1742e8c50dc472ae77b7aefd23dfccf55571728f8276b981f995b5d63",
         "af4661eeab14bc5646e48889b51d51ad2aba0e2a60f30e6c1e3ac9c203e50270",
         "60134e6b1aa147cdc9e63777a12df51b066cf499ea706559eabbd94cba4515b1",
         "e8986c188fc8523ab7ebc214e759e53f1788091a71c3c000f0c0976366d7f098",
-        "438893b3ddfa127391f3b5fe1f887e98096f0dcd4c391688fc6dc89308d2be66",
         "77cda68d971c2389cfe7f95ec5b1826d2b3a4c9dc2b698f6e82c68320b57fd5e",
         "27630d4bd7548ec9de6f44aee8b9ffdc14c46fa47d0474398ce43227f27af865",
         "ccbfe4ddb1d22604b17211e8202f5f8bfdc8cec63e4e70e162980558a98d304b",

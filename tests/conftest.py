@@ -51,6 +51,24 @@ def clean_env(**overrides: str | None) -> dict[str, str]:
     return env
 
 
+def run_command(
+    command: list[str],
+    *,
+    env: dict[str, str] | None = None,
+    cwd: Path = ROOT,
+    check: bool = False,
+    timeout: float = 600,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``command`` (``clean_env()`` unless ``env``), output captured as text. With ``check``, a
+    non-zero exit fails the test and shows the end of both streams."""
+    proc = subprocess.run(
+        command, capture_output=True, text=True, env=env if env is not None else clean_env(), cwd=cwd, timeout=timeout
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{command} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
 CHILD = ROOT / "tests" / "child.py"
 
 
@@ -71,12 +89,7 @@ def run_child(
     """
     prefix = [item for path in sys_path for item in ("--sys-path", path)]
     command = [*launcher, python, *python_args, str(CHILD), *prefix, f"children.{target}", json.dumps(arguments or {})]
-    proc = subprocess.run(
-        command, capture_output=True, text=True, env=env if env is not None else clean_env(), cwd=ROOT, timeout=600
-    )
-    if expect_ok and proc.returncode != 0:
-        raise AssertionError(f"child failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    return proc
+    return run_command(command, env=env, check=expect_ok)
 
 
 def child_json(target: str, arguments: dict[str, Any] | None = None, **options: Any) -> Any:
@@ -127,6 +140,14 @@ def layouts() -> dict[str, Layout]:
     """The Lightning layouts importable here, probed in a child without the shim."""
     found = child_json("environment:layouts", {"namespaces": NAMESPACES}, python_args=("-W", "ignore"))
     return {package: Layout(package, *versions) for package, versions in found.items()}
+
+
+def is_fixed_release(version: str) -> bool:
+    """Whether a Lightning release already contains the fix (2.5.0rc0 on)."""
+    from fsdp_shim.backport import FIRST_FIXED, base_release
+
+    release = base_release(version)
+    return release is not None and release >= FIRST_FIXED
 
 
 @pytest.fixture
@@ -254,3 +275,83 @@ def scenario_results(out: Path, ranks: int) -> dict[int, dict[str, Any]]:
 @pytest.fixture(scope="session")
 def scenarios(tmp_path_factory: pytest.TempPathFactory) -> Scenarios:
     return Scenarios(tmp_path_factory.mktemp("scenarios"))
+
+
+# ----------------------------------------------------------------------------- the installed Lightning
+TRAINER = {package: namespaces[0] for package, namespaces in NAMESPACES.items()}
+
+
+def installed_versions(layouts: dict[str, Layout]) -> dict[str, str]:
+    """Every importable namespace (``lightning.pytorch``, ``lightning_fabric``, ...) and its release."""
+    versions = {}
+    for package, layout in layouts.items():
+        trainer, fabric = NAMESPACES[package]
+        versions[trainer] = layout.trainer_version
+        versions[fabric] = layout.fabric_version
+    return versions
+
+
+def trainer_versions(layouts: dict[str, Layout]) -> dict[str, str]:
+    return {TRAINER[package]: layout.trainer_version for package, layout in layouts.items()}
+
+
+def an_affected_namespace(layouts: dict[str, Layout], kind: str = "any") -> tuple[str, str]:
+    """An installed namespace (of ``kind``: "trainer", "fabric" or "any") that needs the fix, and its
+    release; the test is skipped where there is none."""
+    from fsdp_shim.backport import is_affected_release
+
+    for namespace, version in installed_versions(layouts).items():
+        trainer = namespace in TRAINER.values()
+        if is_affected_release(version) and (kind == "any" or trainer == (kind == "trainer")):
+            return namespace, version
+    pytest.skip(f"no affected Lightning ({kind}) is installed in this environment")
+
+
+def affected_layout(layouts: dict[str, Layout], package: str | None = None) -> Layout:
+    """An installed layout (``package``: "lightning" or "standalone", or either) whose Trainer and
+    Fabric need the fix; the test is skipped where there is none."""
+    from fsdp_shim.backport import is_affected_release
+
+    for layout in layouts.values():
+        if package in (None, layout.package) and is_affected_release(layout.trainer_version):
+            return layout
+    pytest.skip(f"needs an affected {package or 'Lightning'} release")
+
+
+def verify(*args: str, env: dict[str, str] | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    """``fsdp-shim verify ARGS`` in a fresh interpreter."""
+    return run_command(
+        [sys.executable, "-m", "fsdp_shim", "verify", *args], env=env or clean_env(), cwd=cwd, timeout=900
+    )
+
+
+# ----------------------------------------------------------------------------- a virtual environment of its own
+@dataclass
+class Venv:
+    """A new virtual environment that sees this one's packages (torch, wrapt, fsdp_shim) through a
+    plain path file, so start-up files written into it affect nothing but its own interpreters."""
+
+    root: Path
+    site_packages: Path
+    paths_file: Path
+
+    @property
+    def python(self) -> str:
+        return str(self.root / "bin" / "python")
+
+    def run(
+        self, *args: str, env: dict[str, str] | None = None, check: bool = True, cwd: Path = ROOT
+    ) -> subprocess.CompletedProcess[str]:
+        return run_command([self.python, *args], env=env or clean_env(), cwd=cwd, check=check)
+
+
+def make_venv(root: Path, paths: list[str]) -> Venv:
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
+    purelib = Path(
+        subprocess.check_output(
+            [str(root / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True
+        ).strip()
+    )
+    paths_file = purelib / "aa_outer_environment.pth"
+    paths_file.write_text("".join(f"{path}\n" for path in paths))
+    return Venv(root, purelib, paths_file)

@@ -4,24 +4,15 @@ in a fresh interpreter with real Lightning (the code they run is in ``tests/chil
 from __future__ import annotations
 
 import pytest
-from conftest import NAMESPACES, Layout, child_json, clean_env, run_child
+from conftest import Layout, an_affected_namespace, child_json, clean_env, installed_versions, run_child
 
-from fsdp_shim.versions import converts_only_in_connect, has_fsdp_precision_class, is_affected_release
+from fsdp_shim.backport import converts_only_in_connect, has_fsdp_precision_class, is_affected_release
 
 QUIET = ("-W", "ignore::DeprecationWarning")
 
 
 def child(target: str, arguments: dict | None = None, **env: str | None) -> dict:
     return child_json(f"activation:{target}", arguments, env=clean_env(**env), python_args=QUIET)
-
-
-def installed_versions(layouts: dict[str, Layout]) -> dict[str, str]:
-    versions = {}
-    for package, layout in layouts.items():
-        trainer, fabric = NAMESPACES[package]
-        versions[trainer] = layout.trainer_version
-        versions[fabric] = layout.fabric_version
-    return versions
 
 
 def expected_wrappers(namespace: str, version: str) -> list[str]:
@@ -37,14 +28,6 @@ def expected_wrappers(namespace: str, version: str) -> list[str]:
 
 def all_expected_wrappers(layouts: dict[str, Layout]) -> list[str]:
     return sorted(k for ns, v in installed_versions(layouts).items() for k in expected_wrappers(ns, v))
-
-
-def an_affected_namespace(layouts: dict[str, Layout], kind: str = "any") -> tuple[str, str]:
-    for namespace, version in installed_versions(layouts).items():
-        trainer = namespace in ("lightning.pytorch", "pytorch_lightning")
-        if is_affected_release(version) and (kind == "any" or trainer == (kind == "trainer")):
-            return namespace, version
-    pytest.skip(f"no affected Lightning ({kind}) is installed in this environment")
 
 
 @pytest.mark.release_independent
@@ -128,7 +111,7 @@ def test_fixed_and_unsupported_releases_are_left_alone(layouts: dict[str, Layout
 def test_a_class_lightning_renamed_warns_once_and_the_deprecated_subclass_stays_untouched(
     layouts: dict[str, Layout],
 ) -> None:
-    """Issue 8.3: from 2.2 on, FSDPPrecisionPlugin is a deprecated *subclass* of FSDPPrecision. When
+    """From 2.2 on, FSDPPrecisionPlugin is a deprecated *subclass* of FSDPPrecision. When
     FSDPPrecision is missing, patching the subclass would leave the Trainer's class unfixed."""
     namespace, version = an_affected_namespace(layouts, "trainer")
     if not has_fsdp_precision_class(version):
@@ -146,7 +129,7 @@ def test_a_class_lightning_renamed_warns_once_and_the_deprecated_subclass_stays_
 
 @pytest.mark.release_independent
 def test_strict_error_from_a_later_activation_is_not_wrapped_twice(layouts: dict[str, Layout]) -> None:
-    """Issue 8.10: the strict error surfaces as itself, not as "internal error ... FSDPShimError"."""
+    """The strict error surfaces as itself, not as "internal error ... FSDPShimError"."""
     namespace, version = an_affected_namespace(layouts, "trainer")
     class_name = "FSDPPrecision" if has_fsdp_precision_class(version) else "FSDPPrecisionPlugin"
     result = child("without_class", {"namespace": namespace, "class_name": class_name}, FSDP_SHIM_STRICT="1")
@@ -166,7 +149,7 @@ def test_a_renamed_target_warns_once_at_the_users_import_line(layouts: dict[str,
     assert [k for k in result["wrappers"] if k.startswith(namespace + ":")] == []
     assert result["status"][namespace]["patched"] is False
     assert result["status"][namespace]["reason"].startswith("not patched")
-    # Issue 8.10: the warning points at the user's `import`, not at fsdp_shim's own files.
+    # The warning points at the user's `import`, not at fsdp_shim's own files.
     assert result["locations"] and all(location == result["expected_location"] for location in result["locations"])
 
 
@@ -189,7 +172,7 @@ def test_strict_mode_turns_a_renamed_target_into_an_error(layouts: dict[str, Lay
 
 @pytest.mark.release_independent
 def test_minus_w_error_with_the_message_prefix_turns_warnings_into_errors(layouts: dict[str, Layout]) -> None:
-    """Issue 8.10: what the docs recommend works from the command line; the category form cannot."""
+    """What the docs recommend works from the command line; the category form cannot."""
     namespace, _ = an_affected_namespace(layouts)
     proc = run_child(
         "activation:import_with_renamed_target",
@@ -269,7 +252,7 @@ def test_one_info_line_per_patched_namespace_on_rank_zero_only(rank: str, layout
 
 @pytest.mark.release_independent
 def test_a_call_that_falls_back_is_reported_and_status_stops_saying_patched(layouts: dict[str, Layout]) -> None:
-    """Issue 8.4: a Lightning attribute the wrapper reads went missing at call time."""
+    """A Lightning attribute the wrapper reads went missing at call time."""
     namespace, _ = an_affected_namespace(layouts)
     result = child("glue_fallback", {"namespace": namespace})
     assert result["dtypes"] == ["torch.float32", "torch.float32"]  # Lightning's own (identity) behaviour
@@ -321,7 +304,7 @@ def test_a_reloaded_shim_takes_over_its_wrappers_and_still_restores_exactly(layo
 def test_casting_to_float16_warns_once_per_process_on_rank_zero(
     precisions: list[str], rank: str, expected: int, layouts: dict[str, Layout]
 ) -> None:
-    """Issue 9.9: 16-true now keeps float16 weights and optimizer state; a job that trained in
+    """16-true now keeps float16 weights and optimizer state; a job that trained in
     float32 unpatched can produce NaN. One WARNING per process, where Lightning logs, pointing at the docs."""
     namespace, _ = an_affected_namespace(layouts)
     proc = run_child(

@@ -1,4 +1,4 @@
-"""Turning the shim on mid-training (issue 9.8), 1 process, ``full`` and ``sharded`` state dicts:
+"""Turning the shim on mid-training, 1 process, ``full`` and ``sharded`` state dicts:
 
 * a float32 checkpoint saved without the shim resumes with it: parameters and Adam's moments are cast
   down to bfloat16, each value exactly its bfloat16 rounding;
@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, Layout, clean_env
+from conftest import ROOT, Layout, clean_env, is_fixed_release
 
-from fsdp_shim.versions import is_affected_release, is_fixed_release
+from fsdp_shim.backport import is_affected_release
 
 SCENARIO = ROOT / "tests" / "scenarios" / "checkpoint_resume.py"
 TENSORS = ("params", "exp_avg", "exp_avg_sq")

@@ -1,4 +1,4 @@
-"""Issue 17: the ``fsdp-shim`` command's children run no code from the current folder, use their own
+"""The ``fsdp-shim`` command's children run no code from the current folder, use their own
 channel for results, and every failure is one line with the documented exit code."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, clean_env
+from conftest import ROOT, clean_env, run_command
 
 FSDP_SHIM = str(Path(sys.executable).with_name("fsdp-shim"))  # the console script, as users run it
 
@@ -29,9 +29,7 @@ sys.modules[__name__] = importlib.import_module(__name__)
 
 
 def cli(*args: str, cwd: Path = ROOT, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [FSDP_SHIM, *args], capture_output=True, text=True, cwd=cwd, env=env or clean_env(), timeout=900
-    )
+    return run_command([FSDP_SHIM, *args], cwd=cwd, env=env or clean_env(), timeout=900)
 
 
 @pytest.fixture
@@ -69,7 +67,7 @@ def test_verify_probes_run_no_code_from_the_current_folder(planted: Path) -> Non
     assert json.loads(proc.stdout)["verdict"] in ("fixed", "not needed")
 
 
-# ----------------------------------------------------------------------------- issue 17.8
+# ----------------------------------------------------------------------------- crashes and messages
 @pytest.mark.release_independent
 def test_status_python_check_survives_a_sitecustomize_that_prints_at_exit(tmp_path: Path) -> None:
     folder = tmp_path / "site-hooks"
@@ -218,7 +216,7 @@ def test_status_with_an_unreadable_switch_prints_no_python_warning(launcher: lis
     assert "PROBLEM: FSDP_SHIM='maybe' is not a valid value" in proc.stdout
 
 
-# ----------------------------------------------------------------------------- issue 17.7
+# ----------------------------------------------------------------------------- probes that hang
 MODELS = ROOT / "tests" / "verify_models"
 
 
@@ -284,7 +282,7 @@ def test_ctrl_c_stops_every_process_the_probe_started(tmp_path: Path) -> None:
     assert [pid for pid in pids if alive(pid)] == []
 
 
-# ----------------------------------------------------------------------------- issue 18.5
+# ----------------------------------------------------------------------------- the command's help
 @pytest.mark.release_independent
 def test_a_bare_command_lists_the_commands_and_exits_0() -> None:
     proc = cli()

@@ -1,12 +1,11 @@
-"""The shim next to other code that patches the same methods (issue 8, items 1 and 2), with real
+"""The shim next to other code that patches the same methods, with real
 Lightning in fresh interpreters: it composes with what was there, never takes another library's
 wrapper for its own, never removes one, and says so when it cannot simply remove its own."""
 
 from __future__ import annotations
 
 import pytest
-from conftest import Layout, child_json, clean_env
-from test_activation import an_affected_namespace
+from conftest import Layout, an_affected_namespace, child_json, clean_env
 
 QUIET = ("-W", "ignore::DeprecationWarning")
 

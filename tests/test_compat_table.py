@@ -1,4 +1,4 @@
-"""docs/compatibility.md: one row per release and layout, torch and wrapt once below the table (issue 18).
+"""docs/compatibility.md: one row per release and layout, torch and wrapt once below the table.
 
 The generator runs as the nox session does (a subprocess on a results folder); its input is what
 ``scripts/matrix_status.py`` writes, so one test feeds it a record that script made in this environment.

@@ -14,21 +14,15 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, Layout, clean_env
+from conftest import ROOT, Layout, affected_layout, clean_env
 
 import _fsdp_shim_startup as startup
 from fsdp_shim.runner import environment_warnings
 from fsdp_shim.startup_files import ENVIRONMENT_FILE
-from fsdp_shim.versions import is_affected_release
 
 pytestmark = pytest.mark.release_independent
 
 CHILD = str(ROOT / "tests" / "child.py")
-
-
-def affected_lightning(layouts: dict[str, Layout]) -> None:
-    if "lightning" not in layouts or not is_affected_release(layouts["lightning"].trainer_version):
-        pytest.skip("needs an affected `lightning` release")
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +99,7 @@ def test_fsdp_shim_1_alone_arms_the_shim(
     installed: Installed, layouts: dict[str, Layout], tmp_path: Path, python_args: tuple[str, ...]
 ) -> None:
     """No import, no wrapper, no `fsdp-shim install`; `python -I` ignores PYTHON* variables but not it."""
-    affected_lightning(layouts)
+    affected_layout(layouts, "lightning")
     on = installed.probe(*python_args, env=clean_env(FSDP_SHIM="1"), cwd=tmp_path)
     assert on["loaded"] and on["sources"] == [startup.ENVIRONMENT_SOURCE]
     assert on["patched"]["lightning.pytorch"] is True and on["shim_layers"] == 1
@@ -125,7 +119,7 @@ def test_with_the_variable_unset_nothing_is_imported(installed: Installed, tmp_p
 def test_an_unreadable_value_loads_the_shim_only_to_say_it_is_off(
     installed: Installed, layouts: dict[str, Layout], tmp_path: Path
 ) -> None:
-    affected_lightning(layouts)
+    affected_layout(layouts, "lightning")
     result = installed.probe(env=clean_env(FSDP_SHIM="maybe"), cwd=tmp_path)
     assert result["loaded"] and result["patched"]["lightning.pytorch"] is False
     assert any("FSDP_SHIM='maybe' is not a valid value" in w for w in result["shim_warnings"])
@@ -135,7 +129,7 @@ def test_run_reaches_a_job_script_that_overwrites_pythonpath(
     installed: Installed, layouts: dict[str, Layout], tmp_path: Path
 ) -> None:
     """`fsdp-shim run ./job.sh` where job.sh sets PYTHONPATH=... drops the bootstrap; FSDP_SHIM=1 stays."""
-    affected_lightning(layouts)
+    affected_layout(layouts, "lightning")
     job = tmp_path / "job.sh"
     job.write_text(
         "#!/bin/sh\n"

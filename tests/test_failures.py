@@ -1,4 +1,4 @@
-"""The one failure policy (issue 10.3): strict raises, otherwise one warning per problem, at the
+"""The one failure policy: strict raises, otherwise one warning per problem, at the
 caller's line, never at fsdp-shim's own."""
 
 from __future__ import annotations

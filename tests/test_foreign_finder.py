@@ -1,4 +1,4 @@
-"""Issue 17.5: a finder in front of the shim's import watcher that loads Lightning itself."""
+"""A finder in front of the shim's import watcher that loads Lightning itself."""
 
 from __future__ import annotations
 
@@ -7,9 +7,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, Layout, clean_env
-from test_reimport import affected_namespace
-from test_startup_activation import make_venv
+from conftest import ROOT, Layout, an_affected_namespace, child_json, clean_env, make_venv
 
 from fsdp_shim.startup_files import install
 
@@ -26,15 +24,13 @@ def check(result: dict, namespace: str) -> None:
 
 
 def test_import_mode(layouts: dict[str, Layout]) -> None:
-    from conftest import child_json
-
-    namespace = affected_namespace(layouts)
+    namespace = an_affected_namespace(layouts, "trainer")[0]
     result = child_json("foreign:fit", {"namespace": namespace, "import_shim": True}, python_args=("-W", "ignore"))
     check(result, namespace)
 
 
 def test_startup_file_mode(layouts: dict[str, Layout], tmp_path: Path) -> None:
-    namespace = affected_namespace(layouts)
+    namespace = an_affected_namespace(layouts, "trainer")[0]
     venv = make_venv(tmp_path / "venv", [str(ROOT), sysconfig.get_paths()["purelib"]])
     install(venv.site_packages)
     proc = venv.run(
@@ -50,9 +46,7 @@ def test_startup_file_mode(layouts: dict[str, Layout], tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("strict", ["1"])
 def test_strict_mode_does_not_raise_when_the_late_patch_worked(strict: str, layouts: dict[str, Layout]) -> None:
-    from conftest import child_json
-
-    namespace = affected_namespace(layouts)
+    namespace = an_affected_namespace(layouts, "trainer")[0]
     result = child_json(
         "foreign:fit",
         {"namespace": namespace, "import_shim": True},

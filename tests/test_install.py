@@ -1,5 +1,5 @@
 """``fsdp-shim install`` / ``uninstall``: refuse to write where it would change nothing, and fail in
-one line, with nothing half-written, where it cannot write (issue 8, items 13 and 14)."""
+one line, with nothing half-written, where it cannot write."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, clean_env
+from conftest import ROOT, clean_env, run_command
 
 from fsdp_shim.startup_files import PTH_TEXT, START_TEXT
 
@@ -29,14 +29,7 @@ WITHOUT_DAC_OVERRIDE = (
 def shim(
     *args: str, env: dict[str, str] | None = None, python: str = sys.executable, prefix: tuple[str, ...] = ()
 ) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [*prefix, python, "-m", "fsdp_shim", *args],
-        capture_output=True,
-        text=True,
-        env=env or clean_env(),
-        cwd=ROOT,
-        timeout=120,
-    )
+    return run_command([*prefix, python, "-m", "fsdp_shim", *args], env=env or clean_env(), timeout=120)
 
 
 def assert_one_line_failure(proc: subprocess.CompletedProcess[str], *fragments: str) -> None:
@@ -145,7 +138,7 @@ def test_a_read_only_site_packages(readonly_folder: tuple[Path, tuple[str, ...]]
     assert startup_files_in(site_packages) == ["aa_outer_environment.pth"]
 
 
-# ----------------------------------------------------------------------------- issue 17.1, 17.3, 17.8
+# ---------------------------------------------------------------- links, foreign files, both or neither
 @pytest.fixture
 def site_packages(tmp_path: Path) -> tuple[str, Path]:
     """A new virtual environment's python and site-packages (a folder it reads start-up files from)."""
@@ -164,7 +157,7 @@ def site_packages(tmp_path: Path) -> tuple[str, Path]:
 def test_a_link_planted_at_the_old_temporary_name_or_the_final_name_is_never_written_through(
     site_packages: tuple[str, Path], tmp_path: Path
 ) -> None:
-    """Issue 17.1: a symlink in a shared site-packages must not make install overwrite its target."""
+    """A symlink in a shared site-packages must not make install overwrite its target."""
     python, folder = site_packages
     victim = tmp_path / "victim"
     victim.write_text("precious\n")
@@ -199,7 +192,7 @@ def test_a_link_planted_at_the_old_temporary_name_or_the_final_name_is_never_wri
 def test_a_foreign_startup_file_is_not_replaced_without_force_and_an_edited_one_not_removed(
     site_packages: tuple[str, Path],
 ) -> None:
-    """Issue 17.3: fsdp-shim replaces or removes only what it wrote, whole content compared."""
+    """Fsdp-shim replaces or removes only what it wrote, whole content compared."""
     python, folder = site_packages
     foreign = "# another tool's file that happens to be called fsdp_shim.pth\n"
     (folder / "fsdp_shim.pth").write_text(foreign)
@@ -221,20 +214,20 @@ def test_a_foreign_startup_file_is_not_replaced_without_force_and_an_edited_one_
     assert (folder / "fsdp_shim.pth").read_text() == edited
 
 
-def test_a_file_from_fsdp_shim_0_1_is_upgraded_and_removed_without_force(tmp_path: Path) -> None:
+def test_a_file_from_an_earlier_version_is_upgraded_and_removed_without_force(tmp_path: Path) -> None:
     folder = tmp_path / "site-packages"
     folder.mkdir()
-    (folder / "fsdp_shim.pth").write_text((ROOT / "tests" / "data" / "fsdp_shim-0.1.0.pth").read_text())
+    (folder / "fsdp_shim.pth").write_text((ROOT / "tests" / "data" / "fsdp_shim-0.2.0-earlier.pth").read_text())
     proc = shim("install", "--target", str(folder), "--force")
     assert proc.returncode == 0 and "replaced" not in proc.stderr, proc.stderr
     assert (folder / "fsdp_shim.pth").read_text() == PTH_TEXT
-    (folder / "fsdp_shim.pth").write_text((ROOT / "tests" / "data" / "fsdp_shim-0.1.0.pth").read_text())
+    (folder / "fsdp_shim.pth").write_text((ROOT / "tests" / "data" / "fsdp_shim-0.2.0-earlier.pth").read_text())
     assert shim("uninstall", "--target", str(folder)).returncode == 0
     assert startup_files_in(folder) == []
 
 
 def test_a_directory_at_one_of_the_names_writes_neither_file(tmp_path: Path) -> None:
-    """Issue 17.8: both files or neither, and no temporary file left behind."""
+    """Both files or neither, and no temporary file left behind."""
     folder = tmp_path / "site-packages"
     (folder / "fsdp_shim.start").mkdir(parents=True)
     proc = shim("install", "--target", str(folder), "--force")
@@ -243,7 +236,7 @@ def test_a_directory_at_one_of_the_names_writes_neither_file(tmp_path: Path) -> 
 
 
 def test_concurrent_installs_into_one_folder_all_succeed(tmp_path: Path) -> None:
-    """Issue 17.8: `srun fsdp-shim install` runs one install per task, all at once."""
+    """`srun fsdp-shim install` runs one install per task, all at once."""
     folder = tmp_path / "site-packages"
     folder.mkdir()
     script = (
@@ -266,7 +259,7 @@ def test_concurrent_installs_into_one_folder_all_succeed(tmp_path: Path) -> None
 
 
 def test_a_user_site_install_is_not_read_under_python_s_as_the_docs_say(tmp_path: Path) -> None:
-    """Issue 17.9: `install --user`, then `python -s` or PYTHONNOUSERSITE=1: not armed, so the
+    """`install --user`, then `python -s` or PYTHONNOUSERSITE=1: not armed, so the
     "cannot reach" table in docs/activation.md lists it, with what to do instead."""
     base_python = getattr(sys, "_base_executable", sys.executable)
     env = clean_env(PYTHONUSERBASE=str(tmp_path / "userbase"), PYTHONPATH=str(ROOT))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from conftest import NAMESPACES, Layout, child_json
 
-from fsdp_shim.versions import FIRST_AFFECTED, base_release
+from fsdp_shim.backport import FIRST_AFFECTED, base_release
 
 CASES = [
     ("32-true", "torch.float32"),

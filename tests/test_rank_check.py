@@ -9,22 +9,11 @@ bytes of the rank without the shim.
 from __future__ import annotations
 
 import pytest
-from conftest import BYTE_KEYS, run_scenario, scenario_results
+from conftest import BYTE_KEYS, affected_layout, run_scenario, scenario_results
 
 CASE = "init+pretrained:bf16-true"
 
 pytestmark = pytest.mark.release_independent
-
-
-def affected_package(layouts: dict) -> str:
-    """The layout in this environment whose Trainer and Fabric both need the fix."""
-    from fsdp_shim.versions import is_affected_release
-
-    for package in ("lightning", "standalone"):
-        layout = layouts.get(package)
-        if layout is not None and is_affected_release(layout.trainer_version):
-            return package
-    pytest.skip("no affected Lightning layout installed here")
 
 
 def torchrun(tmp_path, package, api, ranks, *, env=None, extra=(), expect_ok=True):
@@ -48,7 +37,7 @@ def torchrun(tmp_path, package, api, ranks, *, env=None, extra=(), expect_ok=Tru
 @pytest.mark.parametrize(("api", "ranks"), [("trainer", 2), ("fabric", 4)])
 def test_agreeing_ranks_train_and_rank_zero_says_so_once(tmp_path, layouts, api, ranks):
     """Every rank converted; the check waited for a rank that reached its setup 6 s late."""
-    package = affected_package(layouts)
+    package = affected_layout(layouts).package
     proc, out = torchrun(tmp_path, package, api, ranks, extra=("--delay-rank", f"{ranks - 1}:6"))
     results = scenario_results(out, ranks)
     for rank in range(ranks):
@@ -63,7 +52,7 @@ def test_agreeing_ranks_train_and_rank_zero_says_so_once(tmp_path, layouts, api,
 @pytest.mark.parametrize(("api", "ranks", "off", "strict"), [("trainer", 2, 1, "0"), ("fabric", 4, 3, "1")])
 def test_a_rank_without_the_shim_stops_the_job_and_is_named(tmp_path, layouts, api, ranks, off, strict):
     """Strict mode or not, the ranks with the shim raise FSDPShimError naming the rank without it."""
-    package = affected_package(layouts)
+    package = affected_layout(layouts).package
     proc, out = torchrun(
         tmp_path,
         package,
@@ -85,7 +74,7 @@ def test_a_rank_without_the_shim_stops_the_job_and_is_named(tmp_path, layouts, a
 
 def test_ranks_that_converted_to_different_dtypes_stop_the_job(tmp_path, layouts):
     """Every rank has the shim, but one node was configured for 16-true: the disagreement is named."""
-    package = affected_package(layouts)
+    package = affected_layout(layouts).package
     proc, _ = torchrun(tmp_path, package, "trainer", 2, extra=("--precision-on-rank", "1:16-true"), expect_ok=False)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0
@@ -95,7 +84,7 @@ def test_ranks_that_converted_to_different_dtypes_stop_the_job(tmp_path, layouts
 
 def test_timeout_zero_switches_the_check_off(tmp_path, layouts):
     """With the check off, the half-patched job trains as it would without it: mixed dtypes, exit 0."""
-    package = affected_package(layouts)
+    package = affected_layout(layouts).package
     proc, out = torchrun(
         tmp_path,
         package,

@@ -10,14 +10,13 @@ fixed layouts by the same assertions) and halve the unpatched run's bytes for "b
 from __future__ import annotations
 
 import pytest
-from conftest import BYTE_KEYS, DTYPES, Layout, Scenarios, layout_or_skip
+from conftest import BYTE_KEYS, DTYPES, Layout, Scenarios, is_fixed_release, layout_or_skip
 
-from fsdp_shim.versions import (
+from fsdp_shim.backport import (
     FIRST_AFFECTED,
     base_release,
     converts_only_in_connect,
     is_affected_release,
-    is_fixed_release,
 )
 
 TRAINER_CASES = [

@@ -1,30 +1,14 @@
-"""Issue 17.4: Lightning imported again after being removed from ``sys.modules``."""
+"""Lightning imported again after being removed from ``sys.modules``."""
 
 from __future__ import annotations
 
-import pytest
-from conftest import Layout, child_json
+from conftest import Layout, an_affected_namespace, child_json
 
-from fsdp_shim.targets import namespace_named, precision_convert_module
-from fsdp_shim.versions import is_affected_release
-
-TRAINER = {"lightning": "lightning.pytorch", "standalone": "pytorch_lightning"}
-
-
-def affected_trainer(layouts: dict[str, Layout]) -> tuple[str, str]:
-    """The Trainer namespace of an affected release in this session, and its release."""
-    for package, layout in layouts.items():
-        if is_affected_release(layout.trainer_version):
-            return TRAINER[package], layout.trainer_version
-    pytest.skip("needs an affected Lightning")
-
-
-def affected_namespace(layouts: dict[str, Layout]) -> str:
-    return affected_trainer(layouts)[0]
+from fsdp_shim.backport import namespace_named, precision_convert_module
 
 
 def test_a_namespace_imported_again_gets_its_new_classes_patched(layouts: dict[str, Layout]) -> None:
-    namespace, version = affected_trainer(layouts)
+    namespace, version = an_affected_namespace(layouts, "trainer")
     precision_class = precision_convert_module(namespace_named(namespace), version).class_name
     result = child_json("reimport:import_again", {"namespace": namespace}, python_args=("-W", "ignore"))
     assert result["new_class"]
@@ -34,7 +18,7 @@ def test_a_namespace_imported_again_gets_its_new_classes_patched(layouts: dict[s
 
 
 def test_status_reads_the_classes_in_sys_modules_now(layouts: dict[str, Layout]) -> None:
-    namespace = affected_namespace(layouts)
+    namespace, _ = an_affected_namespace(layouts, "trainer")
     result = child_json("reimport:import_one_module_again", {"namespace": namespace}, python_args=("-W", "ignore"))
     assert result["before"]["patched"]
     stale = result["stale"]

@@ -12,17 +12,27 @@ import signal
 import subprocess
 import sys
 import sysconfig
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, SCENARIO, Layout, child_json, clean_env, free_port, run_child
+from conftest import (
+    ROOT,
+    SCENARIO,
+    Layout,
+    Venv,
+    affected_layout,
+    child_json,
+    clean_env,
+    free_port,
+    make_venv,
+    run_child,
+    run_command,
+)
 
 import _fsdp_shim_startup as startup
 from fsdp_shim.bootstrap import sitecustomize as bootstrap
 from fsdp_shim.runner import BOOTSTRAP_DIRECTORY
 from fsdp_shim.startup_files import ENVIRONMENT_FILE, PTH_TEXT, START_TEXT, site_directories
-from fsdp_shim.versions import is_affected_release
 
 pytestmark = pytest.mark.release_independent
 
@@ -30,42 +40,6 @@ HAS_ENVIRONMENT_FILE = any((d / ENVIRONMENT_FILE).is_file() for d in site_direct
 RUN_SOURCES = [startup.ENVIRONMENT_SOURCE, "fsdp-shim run"] if HAS_ENVIRONMENT_FILE else ["fsdp-shim run"]
 """How `fsdp-shim run` arms this interpreter: FSDP_SHIM=1 through the start-up file pip installed with
 the package (read first, at site-packages time), then the bootstrap sitecustomize."""
-
-
-@dataclass
-class Venv:
-    """A new virtual environment that sees this one's packages (torch, wrapt, fsdp_shim) through a
-    plain path file, so start-up files written into it affect nothing but its own interpreters."""
-
-    root: Path
-    site_packages: Path
-    paths_file: Path
-
-    @property
-    def python(self) -> str:
-        return str(self.root / "bin" / "python")
-
-    def run(
-        self, *args: str, env: dict[str, str] | None = None, check: bool = True, cwd: Path = ROOT
-    ) -> subprocess.CompletedProcess[str]:
-        proc = subprocess.run(
-            [self.python, *args], capture_output=True, text=True, env=env or clean_env(), cwd=cwd, timeout=600
-        )
-        if check and proc.returncode != 0:
-            raise AssertionError(f"{args} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-        return proc
-
-
-def make_venv(root: Path, paths: list[str]) -> Venv:
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
-    purelib = Path(
-        subprocess.check_output(
-            [str(root / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True
-        ).strip()
-    )
-    paths_file = purelib / "aa_outer_environment.pth"
-    paths_file.write_text("".join(f"{path}\n" for path in paths))
-    return Venv(root, purelib, paths_file)
 
 
 @pytest.fixture
@@ -84,15 +58,7 @@ def shim_cli(*args: str) -> list[str]:
 
 
 def run(command: list[str], env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess[str]:
-    proc = subprocess.run(command, capture_output=True, text=True, env=env or clean_env(), cwd=ROOT, timeout=600)
-    if check and proc.returncode != 0:
-        raise AssertionError(f"{command} failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    return proc
-
-
-def affected_lightning(layouts: dict[str, Layout]) -> None:
-    if "lightning" not in layouts or not is_affected_release(layouts["lightning"].trainer_version):
-        pytest.skip("needs an affected `lightning` release")
+    return run_command(command, env=env or clean_env(), check=check)
 
 
 def pythonpath_entries() -> list[str]:
@@ -101,9 +67,9 @@ def pythonpath_entries() -> list[str]:
 
 # ----------------------------------------------------------------------------- one table
 def test_every_copy_of_the_lightning_package_list_agrees() -> None:
-    """Issue 10.1: the start-up file's watcher list is formatted from the one table, and the run
+    """The start-up file's watcher list is formatted from the one table, and the run
     bootstrap's fallback list (it must work when that table cannot be imported) matches it."""
-    from fsdp_shim.targets import NAMESPACES
+    from fsdp_shim.backport import NAMESPACES
 
     packages = tuple(dict.fromkeys(ns.name.partition(".")[0] for ns in NAMESPACES))
     assert packages == startup.LIGHTNING_PACKAGES
@@ -134,7 +100,7 @@ def test_the_bootstraps_fallback_reads_strict_like_the_package(value: str) -> No
 
 # ----------------------------------------------------------------------------- start-up file
 def test_install_is_idempotent_and_uninstall_leaves_a_clean_interpreter(venv: Venv, layouts: dict[str, Layout]) -> None:
-    affected_lightning(layouts)
+    affected_layout(layouts, "lightning")
     first = venv.run("-m", "fsdp_shim", "install")
     assert (venv.site_packages / "fsdp_shim.pth").read_text() == PTH_TEXT
     assert (venv.site_packages / "fsdp_shim.start").read_text() == START_TEXT
@@ -161,7 +127,7 @@ def test_install_is_idempotent_and_uninstall_leaves_a_clean_interpreter(venv: Ve
 def test_a_startup_file_left_behind_by_a_removed_package_is_silent(
     venv: Venv, layouts: dict[str, Layout], tmp_path: Path
 ) -> None:
-    affected_lightning(layouts)
+    affected_layout(layouts, "lightning")
     venv.run("-m", "fsdp_shim", "install")
     # What `pip uninstall fsdp-shim` leaves: the start-up file, and no importable shim (run outside
     # the checkout, whose folder would otherwise be importable as the current directory).
@@ -224,7 +190,7 @@ def with_pythonpath(env: dict[str, str], first: Path) -> dict[str, str]:
 def test_run_activates_and_chains_the_users_sitecustomize_once(
     user_sitecustomize: tuple[Path, Path], nested: bool, layouts: dict[str, Layout]
 ) -> None:
-    affected_lightning(layouts)
+    affected_layout(layouts, "lightning")
     folder, counter = user_sitecustomize
     prefix = shim_cli("run") + (shim_cli("run") if nested else [])
     result = child_json("startup:probe", launcher=tuple(prefix), env=with_pythonpath(clean_env(), folder))
@@ -247,7 +213,7 @@ def assert_each_process_ran_it_once(counter: Path, expected_processes: int) -> N
 def test_under_run_the_users_sitecustomize_keeps_its_sys_path_and_its_name(
     user_sitecustomize: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    """Issue 8.5 and 8.7: entries the chained sitecustomize adds stay; `import sitecustomize` gives the
+    """Entries the chained sitecustomize adds stay; `import sitecustomize` gives the
     user's module; only the bootstrap folder leaves sys.path."""
     folder, _ = user_sitecustomize
     result = child_json(
@@ -264,7 +230,7 @@ def test_under_run_the_users_sitecustomize_keeps_its_sys_path_and_its_name(
 
 
 def test_under_run_an_empty_pythonpath_entry_still_means_the_current_directory(tmp_path: Path) -> None:
-    """Issue 8.6: `export PYTHONPATH=$PYTHONPATH:/x` with PYTHONPATH unset makes ':/x'."""
+    """`export PYTHONPATH=$PYTHONPATH:/x` with PYTHONPATH unset makes ':/x'."""
     workdir = tmp_path / "work"
     workdir.mkdir()
     (workdir / "module_in_cwd.py").write_text("VALUE = 1\n")
@@ -309,7 +275,7 @@ def test_run_warns_before_starting_a_python_that_cannot_see_the_bootstrap(
 def test_run_with_import_and_startup_file_arms_once(
     venv: Venv, user_sitecustomize: tuple[Path, Path], layouts: dict[str, Layout]
 ) -> None:
-    affected_lightning(layouts)
+    affected_layout(layouts, "lightning")
     folder, counter = user_sitecustomize
     venv.run("-m", "fsdp_shim", "install")
     command = [
@@ -330,8 +296,8 @@ def test_run_with_import_and_startup_file_arms_once(
 @pytest.mark.parametrize("mode", ["startup-file", "run", "run+startup-file", "run-then-set-in-script"])
 @pytest.mark.parametrize("value", ["0", "no", "disabled"])
 def test_fsdp_shim_off_switches_every_mode_off(mode: str, value: str, venv: Venv, layouts: dict[str, Layout]) -> None:
-    """Issue 8.11: the start-up code reads the switch with the package's parser."""
-    affected_lightning(layouts)
+    """The start-up code reads the switch with the package's parser."""
+    affected_layout(layouts, "lightning")
     if "startup-file" in mode:
         venv.run("-m", "fsdp_shim", "install")
     target = "switch_off_in_script_then_probe" if mode == "run-then-set-in-script" else "probe"
@@ -345,7 +311,7 @@ def test_fsdp_shim_off_switches_every_mode_off(mode: str, value: str, venv: Venv
 
 
 def test_an_unreadable_switch_loads_the_shim_only_to_say_it_is_off(venv: Venv, layouts: dict[str, Layout]) -> None:
-    affected_lightning(layouts)
+    affected_layout(layouts, "lightning")
     venv.run("-m", "fsdp_shim", "install")
     result = probe_in(venv, env=clean_env(FSDP_SHIM="perhaps"))
     assert result["loaded"] is True
@@ -357,7 +323,7 @@ def test_an_unreadable_switch_loads_the_shim_only_to_say_it_is_off(venv: Venv, l
 def test_isolated_and_no_site_modes(venv: Venv, layouts: dict[str, Layout]) -> None:
     """Documented: -S skips every start-up activation; -I (and -E) ignore PYTHONPATH, so `run` cannot
     reach them, while the start-up file in site-packages still does."""
-    affected_lightning(layouts)
+    affected_layout(layouts, "lightning")
     isolated = run_child(
         "startup:probe", python_args=("-I",), sys_path=tuple(pythonpath_entries()), launcher=tuple(shim_cli("run"))
     )
@@ -397,8 +363,8 @@ def broken_shim(tmp_path: Path) -> Path:
 def test_a_shim_that_cannot_load_under_the_startup_file_is_loud(
     strict: bool, venv: Venv, broken_shim: Path, layouts: dict[str, Layout]
 ) -> None:
-    """Issue 8.9: strict is louder than the default, never quieter."""
-    affected_lightning(layouts)
+    """Strict is louder than the default, never quieter."""
+    affected_layout(layouts, "lightning")
     venv.run("-m", "fsdp_shim", "install")
     env = with_pythonpath(clean_env(**({"FSDP_SHIM_STRICT": "1"} if strict else {})), broken_shim)
     proc = venv.run(
@@ -426,7 +392,7 @@ def test_run_into_an_interpreter_without_the_shim_is_loud(
 ) -> None:
     """`fsdp-shim run` from one environment, exec'ing the Python of another one that has Lightning
     and torch but not fsdp-shim: the bootstrap cannot arm, and the first Lightning import says so."""
-    affected_lightning(layouts)
+    affected_layout(layouts, "lightning")
     other = make_venv(tmp_path / "other", [sysconfig.get_paths()["purelib"]])  # no fsdp_shim here
     env = clean_env(**({"FSDP_SHIM_STRICT": "1"} if strict else {}))
     code = "import lightning, sys; print('lightning imported', 'fsdp_shim' in sys.modules)"
@@ -440,7 +406,7 @@ def test_run_into_an_interpreter_without_the_shim_is_loud(
 
 @pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
 def test_missing_wrapt_under_run_is_loud(strict: bool, tmp_path: Path, layouts: dict[str, Layout]) -> None:
-    affected_lightning(layouts)
+    affected_layout(layouts, "lightning")
     hidden = tmp_path / "no_wrapt"
     (hidden / "wrapt").mkdir(parents=True)
     (hidden / "wrapt" / "__init__.py").write_text("raise ImportError('wrapt is missing for this test', name='wrapt')\n")
@@ -467,7 +433,7 @@ def test_missing_wrapt_under_run_is_loud(strict: bool, tmp_path: Path, layouts: 
 
 # ----------------------------------------------------------------------------- status
 def test_status_reports_and_exit_code(venv: Venv, layouts: dict[str, Layout]) -> None:
-    affected_lightning(layouts)
+    affected_layout(layouts, "lightning")
     venv.run("-m", "fsdp_shim", "install")
     report = json.loads(venv.run("-m", "fsdp_shim", "status", "--json", "--python-check").stdout)
     assert report["consistent"] is True, report["problems"]
@@ -511,7 +477,7 @@ SCENARIO_ARGS = ["--api", "trainer", "--shim", "off", "--cases", "init+pretraine
 def test_lightning_launcher_ranks_get_the_fix_from_the_startup_file_alone(
     venv: Venv, tmp_path: Path, layouts: dict[str, Layout]
 ) -> None:
-    affected_lightning(layouts)
+    affected_layout(layouts, "lightning")
     venv.run("-m", "fsdp_shim", "install")
     out = tmp_path / "launcher"
     venv.run(str(SCENARIO), *SCENARIO_ARGS, "--devices", "2", "--out", str(out), env=clean_env(PYTHONWARNINGS="ignore"))
@@ -523,7 +489,7 @@ def torchrun() -> str:
 
 
 def test_fsdp_shim_run_torchrun_two_ranks(tmp_path: Path, layouts: dict[str, Layout]) -> None:
-    affected_lightning(layouts)
+    affected_layout(layouts, "lightning")
     out = tmp_path / "torchrun"
     command = [
         *shim_cli("run"),
@@ -546,7 +512,7 @@ def test_fsdp_shim_run_torchrun_two_ranks(tmp_path: Path, layouts: dict[str, Lay
 
 
 def test_two_nodes_on_loopback_each_wrapped_with_run(tmp_path: Path, layouts: dict[str, Layout]) -> None:
-    affected_lightning(layouts)
+    affected_layout(layouts, "lightning")
     out = tmp_path / "nodes"
     port = free_port()
     nodes = []
@@ -593,31 +559,18 @@ def test_two_nodes_on_loopback_each_wrapped_with_run(tmp_path: Path, layouts: di
 
 def test_arming_after_lightning_was_imported_patches_at_once(layouts: dict[str, Layout]) -> None:
     """A start-up hook that runs after something already imported Lightning patches it at once."""
-    affected_lightning(layouts)
+    affected_layout(layouts, "lightning")
     result = child_json("startup:arm_after_lightning")
     assert result["sources"] == ["fsdp-shim run"]
     assert result["patched"]["lightning.pytorch"] is True
 
 
 # ----------------------------------------------------------------------------- version skew
-def test_a_startup_file_from_0_1_still_arms_the_shim_after_an_upgrade(venv: Venv, layouts: dict[str, Layout]) -> None:
-    """Upgrading the package without `fsdp-shim install` leaves the 0.1 file, whose watcher swallows
-    every error: it must arm the current shim, not silently nothing; status calls it outdated."""
-    affected_lightning(layouts)
-    old = (ROOT / "tests" / "data" / "fsdp_shim-0.1.0.pth").read_text()
-    (venv.site_packages / "fsdp_shim.pth").write_text(old)
-    result = probe_in(venv)
-    assert result["loaded"] is True and result["sources"] == ["startup file"]
-    assert result["patched"]["lightning.pytorch"] is True and result["shim_layers"] == 1
-    status = venv.run("-m", "fsdp_shim", "status", check=False)
-    assert status.returncode == 1 and "written by another fsdp-shim version" in status.stdout
-
-
 def test_a_startup_file_newer_than_the_startup_module_lets_lightning_import_and_says_so(
     venv: Venv, tmp_path: Path, layouts: dict[str, Layout]
 ) -> None:
     """The other way round (a downgraded package): the file calls a hand-over the module lacks."""
-    affected_lightning(layouts)
+    affected_layout(layouts, "lightning")
     venv.run("-m", "fsdp_shim", "install")
     older = tmp_path / "older"
     older.mkdir()

@@ -1,4 +1,4 @@
-"""Imports from several threads at once must finish (issue 8.12).
+"""Imports from several threads at once must finish.
 
 The cause of the hang: CPython calls every ``sys.meta_path`` finder while holding its global import
 lock, and wrapt's post-import finder calls ``importlib.util.find_spec``, which imports the parent
@@ -11,10 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import Layout, child_json, clean_env
-from test_activation import an_affected_namespace
+from conftest import Layout, an_affected_namespace, child_json, clean_env
 
-from fsdp_shim.versions import is_affected_release
+from fsdp_shim.backport import is_affected_release
 
 pytestmark = pytest.mark.release_independent
 

@@ -43,7 +43,7 @@ def test_off_values(value: str) -> None:
 
 @pytest.mark.parametrize("value", INVALID)
 def test_an_unreadable_value_fails_closed_and_warns_once(value: str) -> None:
-    """Issue 8.11: the kill switch switches the shim OFF; strict mode turns ON."""
+    """The kill switch switches the shim OFF; strict mode turns ON."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert toggles.shim_enabled({"FSDP_SHIM": value}) is False

@@ -12,25 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, Layout, clean_env
+from conftest import ROOT, Layout, clean_env, trainer_versions, verify
 
+from fsdp_shim.backport import FIRST_AFFECTED, base_release, is_affected_release
 from fsdp_shim.verify import seed
-from fsdp_shim.versions import FIRST_AFFECTED, base_release, is_affected_release
 
 DTYPES = {"bf16-true": "torch.bfloat16", "16-true": "torch.float16"}
 LAST_WITH_PKG_RESOURCES = (2, 4, 0)  # a fact about Lightning: 2.4.0 no longer imports pkg_resources
-TRAINER = {"lightning": "lightning.pytorch", "standalone": "pytorch_lightning"}
-
-
-def verify(*args: str, env: dict[str, str] | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "fsdp_shim", "verify", *args],
-        capture_output=True,
-        text=True,
-        env=env or clean_env(),
-        cwd=cwd,
-        timeout=900,
-    )
 
 
 def sections(proc: subprocess.CompletedProcess[str]) -> dict[str, dict[str, Any]]:
@@ -48,10 +36,6 @@ def with_missing_pkg_resources(tmp_path: Path, package: str) -> dict[str, str]:
     env = clean_env()
     env["PYTHONPATH"] = f"{folder.parent}:{env.get('PYTHONPATH', '')}"
     return env
-
-
-def trainer_versions(layouts: dict[str, Layout]) -> dict[str, str]:
-    return {TRAINER[package]: layout.trainer_version for package, layout in layouts.items()}
 
 
 def assert_fixed(section: dict[str, Any], precision: str) -> None:
@@ -114,7 +98,7 @@ def test_the_table_two_processes_and_the_phases(layouts: dict[str, Layout]) -> N
     assert "(peak memory: peak RSS above the import baseline)" in proc.stdout
     pretrained_row = next(line for line in proc.stdout.splitlines() if seed.UNITS["pretrained"] in line)
     assert pretrained_row.rstrip().endswith("-50%")
-    # Issue 18.5: the counter counts the runs once (the gate, before their number is known, is not
+    # The counter counts the runs once (the gate, before their number is known, is not
     # numbered), everything fits 100 columns, and each term is explained once.
     phases = [line for line in proc.stderr.splitlines() if line.startswith("fsdp-shim verify: ")]
     assert phases[0] == "fsdp-shim verify: reading the installed Lightning ..."
@@ -132,7 +116,7 @@ def test_the_table_two_processes_and_the_phases(layouts: dict[str, Layout]) -> N
 def test_a_broken_lightning_next_to_a_working_one_is_failed_not_not_needed(
     layouts: dict[str, Layout], tmp_path: Path
 ) -> None:
-    """Issue 9.1: `lightning` 2.1–2.3 without pkg_resources (setuptools >= 81) next to the standalone
+    """`lightning` 2.1–2.3 without pkg_resources (setuptools >= 81) next to the standalone
     2.6.x. Here a stand-in `lightning` fails the same way; the real one is checked on 2.1–2.3 below."""
     if "standalone" not in layouts:
         pytest.skip("needs the standalone packages beside it")

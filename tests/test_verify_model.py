@@ -1,5 +1,5 @@
 """``fsdp-shim verify --model module:attr``: the user's own LightningModule, run unchanged, shim off
-and on (issue 11). The user code is ``tests/verify_models/user_models.py``; verify runs in that
+and on. The user code is ``tests/verify_models/user_models.py``; verify runs in that
 folder, as a user runs it next to their code."""
 
 from __future__ import annotations
@@ -9,20 +9,12 @@ import subprocess
 from typing import Any
 
 import pytest
-from conftest import ROOT, Layout, clean_env
-from test_verify import TRAINER, trainer_versions, verify
+from conftest import ROOT, TRAINER, Layout, an_affected_namespace, clean_env, trainer_versions, verify
 
-from fsdp_shim.versions import is_affected_release
+from fsdp_shim.backport import is_affected_release
 
 MODELS = ROOT / "tests" / "verify_models"
 BYTE_KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes")
-
-
-def affected_trainer(layouts: dict[str, Layout]) -> str:
-    for namespace, version in trainer_versions(layouts).items():
-        if is_affected_release(version):
-            return namespace
-    pytest.skip("needs an affected Lightning")
 
 
 def verify_model(namespace: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -55,7 +47,7 @@ def assert_exactly_half(section: dict[str, Any], devices: int, steps: int = 3) -
 def test_layers_from_init_configure_model_and_a_float32_state_dict_are_exactly_halved(
     devices: int, layouts: dict[str, Layout]
 ) -> None:
-    namespace = affected_trainer(layouts)
+    namespace = an_affected_namespace(layouts, "trainer")[0]
     proc = verify_model(namespace, "--model", "user_models:ThreeWays", "--devices", str(devices), "--json")
     assert proc.returncode == 0, proc.stderr
     section = only_section(proc)
@@ -65,7 +57,7 @@ def test_layers_from_init_configure_model_and_a_float32_state_dict_are_exactly_h
 
 @pytest.mark.release_independent
 def test_a_factory_and_init_args(layouts: dict[str, Layout]) -> None:
-    namespace = affected_trainer(layouts)
+    namespace = an_affected_namespace(layouts, "trainer")[0]
     factory = only_section(verify_model(namespace, "--model", "user_models:make_model", "--json"))
     wide = only_section(
         verify_model(namespace, "--model", "user_models:ThreeWays", "--init-args", '{"hidden": 64}', "--json")
@@ -78,7 +70,7 @@ def test_a_factory_and_init_args(layouts: dict[str, Layout]) -> None:
 
 @pytest.mark.release_independent
 def test_a_module_without_data(layouts: dict[str, Layout]) -> None:
-    namespace = affected_trainer(layouts)
+    namespace = an_affected_namespace(layouts, "trainer")[0]
     proc = verify_model(namespace, "--model", "user_models:NoData")
     assert proc.returncode == 2
     assert "user_models:NoData has no train_dataloader; pass --datamodule" in proc.stderr
@@ -90,7 +82,7 @@ def test_a_module_without_data(layouts: dict[str, Layout]) -> None:
 
 @pytest.mark.release_independent
 def test_an_error_in_the_users_code_is_theirs(layouts: dict[str, Layout]) -> None:
-    namespace = affected_trainer(layouts)
+    namespace = an_affected_namespace(layouts, "trainer")[0]
     proc = verify_model(namespace, "--model", "user_models:RaisesInTrainingStep")
     assert proc.returncode == 1
     assert "Traceback (most recent call last)" in proc.stderr
@@ -111,7 +103,7 @@ def test_an_error_in_the_users_code_is_theirs(layouts: dict[str, Layout]) -> Non
     ],
 )
 def test_a_model_option_that_names_no_model(spec: str, message: str, layouts: dict[str, Layout]) -> None:
-    namespace = affected_trainer(layouts)
+    namespace = an_affected_namespace(layouts, "trainer")[0]
     proc = verify_model(namespace, "--model", spec)
     assert proc.returncode == 2
     assert message in proc.stderr
@@ -129,9 +121,9 @@ def test_a_fixed_release_is_not_needed_without_training(layouts: dict[str, Layou
 
 @pytest.mark.release_independent
 def test_16_true_numerics_show_before_the_real_job(layouts: dict[str, Layout]) -> None:
-    """Issue 9.9: with float16 weights, AdamW's default eps (1e-8, which is 0 in float16) gives NaN
+    """With float16 weights, AdamW's default eps (1e-8, which is 0 in float16) gives NaN
     losses; unpatched 2.4 trained in float32. verify says so; eps=1e-4 trains."""
-    namespace = affected_trainer(layouts)
+    namespace = an_affected_namespace(layouts, "trainer")[0]
     default_eps = verify_model(namespace, "--model", "user_models:ThreeWays", "--precision", "16-true", "--json")
     assert default_eps.returncode == 1
     section = only_section(default_eps)
@@ -173,7 +165,7 @@ def test_lightning_2_6_itself_gives_nan_with_the_default_eps(layouts: dict[str, 
 
 @pytest.mark.release_independent
 def test_the_docs_worked_example_runs_as_written(layouts: dict[str, Layout]) -> None:
-    namespace = affected_trainer(layouts)
+    namespace = an_affected_namespace(layouts, "trainer")[0]
     if namespace != "lightning.pytorch":
         pytest.skip("the docs example imports `lightning`")
     example = ROOT / "docs" / "examples"
@@ -184,8 +176,8 @@ def test_the_docs_worked_example_runs_as_written(layouts: dict[str, Layout]) -> 
 
 @pytest.mark.release_independent
 def test_a_model_that_casts_itself_is_told_the_shim_changes_nothing(layouts: dict[str, Layout]) -> None:
-    """Issue 17.6: right without the shim, so "fixed" would claim what the shim did not do."""
-    namespace = affected_trainer(layouts)
+    """Right without the shim, so "fixed" would claim what the shim did not do."""
+    namespace = an_affected_namespace(layouts, "trainer")[0]
     proc = verify_model(namespace, "--model", "user_models:CastsItself", "--json")
     assert proc.returncode == 0, proc.stderr
     section = only_section(proc)

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp_shim.versions import base_release, converts_only_in_connect, is_affected_release
+from fsdp_shim.backport import base_release, converts_only_in_connect, is_affected_release
 
 
 @pytest.mark.parametrize(

@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_shim import cli
+from fsdp_shim.backport import FIRST_AFFECTED, base_release, is_affected_release, unaffected_reason
 from fsdp_shim.lightning_install import TRAINER_NAMESPACES, describe_import_failure, installed_packages
 from fsdp_shim.verify import measure, seed
-from fsdp_shim.versions import FIRST_AFFECTED, base_release, is_affected_release, unaffected_reason
 
 DTYPES = {"bf16-true": "torch.bfloat16", "16-true": "torch.float16"}
 BYTE_KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes")

@@ -111,8 +111,8 @@ def construct(spec: str, init_args: dict[str, Any], kind: str) -> Any:
 
 # ----------------------------------------------------------------------------- gate
 def gate(model: str | None, datamodule: str | None) -> dict[str, Any]:
+    from fsdp_shim.backport import is_affected_release
     from fsdp_shim.lightning_install import TRAINER_NAMESPACES, import_failure, installed_packages
-    from fsdp_shim.versions import is_affected_release
 
     result: dict[str, Any] = {"namespaces": {}}
     if model is not None:

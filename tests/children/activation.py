@@ -131,10 +131,10 @@ def without_class(namespace: str, class_name: str) -> dict[str, Any]:
 
 def with_renamed_target(namespace: str) -> dict[str, Any]:
     """The shim's target table names a class Lightning does not have; the hook fires at import."""
-    import fsdp_shim.targets as targets
+    import fsdp_shim.backport as backport
 
-    original = targets.precision_convert_module
-    targets.precision_convert_module = lambda ns, version: dataclasses.replace(  # type: ignore[assignment]
+    original = backport.precision_convert_module
+    backport.precision_convert_module = lambda ns, version: dataclasses.replace(  # type: ignore[assignment]
         original(ns, version), class_name="RenamedPrecision"
     )
     with warnings.catch_warnings(record=True) as caught:
@@ -163,10 +163,10 @@ def _line_marked(marker: str) -> int:
 
 def import_with_renamed_target(namespace: str) -> None:
     """As above, without catching anything: strict mode or ``-W error`` decide what escapes."""
-    import fsdp_shim.targets as targets
+    import fsdp_shim.backport as backport
 
-    original = targets.precision_convert_module
-    targets.precision_convert_module = lambda ns, version: dataclasses.replace(  # type: ignore[assignment]
+    original = backport.precision_convert_module
+    backport.precision_convert_module = lambda ns, version: dataclasses.replace(  # type: ignore[assignment]
         original(ns, version), class_name="RenamedPrecision"
     )
     importlib.import_module(namespace)

@@ -16,7 +16,7 @@ def _convert(cls: type, precision: str = "bf16-true") -> str:
 
 
 def foreign_wrapper_first(namespace: str, kind: str) -> dict[str, Any]:
-    """Issue 8.1: a wrapper on convert_module before the shim loads. The shim must not read it as
+    """A wrapper on convert_module before the shim loads. The shim must not read it as
     Lightning's own fix: it wraps it, so both run, and deactivate() puts it back."""
     import wrapt
 
@@ -56,7 +56,7 @@ def foreign_wrapper_first(namespace: str, kind: str) -> dict[str, Any]:
 
 
 def foreign_wrapper_on_top(namespace: str) -> dict[str, Any]:
-    """Issue 8.2: a wrapt wrapper put on top of the shim's. Through wrapt's proxy it answers every
+    """A wrapt wrapper put on top of the shim's. Through wrapt's proxy it answers every
     attribute of the shim's wrapper; the shim must look at the object itself."""
     import wrapt
 

@@ -1,5 +1,5 @@
 """A finder in front of the shim's import watcher that loads Lightning itself, as instrumenting import
-hooks do (issue 17.5), then a real FSDP fit on CPU: does the model end up in the precision's dtype?"""
+hooks do, then a real FSDP fit on CPU: does the model end up in the precision's dtype?"""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Lightning removed from ``sys.modules`` and imported again, as test frameworks and reloaders do
-(issue 17.4): the new classes must be patched, and ``status()`` must describe them, not the old ones."""
+"""Lightning removed from ``sys.modules`` and imported again, as test frameworks and reloaders do:
+the new classes must be patched, and ``status()`` must describe them, not the old ones."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Imports in threads, the way issue 8.12 found a hang. Each function prints its result and ends the
+"""Imports in threads, the way a hang was once found. Each function prints its result and ends the
 process with ``os._exit``: a thread stuck in an import would also hang interpreter shutdown."""
 
 from __future__ import annotations

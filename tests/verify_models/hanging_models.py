@@ -1,4 +1,4 @@
-"""A user's module that hangs, for ``fsdp-shim verify --timeout`` and Ctrl-C tests (issue 17.7).
+"""A user's module that hangs, for ``fsdp-shim verify --timeout`` and Ctrl-C tests.
 
 Every process that hangs records its pid in ``FSDP_SHIM_TEST_PIDS`` (a folder) first, and starts a
 child that sleeps too, as Lightning's launcher starts the other ranks: verify must stop them all.
