@@ -1,8 +1,8 @@
 """THE FIX: Lightning 2.5.0's FSDP "true"-precision conversion, for the releases that lack it.
 
 Lightning 2.1.0-2.4.x never cast the model to the dtype of `precision="bf16-true"` / `"16-true"` before
-FSDP wraps it: their `FSDPPrecision` inherits `Precision.convert_module`, the identity. Lightning PR
-#20323 ("Add convert_module to FSDP", first in 2.5.0rc0) gave it a body: every `*-true` precision
+FSDP wraps it: their `FSDPPrecision` inherits `Precision.convert_module`, the identity. Lightning
+PR #20323 ("Add convert_module to FSDP", first in 2.5.0rc0) gave it a body: every `*-true` precision
 casts the module with `module.to(dtype=self._desired_input_dtype)` (so `"32-true"` also turns float64
 parameters into float32), `*-mixed` returns it as it is. This module is that body, which methods of
 which release get it, and nothing else: putting a wrapper on a class and taking it off again is
