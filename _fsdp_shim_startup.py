@@ -72,12 +72,6 @@ def switch_state(raw: "str | None") -> str:
     return "invalid"
 
 
-def shim_switched_on(environ: "dict[str, str] | None" = None) -> bool:
-    """Whether ``FSDP_SHIM`` leaves the shim on: unset or a recognised "on" value."""
-    env = os.environ if environ is None else environ
-    return switch_state(env.get(SHIM_VARIABLE)) in ("on", "unset")
-
-
 def strict_switched_on(environ: "dict[str, str] | None" = None) -> bool:
     """Whether ``FSDP_SHIM_STRICT`` asks for errors: a recognised "on" value or an unrecognised one."""
     env = os.environ if environ is None else environ
