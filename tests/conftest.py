@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -27,10 +28,29 @@ NAMESPACES = {
 }
 
 
+PORT_RANGE = range(20000, 32000)
+"""Where rendezvous ports are drawn from: below Linux's ephemeral range (32768-60999), which the
+outgoing connections of every other test take their source ports from. A port the kernel handed out
+for ``bind(0)`` was seen taken again by such a connection before the child listened on it."""
+
+
 def free_port() -> int:
+    for _ in range(100):
+        port = random.choice(PORT_RANGE)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+PORT_TAKEN = "EADDRINUSE"
+"""What torch prints when another process took the rendezvous port between the draw and the listen:
+the run is repeated on a new port (twice at most), never counted as the shim's failure."""
 
 
 def clean_env(**overrides: str | None) -> dict[str, str]:
@@ -89,7 +109,15 @@ def run_child(
     """
     prefix = [item for path in sys_path for item in ("--sys-path", path)]
     command = [*launcher, python, *python_args, str(CHILD), *prefix, f"children.{target}", json.dumps(arguments or {})]
-    return run_command(command, env=env, check=expect_ok)
+    env = env if env is not None else clean_env()
+    for _attempt in range(3):
+        proc = run_command(command, env=env)
+        if PORT_TAKEN not in proc.stderr or "MASTER_PORT" not in env:
+            break
+        env = {**env, "MASTER_PORT": str(free_port())}
+    if expect_ok and proc.returncode != 0:
+        raise AssertionError(f"child failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
 
 
 def child_json(target: str, arguments: dict[str, Any] | None = None, **options: Any) -> Any:
@@ -218,43 +246,16 @@ def run_scenario(
 ) -> subprocess.CompletedProcess[str]:
     """Run ``tests/scenarios/fsdp_train.py`` once; ``launcher=("torchrun", N)`` starts N ranks with
     torchrun instead of Lightning's own launcher (``devices`` is then the ranks per node)."""
-    command = [sys.executable, str(SCENARIO)]
-    if launcher is not None:
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            str(launcher[1]),
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(free_port()),
-            str(SCENARIO),
-        ]
-    command += [
-        "--api",
-        api,
-        "--package",
-        package,
-        "--shim",
-        shim,
-        "--devices",
-        str(devices),
-        "--cases",
-        ",".join(cases),
-        "--out",
-        str(out),
-        *extra,
-    ]
-    proc = subprocess.run(
-        command,
-        capture_output=True,
-        text=True,
-        env=clean_env(PYTHONWARNINGS="ignore", **(env or {})),
-        cwd=ROOT,
-        timeout=timeout,
-    )
+    arguments = ["--api", api, "--package", package, "--shim", shim, "--devices", str(devices)]
+    arguments += ["--cases", ",".join(cases), "--out", str(out), *extra]
+    for _attempt in range(3):
+        command = [sys.executable, str(SCENARIO), *arguments]
+        if launcher is not None:
+            torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(launcher[1])]
+            command = [*torchrun, "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *command[1:]]
+        proc = run_command(command, env=clean_env(PYTHONWARNINGS="ignore", **(env or {})), timeout=timeout)
+        if PORT_TAKEN not in proc.stderr:
+            break
     if expect_ok and proc.returncode != 0:
         raise AssertionError(
             f"scenario failed (exit {proc.returncode}): {' '.join(command)}\n"
