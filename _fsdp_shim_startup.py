@@ -72,6 +72,11 @@ def switch_state(raw: "str | None") -> str:
     return "invalid"
 
 
+def valid_values() -> str:
+    """The recognised values, for messages."""
+    return ", ".join((*ON_VALUES, *OFF_VALUES))
+
+
 def strict_switched_on(environ: "dict[str, str] | None" = None) -> bool:
     """Whether ``FSDP_SHIM_STRICT`` asks for errors: a recognised "on" value or an unrecognised one."""
     env = os.environ if environ is None else environ

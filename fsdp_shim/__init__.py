@@ -9,8 +9,7 @@ behaves like 2.5.0; a release that already has the fix is not touched.
 Set ``FSDP_SHIM=0`` to switch it off without changing code.
 """
 
-__version__ = "0.2.0"
-
+from fsdp_shim._version import __version__
 from fsdp_shim.activation import activate, deactivate, status
 from fsdp_shim.errors import FSDPShimError, FSDPShimWarning
 

@@ -1,4 +1,5 @@
-"""``activate`` / ``deactivate`` / ``status``: switching the shim on and off in this process.
+"""``activate`` / ``deactivate`` / ``status`` and the ``FSDP_SHIM`` switch: the shim on and off in this
+process.
 
 Activation registers one hook per Lightning namespace with the start-up module's import watcher
 (``_fsdp_shim_startup.when_imported``): it runs at once for a namespace already imported, and
@@ -11,16 +12,19 @@ from __future__ import annotations
 import os
 import sys
 import threading
+from collections.abc import Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import _fsdp_shim_startup as startup
+from fsdp_shim import failures
+from fsdp_shim._version import __version__
+from fsdp_shim.environment_variables import FSDP_SHIM, FSDP_SHIM_STRICT
 from fsdp_shim.errors import FSDPShimError
-from fsdp_shim.toggles import shim_enabled
+from fsdp_shim.report import NOT_IMPORTED, NamespaceStatus, ShimStatus
 
 if TYPE_CHECKING:
     from types import ModuleType
-
-    from fsdp_shim.report import NamespaceStatus, ShimStatus
 
 _NAMESPACE_NAMES = tuple(name for name, _ in startup.LIGHTNING_NAMESPACES)
 
@@ -28,6 +32,14 @@ _lock = threading.Lock()  # guards the three globals below; never held while pat
 _active = False
 _hooks_registered = False
 _imported_before_activation: set[str] = set()
+
+
+def shim_enabled(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``FSDP_SHIM`` leaves the shim on. Read at activation and again at every Lightning
+    import, so a value a script sets before importing Lightning takes effect. An unrecognised value
+    is off: the operator's kill switch fails closed."""
+    meaning = "switched the shim OFF (an unreadable kill switch fails closed)"
+    return failures.read_switch(FSDP_SHIM, environ, meaning) in ("on", "unset")
 
 
 def activate() -> bool:
@@ -91,16 +103,39 @@ def is_active() -> bool:
 
 def status() -> ShimStatus:
     """Per namespace: version, affected or not, patched or not, and why."""
-    from fsdp_shim.report import collect_status
+    enabled = shim_enabled()
+    namespaces = []
+    for record in _namespace_statuses():
+        if not enabled and not record.patched and record.imported:
+            record = replace(record, reason=f"switched off by {FSDP_SHIM}={os.environ.get(FSDP_SHIM, '')!r}")
+        namespaces.append(record)
+    return ShimStatus(
+        shim_version=__version__,
+        enabled=enabled,
+        strict=failures.strict_mode(),
+        active=is_active(),
+        sources=tuple(startup.sources) or ("import fsdp_shim",),  # start-up hooks record themselves
+        environment={name: os.environ.get(name) for name in (FSDP_SHIM, FSDP_SHIM_STRICT)},
+        namespaces=tuple(namespaces),
+    )
 
-    return collect_status()
+
+def _namespace_statuses() -> tuple[NamespaceStatus, ...]:
+    try:
+        from fsdp_shim import integration
+        from fsdp_shim.backport import namespace_named
+    except ImportError as error:  # its patching code cannot load (wrapt missing): nothing was patched
+        reason = f"not patched: fsdp-shim's patching code cannot be imported ({error})"
+        return tuple(
+            NamespaceStatus(name, imported=name in sys.modules, reason=reason if name in sys.modules else NOT_IMPORTED)
+            for name in _NAMESPACE_NAMES
+        )
+    return tuple(integration.current_status(namespace_named(name)) for name in _NAMESPACE_NAMES)
 
 
 def _report_loaded_past_the_watcher(name: str, who: str, status: NamespaceStatus) -> None:
     """A finder in front of the shim's watcher loaded ``name`` itself (an instrumenting import hook):
     say so, naming it, whether or not the late patch worked; a failed one is an error in strict mode."""
-    from fsdp_shim import failures
-
     remedy = "import fsdp_shim (or install that hook) so fsdp-shim's watcher comes first on sys.meta_path"
     if status.patched:
         failures.warn_once(
@@ -124,8 +159,6 @@ def _on_import(module: ModuleType) -> None:
 def _patch_namespace(name: str) -> None:
     """Patch one namespace. Nothing escapes to the user's import except what they asked for: a
     strict-mode error, or a warning they turned into an error."""
-    from fsdp_shim import failures
-
     try:
         if not _active or not shim_enabled():
             return

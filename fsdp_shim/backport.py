@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from packaging.version import InvalidVersion, Version
 
 from _fsdp_shim_startup import LIGHTNING_NAMESPACES
-from fsdp_shim import log, rank_check
+from fsdp_shim import failures, rank_check
 
 if TYPE_CHECKING:
     import torch
@@ -238,7 +238,7 @@ def convert_module_as_in_2_5(
     if dtype is None:
         return module
     if str(dtype) == "torch.float16":
-        log.warn_once_on_rank_zero(
+        failures.warn_once_on_rank_zero(
             "float16",
             "fsdp-shim: precision='16-true' now keeps the model's weights and optimizer state in float16, "
             "as Lightning 2.5+ does (unpatched 2.1-2.4 kept them in float32). Optimizer settings below "

@@ -19,13 +19,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _fsdp_shim_startup import LIGHTNING_PACKAGES, switch_state
+from _fsdp_shim_startup import LIGHTNING_PACKAGES, switch_state, valid_values
 from fsdp_shim import __version__, startup_files
 from fsdp_shim.backport import is_affected_release
 from fsdp_shim.environment_variables import FSDP_SHIM, FSDP_SHIM_STRICT
 from fsdp_shim.lightning_install import describe_import_failure, distribution_of, namespaces_of
 from fsdp_shim.runner import BOOTSTRAP_DIRECTORY, bootstrap_on_pythonpath
-from fsdp_shim.toggles import valid_values
 
 # Run as a script from a private temporary folder (not ``-c``, and not ``-m fsdp_shim...``, which
 # would import the shim before Lightning): ``-c`` and ``-m`` put the current folder first on

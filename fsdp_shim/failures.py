@@ -1,8 +1,9 @@
-"""The one failure policy, and warnings that point at the user's code.
+"""The one failure policy: strict mode, warnings once at the user's line, and the rank-zero log.
 
 Every problem the shim survives goes through ``report``: with ``FSDP_SHIM_STRICT`` on it raises
 ``FSDPShimError`` (the message states the problem, nothing about falling
 back, since nothing falls back); otherwise it warns once per problem and says what happened instead.
+Everything said "once" (a warning, a log record) is said once per process and key, from one registry.
 
 Warnings are attributed to the first frame outside fsdp-shim, the import machinery, wrapt and
 Lightning: the user's ``import lightning`` line, their ``trainer.fit(...)`` call, their
@@ -18,15 +19,46 @@ import threading
 import warnings
 from typing import TYPE_CHECKING
 
-from _fsdp_shim_startup import LIGHTNING_PACKAGES, FSDPShimWarning
+from _fsdp_shim_startup import LIGHTNING_PACKAGES, FSDPShimWarning, switch_state, valid_values
 from fsdp_shim.environment_variables import FSDP_SHIM_STRICT
 from fsdp_shim.errors import FSDPShimError
 
 if TYPE_CHECKING:
+    import logging
+    from collections.abc import Mapping
     from types import FrameType
 
-_reported: set[str] = set()
-_reported_lock = threading.Lock()
+_said: set[str] = set()
+_said_lock = threading.Lock()
+
+
+def first_time(key: str) -> bool:
+    """Whether ``key`` is said for the first time in this process (and from now on, it is not)."""
+    with _said_lock:
+        if key in _said:
+            return False
+        _said.add(key)
+        return True
+
+
+def read_switch(name: str, environ: Mapping[str, str] | None, meaning: str) -> str:
+    """``switch_state`` of the variable ``name``, warning once per unrecognised value (``meaning``
+    says what that value does: both switches fail closed, in opposite directions)."""
+    raw = (os.environ if environ is None else environ).get(name)
+    state = switch_state(raw)
+    if state == "invalid":
+        warn_once(
+            f"fsdp-shim: {name}={raw!r} is not a valid value and {meaning}. "
+            f"Valid values (case-insensitive): {valid_values()}.",
+            key=f"toggle:{name}={raw}",
+        )
+    return state
+
+
+def strict_mode(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether ``FSDP_SHIM_STRICT`` turns the shim's problems into errors. An unrecognised value is on."""
+    return read_switch(FSDP_SHIM_STRICT, environ, "turned strict mode ON (failures raise)") in ("on", "invalid")
+
 
 _PACKAGE_DIRECTORY = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _IMPORTLIB_DIRECTORY = os.path.dirname(os.path.abspath(warnings.__file__)) + os.sep + "importlib" + os.sep
@@ -38,8 +70,6 @@ def report(problem: str, consequence: str, *, key: str | None = None, cause: Bas
     ``problem`` says what went wrong; ``consequence`` what the shim did instead (only true, and
     so only said, outside strict mode).
     """
-    from fsdp_shim.toggles import strict_mode
-
     if strict_mode():
         raise FSDPShimError(f"{problem} ({FSDP_SHIM_STRICT} is on)") from cause
     warn_once(f"{problem}; {consequence}", key=key or problem)
@@ -47,11 +77,8 @@ def report(problem: str, consequence: str, *, key: str | None = None, cause: Bas
 
 def warn_once(message: str, *, key: str) -> None:
     """One ``FSDPShimWarning`` per ``key`` per process, at the user's line."""
-    with _reported_lock:
-        if key in _reported:
-            return
-        _reported.add(key)
-    warn(message)
+    if first_time(key):
+        warn(message)
 
 
 def warn(message: str) -> None:
@@ -93,3 +120,58 @@ def _internal_prefixes() -> tuple[str, ...]:
             is_package = os.path.basename(path) == "__init__.py"
             prefixes.append(os.path.dirname(path) + os.sep if is_package else path)
     return tuple(prefixes)
+
+
+# ----------------------------------------------------------------------------- the rank-zero log
+# ``logging`` costs milliseconds to import and the shim is imported by start-up code, so it is
+# imported when the first record is written: by then Lightning, which imports it too, is loaded.
+
+# The same variables, in the same order, that Lightning's ``rank_zero_only`` reads, so the shim's
+# messages appear on exactly the process where Lightning prints its own rank-zero messages.
+_RANK_VARIABLES = ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
+
+
+def _logger() -> logging.Logger:
+    import logging
+
+    return logging.getLogger("fsdp_shim")
+
+
+def process_rank() -> int:
+    for variable in _RANK_VARIABLES:
+        value = os.environ.get(variable)
+        if value is not None:
+            try:
+                return int(value)
+            except ValueError:
+                continue
+    return 0
+
+
+def info_on_rank_zero(message: str, *args: object) -> None:
+    if process_rank() == 0:
+        _logger().info(message, *args)
+
+
+def announce(message: str, *args: object) -> None:
+    """An INFO record that is seen even where nobody configured logging (Python drops INFO records
+    then): a cluster operator confirms a job from this one line, so it must not depend on setup."""
+    import logging
+
+    logger = _logger()
+    if logger.isEnabledFor(logging.INFO) and logger.hasHandlers():
+        logger.info(message, *args)
+    else:
+        sys.stderr.write((message % args) + "\n")
+        sys.stderr.flush()
+
+
+def warn_once_on_rank_zero(key: str, message: str, *args: object) -> None:
+    """A WARNING record, once per process and ``key``, on rank zero only. With no logging
+    configured, Python prints WARNING records to stderr, so it is seen by default."""
+    if first_time(f"log:{key}") and process_rank() == 0:
+        _logger().warning(message, *args)
+
+
+def debug(message: str, *args: object) -> None:
+    _logger().debug(message, *args)

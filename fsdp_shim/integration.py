@@ -30,7 +30,7 @@ from fsdp_shim.backport import (
     patch_plan,
     unaffected_reason,
 )
-from fsdp_shim.log import debug, info_on_rank_zero
+from fsdp_shim.failures import debug, info_on_rank_zero
 from fsdp_shim.report import NOT_IMPORTED, NamespaceStatus
 
 

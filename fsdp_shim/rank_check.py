@@ -26,7 +26,7 @@ from datetime import timedelta
 from typing import Any
 
 from _fsdp_shim_startup import SHIM_VARIABLE
-from fsdp_shim import failures, log
+from fsdp_shim import failures
 from fsdp_shim.errors import FSDPShimError
 
 TIMEOUT_VARIABLE = "FSDP_SHIM_RANK_CHECK_TIMEOUT"
@@ -97,7 +97,9 @@ def confirm_every_rank(dtype: Any, namespace: str) -> None:
         raise FSDPShimError(_disagreement_message(reports, world_size))
     if rank == 0:
         waited = time.monotonic() - started
-        log.announce("fsdp-shim: patched on all %d ranks (%s), confirmed in %.2f s", world_size, _short(dtype), waited)
+        failures.announce(
+            "fsdp-shim: patched on all %d ranks (%s), confirmed in %.2f s", world_size, _short(dtype), waited
+        )
 
 
 def _process_group() -> tuple[Any, int, int] | None:
@@ -122,7 +124,7 @@ def _next_conversion() -> int:
 
 
 def _decision(dtype: Any, namespace: str) -> dict[str, Any]:
-    from fsdp_shim import __version__
+    from fsdp_shim._version import __version__
 
     module = __import__(namespace.partition(".")[0])
     return {

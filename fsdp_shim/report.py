@@ -1,17 +1,13 @@
-"""The ``status()`` report: what the shim did in this process, for people and for JSON."""
+"""The records ``status()`` returns: what the shim did in this process, for people and for JSON.
+
+Records only, importing nothing of the package's, so the code that fills them
+(``fsdp_shim.activation.status``, ``fsdp_shim.integration``) and the code that reads them depend on
+this module and never on each other."""
 
 from __future__ import annotations
 
-import os
-import sys
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any
-
-import _fsdp_shim_startup as startup
-from fsdp_shim import __version__
-from fsdp_shim.activation import is_active
-from fsdp_shim.environment_variables import FSDP_SHIM, FSDP_SHIM_STRICT
-from fsdp_shim.toggles import shim_enabled, strict_mode
 
 NOT_IMPORTED = "not imported yet; it is checked when it is imported"
 
@@ -82,43 +78,3 @@ class ShimStatus:
             version = status.version or "-"
             lines.append(f"  {status.namespace:<18} {version:<10} {status.reason}")
         return "\n".join(lines)
-
-
-def activation_sources() -> tuple[str, ...]:
-    """How the shim was armed: the start-up hooks record themselves; anything else was a plain
-    ``import fsdp_shim``."""
-    return tuple(startup.sources) or ("import fsdp_shim",)
-
-
-def namespace_statuses() -> tuple[NamespaceStatus, ...]:
-    names = [name for name, _ in startup.LIGHTNING_NAMESPACES]
-    try:
-        from fsdp_shim import integration
-        from fsdp_shim.backport import namespace_named
-    except ImportError as error:  # its patching code cannot load (wrapt missing): nothing was patched
-        reason = f"not patched: fsdp-shim's patching code cannot be imported ({error})"
-        return tuple(
-            NamespaceStatus(
-                namespace=name, imported=name in sys.modules, reason=reason if name in sys.modules else NOT_IMPORTED
-            )
-            for name in names
-        )
-    return tuple(integration.current_status(namespace_named(name)) for name in names)
-
-
-def collect_status() -> ShimStatus:
-    enabled = shim_enabled()
-    namespaces = []
-    for status in namespace_statuses():
-        if not enabled and not status.patched and status.imported:
-            status = replace(status, reason=f"switched off by {FSDP_SHIM}={os.environ.get(FSDP_SHIM, '')!r}")
-        namespaces.append(status)
-    return ShimStatus(
-        shim_version=__version__,
-        enabled=enabled,
-        strict=strict_mode(),
-        active=is_active(),
-        sources=activation_sources(),
-        environment={name: os.environ.get(name) for name in (FSDP_SHIM, FSDP_SHIM_STRICT)},
-        namespaces=tuple(namespaces),
-    )

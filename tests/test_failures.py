@@ -16,7 +16,7 @@ pytestmark = pytest.mark.release_independent
 
 @pytest.fixture(autouse=True)
 def _fresh(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(failures, "_reported", set())
+    monkeypatch.setattr(failures, "_said", set())
     monkeypatch.delenv("FSDP_SHIM_STRICT", raising=False)
 
 

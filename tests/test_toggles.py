@@ -7,7 +7,7 @@ import warnings
 import pytest
 
 import _fsdp_shim_startup as startup
-from fsdp_shim import failures, toggles
+from fsdp_shim import activation, failures
 from fsdp_shim.errors import FSDPShimWarning
 
 pytestmark = pytest.mark.release_independent
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.release_independent
 
 @pytest.fixture(autouse=True)
 def _fresh_warning_memory(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(failures, "_reported", set())
+    monkeypatch.setattr(failures, "_said", set())
 
 
 ON = [None, "", "  ", "1", "true", "TRUE", " on ", "On", "\ttrue\n", "yes", "Y", "enable", "ENABLED"]
@@ -28,7 +28,7 @@ def test_on_values(value: str | None) -> None:
     env = {} if value is None else {"FSDP_SHIM": value}
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert toggles.shim_enabled(env) is True
+        assert activation.shim_enabled(env) is True
         assert startup.switch_state(env.get("FSDP_SHIM")) in ("on", "unset")  # the start-up code agrees
 
 
@@ -36,9 +36,9 @@ def test_on_values(value: str | None) -> None:
 def test_off_values(value: str) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert toggles.shim_enabled({"FSDP_SHIM": value}) is False
+        assert activation.shim_enabled({"FSDP_SHIM": value}) is False
         assert startup.switch_state(value) == "off"  # the start-up code skips loading the shim
-        assert toggles.strict_mode({"FSDP_SHIM_STRICT": value}) is False
+        assert failures.strict_mode({"FSDP_SHIM_STRICT": value}) is False
 
 
 @pytest.mark.parametrize("value", INVALID)
@@ -46,9 +46,9 @@ def test_an_unreadable_value_fails_closed_and_warns_once(value: str) -> None:
     """The kill switch switches the shim OFF; strict mode turns ON."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        assert toggles.shim_enabled({"FSDP_SHIM": value}) is False
-        assert toggles.shim_enabled({"FSDP_SHIM": value}) is False
-        assert toggles.strict_mode({"FSDP_SHIM_STRICT": value}) is True
+        assert activation.shim_enabled({"FSDP_SHIM": value}) is False
+        assert activation.shim_enabled({"FSDP_SHIM": value}) is False
+        assert failures.strict_mode({"FSDP_SHIM_STRICT": value}) is True
     assert startup.switch_state(value) == "invalid"  # the start-up code loads the package, which stays off
     assert startup.strict_switched_on({"FSDP_SHIM_STRICT": value}) is True
     messages = [str(w.message) for w in caught if issubclass(w.category, FSDPShimWarning)]
@@ -60,8 +60,8 @@ def test_an_unreadable_value_fails_closed_and_warns_once(value: str) -> None:
 
 
 def test_strict_defaults_off() -> None:
-    assert toggles.strict_mode({}) is False
-    assert toggles.strict_mode({"FSDP_SHIM_STRICT": "1"}) is True
+    assert failures.strict_mode({}) is False
+    assert failures.strict_mode({"FSDP_SHIM_STRICT": "1"}) is True
 
 
 def test_the_warning_category_is_one_class() -> None:
