@@ -16,10 +16,10 @@ sees module locks, not the global lock. Ten threads importing Lightning names at
 The watcher here never imports in ``find_spec``: it asks the finders after it for the spec and wraps
 the loader, and the callbacks run in ``exec_module``, where only the module's own lock is held.
 
-The environment-wide start-up file does not import even this module (a ``.pth`` line is run by
-every interpreter, and a module that cannot keep a ``.pyc`` costs milliseconds to compile on every
-start). It runs ``WATCHER_CODE`` inline: a trampoline that wraps the loader of the first
-Lightning package imported and calls ``hand_over`` from that loader, outside the lock.
+The start-up file ``fsdp-shim install`` writes does not import even this module (a ``.pth`` line is
+run by every interpreter, and a module that cannot keep a ``.pyc`` costs milliseconds to compile on
+every start). It carries the source of ``_fsdp_shim_trampoline``: a finder that wraps the loader of the
+first Lightning package imported and calls ``hand_over`` from that loader, outside the lock.
 """
 
 import _thread
@@ -405,58 +405,3 @@ def hand_over(module: "ModuleType", loader: object, source: str) -> None:
             if name.partition(".")[0] in loaded_past and name in sys.modules:
                 missed.setdefault(name, who + "; noticed at the import of " + module.__name__)
         load_shim()  # it patches what is imported at once
-
-
-WATCHER_CODE = """\
-def fsdp_shim_watcher(name, path=None, target=None):
-    if name in WATCHED or WATCHED and [1 for p in WATCHED if getattr(
-            getattr(sys.modules.get(p), "__spec__", None), "_initializing", 1) is False]:
-        if "watched_spec" not in globals():
-            exec(HAND_OVER_CODE, globals())
-        return watched_spec(name, path, target)
-fsdp_shim_watcher.find_spec = fsdp_shim_watcher
-sys.meta_path.insert(0, fsdp_shim_watcher)
-"""
-"""The start-up file's trampoline, as source: run with ``exec`` in a namespace holding ``sys``,
-``SOURCE`` (how the shim was armed), ``WATCHED`` (a list of ``LIGHTNING_PACKAGES``) and
-``HAND_OVER_CODE``. A function that is its own ``find_spec`` is a complete finder, so no class is
-compiled at start-up, and the rest (``HAND_OVER_CODE``) is compiled only when a watched package is
-first looked up: compiling it at every interpreter start cost about 0.2 ms more. A Lightning package
-that is already loaded (a finder in front of the trampoline answered for it) hands over at the next
-import the trampoline sees, so the shim still loads and patches it."""
-
-HAND_OVER_CODE = """\
-def watched_spec(name, path, target):
-    for finder in sys.meta_path:
-        find = getattr(finder, "find_spec", None)
-        if find is not None and getattr(finder, "__name__", "") != "fsdp_shim_watcher":
-            spec = find(name, path, target)
-            if spec is not None:
-                break
-    else:
-        return None
-    real = spec.loader
-    if real is None or not hasattr(real, "exec_module"):
-        return spec
-    def exec_module(module):
-        try:
-            import _fsdp_shim_startup
-            hand_over = _fsdp_shim_startup.hand_over
-        except Exception as error:
-            if not isinstance(error, ImportError):
-                import warnings
-                warnings.warn("fsdp-shim: this start-up file does not match the installed fsdp-shim (%r); "
-                              "Lightning runs without the shim. Run `fsdp-shim install` again." % error)
-            module.__loader__ = module.__spec__.loader = real
-            return real.exec_module(module)
-        hand_over(module, real, SOURCE)
-    exec_module.create_module = getattr(real, "create_module", lambda spec: None)
-    exec_module.exec_module = exec_module
-    spec.loader = exec_module
-    return spec
-"""
-"""The trampoline's finder body: it asks the finders after it for the spec (importing nothing) and
-wraps the loader, whose ``exec_module`` imports this module, outside the global import lock, and calls
-``hand_over``. If this module is gone (``pip uninstall`` left the start-up file behind), Lightning
-imports as if the file were not there; if it is from another fsdp-shim version (no ``hand_over``), the
-same, with a warning."""

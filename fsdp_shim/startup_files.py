@@ -4,8 +4,8 @@ Two files with the same stem: ``fsdp_shim.pth`` (an ``import`` line, read by eve
 and ``fsdp_shim.start`` (a PEP 829 entry point; Python 3.15+ reads it and then ignores the ``.pth``
 import line, so the shim is armed once either way).
 
-The ``.pth`` line runs ``_fsdp_shim_startup.WATCHER_CODE`` inline and imports nothing, so it
-costs no measurable start-up time, and if the package is removed while the file stays behind
+The ``.pth`` line carries the source of ``_fsdp_shim_trampoline`` and runs it: it imports nothing, so
+it costs no measurable start-up time, and if the package is removed while the file stays behind
 (``pip uninstall`` does not know about it) every interpreter still starts cleanly and Lightning
 still imports. A stale ``.start`` file cannot be made silent: Python 3.15+ prints one error line
 for it.
@@ -23,7 +23,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from _fsdp_shim_startup import HAND_OVER_CODE, LIGHTNING_PACKAGES, WATCHER_CODE
+import _fsdp_shim_trampoline
+from _fsdp_shim_startup import LIGHTNING_PACKAGES
 
 STEM = "fsdp_shim"
 ENVIRONMENT_FILE = "fsdp_shim_env.pth"
@@ -31,11 +32,13 @@ ENVIRONMENT_FILE = "fsdp_shim_env.pth"
 is not one of the files ``fsdp-shim install`` writes or removes."""
 MARKER = "# fsdp-shim start-up file"
 
+TRAMPOLINE_SOURCE = Path(_fsdp_shim_trampoline.__file__).read_text(encoding="utf-8")
 PTH_TEXT = (
     f"{MARKER}: written by `fsdp-shim install`, removed by `fsdp-shim uninstall`.\n"
-    "# Imports nothing: arms a watcher that loads the shim when a process imports Lightning.\n"
-    f"import sys; exec({WATCHER_CODE!r}, {{'sys': sys, 'SOURCE': 'startup file', "
-    f"'WATCHED': {list(LIGHTNING_PACKAGES)!r}, 'HAND_OVER_CODE': {HAND_OVER_CODE!r}}})\n"
+    "# Imports nothing: runs the source of _fsdp_shim_trampoline, a finder that loads the shim when a\n"
+    "# process imports Lightning.\n"
+    f"import sys; exec({TRAMPOLINE_SOURCE!r}, namespace := {{}}); "
+    f"namespace['install']('startup file', {list(LIGHTNING_PACKAGES)!r})\n"
 )
 START_TEXT = (
     f"{MARKER} (PEP 829): written by `fsdp-shim install`, removed by `fsdp-shim uninstall`.\n"
@@ -90,6 +93,7 @@ PREVIOUS_DIGESTS = frozenset(
         # development versions around it), so `install` upgrades them and `uninstall` removes them
         # without asking, while a file with any other content is someone else's.
         "8b08d613d3f4054110b3883c81dbd2ae20cecf241985bda4d437ec054ead13aa",  # 0.2.0
+        "f613e3be5cc8d3bcbc15351938b984d40fb978d8dc6ca79f5e4f09ea2b0a0849",
         "44ad4bf1742e8c50dc472ae77b7aefd23dfccf55571728f8276b981f995b5d63",
         "af4661eeab14bc5646e48889b51d51ad2aba0e2a60f30e6c1e3ac9c203e50270",
         "60134e6b1aa147cdc9e63777a12df51b066cf499ea706559eabbd94cba4515b1",

@@ -73,7 +73,7 @@ def test_every_copy_of_the_lightning_package_list_agrees() -> None:
 
     packages = tuple(dict.fromkeys(ns.name.partition(".")[0] for ns in NAMESPACES))
     assert packages == startup.LIGHTNING_PACKAGES
-    assert f"'WATCHED': {list(packages)!r}" in PTH_TEXT
+    assert f"namespace['install']('startup file', {list(packages)!r})" in PTH_TEXT
     assert packages == bootstrap.LIGHTNING_PACKAGES
 
 

@@ -1,0 +1,89 @@
+"""The finder that ``fsdp_shim.pth`` (the file ``fsdp-shim install`` writes) puts on ``sys.meta_path``.
+
+Every interpreter of the environment runs the start-up file, so it must cost nothing measurable and
+import nothing: importing even a small module costs a file lookup and, where no ``.pyc`` can be
+written, a compilation on every start. So the file carries this module's source and runs it with
+``exec`` (``fsdp_shim.startup_files.PTH_TEXT``); the source lives here, as a real module, so that it is
+linted and tested like the rest. Nothing imports this module at run time.
+
+The finder answers only for Lightning's top-level packages (``WATCHED``). It imports nothing inside
+``find_spec``, where the import system holds its global lock: it asks the finders after it for the spec
+and wraps the loader, whose ``exec_module`` imports ``_fsdp_shim_startup`` outside that lock and hands
+the import over to it (``hand_over``), which loads the shim. From then on ``_fsdp_shim_startup``'s own
+watcher does the work and this finder is inert (``WATCHED`` emptied, never removed: removing a finder
+while another thread iterates ``sys.meta_path`` can make that thread skip one). A Lightning package that
+another finder in front of this one loaded itself is handed over at the next import this finder sees.
+
+If ``_fsdp_shim_startup`` is gone (``pip uninstall`` left the start-up file behind), Lightning imports as
+if the file were not there; if it is from another fsdp-shim version (no ``hand_over``), the same, with
+a warning.
+"""
+
+import sys
+
+SOURCE = "startup file"
+"""How the shim was armed, for ``status()``: set by ``install``."""
+WATCHED: "list[str]" = []
+"""The Lightning packages still to hand over; emptied by ``_fsdp_shim_startup`` when it takes over."""
+
+
+def install(source: str, watched: "list[str]") -> None:
+    """Put the finder first on ``sys.meta_path`` (what the start-up file calls)."""
+    global SOURCE
+    SOURCE = source
+    WATCHED[:] = watched
+    sys.meta_path.insert(0, fsdp_shim_watcher)  # type: ignore[arg-type]
+
+
+def fsdp_shim_watcher(name: str, path: object = None, target: object = None) -> object:
+    """A function that is its own ``find_spec`` is a complete finder, so no class is built at start-up."""
+    if name in WATCHED or (WATCHED and any(_loaded(package) for package in WATCHED)):
+        return watched_spec(name, path, target)
+    return None
+
+
+fsdp_shim_watcher.find_spec = fsdp_shim_watcher  # type: ignore[attr-defined]
+
+
+def _loaded(package: str) -> bool:
+    """Whether ``package`` is imported and done: another finder loaded it past this one."""
+    return getattr(getattr(sys.modules.get(package), "__spec__", None), "_initializing", True) is False
+
+
+def watched_spec(name: str, path: object, target: object) -> object:
+    """The spec the other finders give ``name``, its loader wrapped to hand the import over."""
+    for finder in sys.meta_path:
+        find = getattr(finder, "find_spec", None)
+        if find is not None and getattr(finder, "__name__", "") != "fsdp_shim_watcher":
+            spec = find(name, path, target)
+            if spec is not None:
+                break
+    else:
+        return None
+    real = spec.loader
+    if real is None or not hasattr(real, "exec_module"):
+        return spec
+
+    def exec_module(module: object) -> None:
+        try:
+            import _fsdp_shim_startup
+
+            hand_over = _fsdp_shim_startup.hand_over
+        except Exception as error:
+            if not isinstance(error, ImportError):
+                import warnings
+
+                warnings.warn(
+                    f"fsdp-shim: this start-up file does not match the installed fsdp-shim ({error!r}); "
+                    "Lightning runs without the shim. Run `fsdp-shim install` again.",
+                    stacklevel=2,
+                )
+            module.__loader__ = module.__spec__.loader = real  # type: ignore[attr-defined]
+            real.exec_module(module)
+            return
+        hand_over(module, real, SOURCE)
+
+    exec_module.create_module = getattr(real, "create_module", lambda spec: None)  # type: ignore[attr-defined]
+    exec_module.exec_module = exec_module  # type: ignore[attr-defined]
+    spec.loader = exec_module
+    return spec
