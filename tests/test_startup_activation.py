@@ -77,6 +77,16 @@ def test_every_copy_of_the_lightning_package_list_agrees() -> None:
     assert packages == bootstrap.LIGHTNING_PACKAGES
 
 
+def test_the_startup_file_runs_the_trampoline_modules_source_verbatim() -> None:
+    """The code the ``.pth`` runs is ``_fsdp_shim_trampoline.py`` as linted and tested, not a copy."""
+    import _fsdp_shim_trampoline
+
+    line = next(line for line in PTH_TEXT.splitlines() if line.startswith("import "))
+    call = ast.parse(line).body[1].value  # exec(SOURCE, namespace := {})
+    assert isinstance(call, ast.Call) and call.func.id == "exec"
+    assert call.args[0].value == Path(_fsdp_shim_trampoline.__file__).read_text(encoding="utf-8")
+
+
 @pytest.mark.parametrize("value", ["", "1", "on", "maybe", "0", "no", "DISABLED", " off "])
 def test_the_bootstraps_fallback_reads_strict_like_the_package(value: str) -> None:
     import os as os_module
