@@ -4,52 +4,65 @@ Every interpreter of the environment runs the start-up file, so it must cost not
 import nothing: importing even a small module costs a file lookup and, where no ``.pyc`` can be
 written, a compilation on every start. So the file carries this module's source and runs it with
 ``exec`` (``fsdp_shim.startup_files.PTH_TEXT``); the source lives here, as a real module, so that it is
-linted and tested like the rest. Nothing imports this module at run time.
+linted and tested like the rest. Nothing imports this module at run time. Two finders, this one and
+``_fsdp_shim_startup``'s, because the second is a module that the start-up file must not import.
 
 The finder answers only for Lightning's top-level packages (``WATCHED``). It imports nothing inside
 ``find_spec``, where the import system holds its global lock: it asks the finders after it for the spec
 and wraps the loader, whose ``exec_module`` imports ``_fsdp_shim_startup`` outside that lock and hands
-the import over to it (``hand_over``), which loads the shim. From then on ``_fsdp_shim_startup``'s own
-watcher does the work and this finder is inert (``WATCHED`` emptied, never removed: removing a finder
-while another thread iterates ``sys.meta_path`` can make that thread skip one). A Lightning package that
-another finder in front of this one loaded itself is handed over at the next import this finder sees.
+the import over to it (``hand_over``), which loads the shim. The file carries the code below the two
+marker lines, not this docstring: the first part is compiled at every interpreter start, the second
+(finding the spec, wrapping the loader) only when a process first looks up a Lightning package, which
+keeps the start-up file's cost within noise of a bare interpreter (see docs/benchmarks.md). So the
+first part has no comments or docstrings (they would be compiled on every start); what it does:
+
+* ``install`` records how the shim was armed (``SOURCE``, for ``status()``), the packages to watch
+  (``WATCHED``) and the second part's source (``HAND_OVER``), and puts the finder first;
+* ``fsdp_shim_watcher`` is a function that is its own ``find_spec``, so no class is built at start-up.
+  It answers for a watched package, or for any import once a watched package is done executing
+  (another finder in front of it loaded that one itself); the first time, it compiles the second part.
+
+From then on ``_fsdp_shim_startup``'s own watcher does the work and this finder is inert (``WATCHED``
+emptied, never removed: removing a finder while another thread iterates ``sys.meta_path`` can make that
+thread skip one). A Lightning package that another finder in front of this one loaded itself is handed
+over at the next import this finder sees.
 
 If ``_fsdp_shim_startup`` is gone (``pip uninstall`` left the start-up file behind), Lightning imports as
 if the file were not there; if it is from another fsdp-shim version (no ``hand_over``), the same, with
 a warning.
 """
 
+# ----------------------------------------------------------------------------- compiled at start-up
 import sys
 
 SOURCE = "startup file"
-"""How the shim was armed, for ``status()``: set by ``install``."""
 WATCHED: "list[str]" = []
-"""The Lightning packages still to hand over; emptied by ``_fsdp_shim_startup`` when it takes over."""
+HAND_OVER = ""
 
 
-def install(source: str, watched: "list[str]") -> None:
-    """Put the finder first on ``sys.meta_path`` (what the start-up file calls)."""
-    global SOURCE
-    SOURCE = source
+def install(source: str, watched: "list[str]", hand_over: str = "") -> None:
+    global SOURCE, HAND_OVER
+    SOURCE, HAND_OVER = source, hand_over
     WATCHED[:] = watched
-    sys.meta_path.insert(0, fsdp_shim_watcher)  # type: ignore[arg-type]
+    sys.meta_path.insert(0, fsdp_shim_watcher)
 
 
 def fsdp_shim_watcher(name: str, path: object = None, target: object = None) -> object:
-    """A function that is its own ``find_spec`` is a complete finder, so no class is built at start-up."""
-    if name in WATCHED or (WATCHED and any(_loaded(package) for package in WATCHED)):
+    if name in WATCHED or (WATCHED and [1 for p in WATCHED if getattr(_spec(p), "_initializing", 1) is False]):
+        if "watched_spec" not in globals():
+            exec(HAND_OVER, globals())
         return watched_spec(name, path, target)
     return None
 
 
-fsdp_shim_watcher.find_spec = fsdp_shim_watcher  # type: ignore[attr-defined]
+def _spec(name: str) -> object:
+    return getattr(sys.modules.get(name), "__spec__", None)
 
 
-def _loaded(package: str) -> bool:
-    """Whether ``package`` is imported and done: another finder loaded it past this one."""
-    return getattr(getattr(sys.modules.get(package), "__spec__", None), "_initializing", True) is False
+fsdp_shim_watcher.find_spec = fsdp_shim_watcher
 
 
+# ----------------------------------------------------------------------------- compiled at first use
 def watched_spec(name: str, path: object, target: object) -> object:
     """The spec the other finders give ``name``, its loader wrapped to hand the import over."""
     for finder in sys.meta_path:

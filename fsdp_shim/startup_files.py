@@ -32,13 +32,18 @@ ENVIRONMENT_FILE = "fsdp_shim_env.pth"
 is not one of the files ``fsdp-shim install`` writes or removes."""
 MARKER = "# fsdp-shim start-up file"
 
-TRAMPOLINE_SOURCE = Path(_fsdp_shim_trampoline.__file__).read_text(encoding="utf-8")
+START_MARKER = "# " + "-" * 77 + " compiled at start-up\n"
+FIRST_USE_MARKER = "# " + "-" * 77 + " compiled at first use\n"
+_TRAMPOLINE = Path(_fsdp_shim_trampoline.__file__).read_text(encoding="utf-8")
+TRAMPOLINE_START = _TRAMPOLINE.partition(START_MARKER)[2].partition(FIRST_USE_MARKER)[0]
+TRAMPOLINE_FIRST_USE = _TRAMPOLINE.partition(FIRST_USE_MARKER)[2]
+"""The two parts of ``_fsdp_shim_trampoline`` the ``.pth`` line carries (see its docstring)."""
 PTH_TEXT = (
     f"{MARKER}: written by `fsdp-shim install`, removed by `fsdp-shim uninstall`.\n"
     "# Imports nothing: runs the source of _fsdp_shim_trampoline, a finder that loads the shim when a\n"
     "# process imports Lightning.\n"
-    f"import sys; exec({TRAMPOLINE_SOURCE!r}, namespace := {{}}); "
-    f"namespace['install']('startup file', {list(LIGHTNING_PACKAGES)!r})\n"
+    f"import sys; exec({TRAMPOLINE_START!r}, namespace := {{}}); "
+    f"namespace['install']('startup file', {list(LIGHTNING_PACKAGES)!r}, {TRAMPOLINE_FIRST_USE!r})\n"
 )
 START_TEXT = (
     f"{MARKER} (PEP 829): written by `fsdp-shim install`, removed by `fsdp-shim uninstall`.\n"

@@ -32,7 +32,7 @@ from conftest import (
 import _fsdp_shim_startup as startup
 from fsdp_shim.bootstrap import sitecustomize as bootstrap
 from fsdp_shim.runner import BOOTSTRAP_DIRECTORY
-from fsdp_shim.startup_files import ENVIRONMENT_FILE, PTH_TEXT, START_TEXT, site_directories
+from fsdp_shim.startup_files import ENVIRONMENT_FILE, FIRST_USE_MARKER, PTH_TEXT, START_TEXT, site_directories
 
 pytestmark = pytest.mark.release_independent
 
@@ -73,18 +73,21 @@ def test_every_copy_of_the_lightning_package_list_agrees() -> None:
 
     packages = tuple(dict.fromkeys(ns.name.partition(".")[0] for ns in NAMESPACES))
     assert packages == startup.LIGHTNING_PACKAGES
-    assert f"namespace['install']('startup file', {list(packages)!r})" in PTH_TEXT
+    assert f"namespace['install']('startup file', {list(packages)!r}, " in PTH_TEXT
     assert packages == bootstrap.LIGHTNING_PACKAGES
 
 
 def test_the_startup_file_runs_the_trampoline_modules_source_verbatim() -> None:
-    """The code the ``.pth`` runs is ``_fsdp_shim_trampoline.py`` as linted and tested, not a copy."""
+    """The code the ``.pth`` runs is ``_fsdp_shim_trampoline.py`` as linted and tested, not a copy:
+    its two parts, in order, make up the module below its docstring."""
     import _fsdp_shim_trampoline
 
     line = next(line for line in PTH_TEXT.splitlines() if line.startswith("import "))
-    call = ast.parse(line).body[1].value  # exec(SOURCE, namespace := {})
-    assert isinstance(call, ast.Call) and call.func.id == "exec"
-    assert call.args[0].value == Path(_fsdp_shim_trampoline.__file__).read_text(encoding="utf-8")
+    run, arm = ast.parse(line).body[1:]
+    start, first_use = run.value.args[0].value, arm.value.args[2].value
+    assert run.value.func.id == "exec" and start.startswith("import sys\n") and "def watched_spec" in first_use
+    source = Path(_fsdp_shim_trampoline.__file__).read_text(encoding="utf-8")
+    assert source.endswith(start + FIRST_USE_MARKER + first_use)
 
 
 @pytest.mark.parametrize("value", ["", "1", "on", "maybe", "0", "no", "DISABLED", " off "])
