@@ -16,8 +16,6 @@ marker lines, not this docstring: the first part is compiled at every interprete
 keeps the start-up file's cost within noise of a bare interpreter (see docs/benchmarks.md). So the
 first part has no comments or docstrings (they would be compiled on every start); what it does:
 
-* ``install`` records how the shim was armed (``SOURCE``, for ``status()``), the packages to watch
-  (``WATCHED``) and the second part's source (``HAND_OVER``), and puts the finder first;
 * ``fsdp_shim_watcher`` is a function that is its own ``find_spec``, so no class is built at start-up.
   It answers for a watched package, or for any import once a watched package is done executing
   (another finder in front of it loaded that one itself); the first time, it compiles the second part.
@@ -32,31 +30,32 @@ if the file were not there; if it is from another fsdp-shim version (no ``hand_o
 a warning.
 """
 
-# ----------------------------------------------------------------------------- compiled at start-up
 import sys
 
 SOURCE = "startup file"
 WATCHED: "list[str]" = []
 HAND_OVER = ""
+# The start-up file runs only the two parts below, in a namespace holding these three names (how the
+# shim was armed, the packages still to hand over, the second part's source) and ``sys``, and puts the
+# finder first on ``sys.meta_path`` itself; ``install`` does the same for a test that imports this.
 
 
 def install(source: str, watched: "list[str]", hand_over: str = "") -> None:
     global SOURCE, HAND_OVER
     SOURCE, HAND_OVER = source, hand_over
     WATCHED[:] = watched
-    sys.meta_path.insert(0, fsdp_shim_watcher)
+    sys.meta_path.insert(0, fsdp_shim_watcher)  # type: ignore[arg-type]
 
 
-def fsdp_shim_watcher(name: str, path: object = None, target: object = None) -> object:
-    if name in WATCHED or (WATCHED and [1 for p in WATCHED if getattr(_spec(p), "_initializing", 1) is False]):
-        if "watched_spec" not in globals():
-            exec(HAND_OVER, globals())
-        return watched_spec(name, path, target)
-    return None
-
-
-def _spec(name: str) -> object:
-    return getattr(sys.modules.get(name), "__spec__", None)
+# ----------------------------------------------------------------------------- compiled at start-up
+def fsdp_shim_watcher(name, path=None, target=None):  # noqa: ANN001, ANN202
+    if name not in WATCHED:
+        modules = sys.modules
+        if not [1 for p in WATCHED if getattr(getattr(modules.get(p), "__spec__", 0), "_initializing", 1) is False]:
+            return None
+    if "watched_spec" not in globals():
+        exec(HAND_OVER, globals())
+    return watched_spec(name, path, target)
 
 
 fsdp_shim_watcher.find_spec = fsdp_shim_watcher

@@ -99,6 +99,16 @@ OTHER_TORCH: dict[str, str] = {
     "lightning-2.4.0-torch-2.4.1": "2.4.1",
 }
 MATRIX["lightning-2.4.0-torch-2.4.1"] = ["lightning==2.4.0", "pytorch-lightning==2.4.0"]
+TORCH_DEPENDENT_TESTS = [
+    "tests/test_real_fsdp.py",
+    "tests/test_checkpoints.py",
+    "tests/test_lightning_convert_module.py",
+    "tests/test_verify.py",
+    "tests/test_verify_model.py",
+]
+"""What the sessions in OTHER_TORCH run: the tests that train with FSDP (dtypes, exact bytes,
+checkpoints, Lightning's own tests, verify). What decides imports, gates and wrappers is the same on
+every torch, and its torch's CUDA build costs seconds per interpreter, so those run on one torch only."""
 
 DEFAULT_SESSION = "mixed-2.4.0"
 """Runs the release-independent tests too (toggles, logging, error isolation); the other sessions
@@ -129,7 +139,9 @@ def install_target(session: nox.Session, name: str, python: str = sys.executable
     return target
 
 
-def run_matrix_session(session: nox.Session, name: str, python: str = sys.executable) -> None:
+def run_matrix_session(
+    session: nox.Session, name: str, python: str = sys.executable, tests: tuple[str, ...] = ()
+) -> None:
     target = install_target(session, name, python)
     env = {
         "PYTHONPATH": os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH", "")])),
@@ -151,7 +163,7 @@ def run_matrix_session(session: nox.Session, name: str, python: str = sys.execut
             "-p",
             "no:cacheprovider",
             f"--junitxml={junit}",
-            *session.posargs,
+            *(session.posargs or tests),
             env=env,
             external=True,
         )
@@ -188,7 +200,8 @@ for _name, _torch in OTHER_TORCH.items():
         session.install(pin, "--no-deps", "-e", str(ROOT))
         session.install(pin, "wrapt>=1.14,!=2.2.0,<3", "packaging>=20")
         session.run("python", "-c", f"import torch; assert torch.__version__.startswith('{_torch}'), torch.__version__")
-        run_matrix_session(session, _name, python=str(Path(session.virtualenv.bin) / "python"))
+        python = str(Path(session.virtualenv.bin) / "python")
+        run_matrix_session(session, _name, python=python, tests=tuple(TORCH_DEPENDENT_TESTS))
 
 
 @nox.session

@@ -42,8 +42,9 @@ PTH_TEXT = (
     f"{MARKER}: written by `fsdp-shim install`, removed by `fsdp-shim uninstall`.\n"
     "# Imports nothing: runs the source of _fsdp_shim_trampoline, a finder that loads the shim when a\n"
     "# process imports Lightning.\n"
-    f"import sys; exec({TRAMPOLINE_START!r}, namespace := {{}}); "
-    f"namespace['install']('startup file', {list(LIGHTNING_PACKAGES)!r}, {TRAMPOLINE_FIRST_USE!r})\n"
+    f"import sys; exec({TRAMPOLINE_START!r}, namespace := {{'sys': sys, 'SOURCE': 'startup file', "
+    f"'WATCHED': {list(LIGHTNING_PACKAGES)!r}, 'HAND_OVER': {TRAMPOLINE_FIRST_USE!r}}}); "
+    "sys.meta_path.insert(0, namespace['fsdp_shim_watcher'])\n"
 )
 START_TEXT = (
     f"{MARKER} (PEP 829): written by `fsdp-shim install`, removed by `fsdp-shim uninstall`.\n"

@@ -73,19 +73,21 @@ def test_every_copy_of_the_lightning_package_list_agrees() -> None:
 
     packages = tuple(dict.fromkeys(ns.name.partition(".")[0] for ns in NAMESPACES))
     assert packages == startup.LIGHTNING_PACKAGES
-    assert f"namespace['install']('startup file', {list(packages)!r}, " in PTH_TEXT
+    assert f"'WATCHED': {list(packages)!r}" in PTH_TEXT
     assert packages == bootstrap.LIGHTNING_PACKAGES
 
 
 def test_the_startup_file_runs_the_trampoline_modules_source_verbatim() -> None:
     """The code the ``.pth`` runs is ``_fsdp_shim_trampoline.py`` as linted and tested, not a copy:
-    its two parts, in order, make up the module below its docstring."""
+    its two parts, in order, make up the end of the module."""
     import _fsdp_shim_trampoline
 
     line = next(line for line in PTH_TEXT.splitlines() if line.startswith("import "))
-    run, arm = ast.parse(line).body[1:]
-    start, first_use = run.value.args[0].value, arm.value.args[2].value
-    assert run.value.func.id == "exec" and start.startswith("import sys\n") and "def watched_spec" in first_use
+    run = ast.parse(line).body[1].value  # exec(START, namespace := {..., "HAND_OVER": FIRST_USE})
+    start = run.args[0].value
+    namespace = run.args[1].value
+    first_use = namespace.values[[key.value for key in namespace.keys].index("HAND_OVER")].value
+    assert run.func.id == "exec" and start.startswith("def fsdp_shim_watcher") and "def watched_spec" in first_use
     source = Path(_fsdp_shim_trampoline.__file__).read_text(encoding="utf-8")
     assert source.endswith(start + FIRST_USE_MARKER + first_use)
 
