@@ -122,31 +122,13 @@ class Progress:
 
 
 # ----------------------------------------------------------------------------- running the probe
-PROBE_SCRIPT = """\
-# fsdp-shim verify's probe, run as a script from verify's own temporary folder: ``-m`` and ``-c`` put
-# the current folder first on sys.path, where a yaml.py (or packaging.py, ...) would run in the probe.
-# Lightning's launcher re-runs this same script on every other rank.
-import os, sys
-PACKAGE_ROOT = {root!r}
-if PACKAGE_ROOT not in sys.path:  # fsdp-shim run from a clone without being installed
-    sys.path.insert(1, PACKAGE_ROOT)
-os.environ.setdefault("PYTHONWARNINGS", "ignore")
-from fsdp_shim.verify.probe import main
-main(sys.argv[1:])
-"""
-
-
-def _probe_script(workdir: Path) -> Path:
-    import fsdp_shim
-
-    script = workdir / "fsdp_shim_verify_probe.py"
-    if not script.exists():
-        script.write_text(PROBE_SCRIPT.format(root=str(Path(fsdp_shim.__file__).resolve().parent.parent)))
-    return script
+PROBE_SCRIPT = Path(__file__).resolve().parent.parent / "_children" / "verify_probe.py"
+"""The probe's entry script, run by its path so nothing from the current folder runs in the probe;
+Lightning's launcher re-runs it on every other rank."""
 
 
 def _probe_command(mode: str, out: Path, options: Options, namespace: str | None = None) -> list[str]:
-    command = [sys.executable, str(_probe_script(out.parent)), mode, "--out", str(out)]
+    command = [sys.executable, str(PROBE_SCRIPT), mode, "--out", str(out)]
     command += ["--precision", options.precision, "--devices", str(options.devices), "--steps", str(options.steps)]
     if namespace is not None:
         command += ["--namespace", namespace]

@@ -1,4 +1,4 @@
-"""The verify child process: ``python <verify's temporary folder>/fsdp_shim_verify_probe.py gate|measure ...``.
+"""The verify child process: ``python fsdp_shim/_children/verify_probe.py gate|measure ...`` runs :func:`main`.
 
 ``gate`` imports every installed Lightning Trainer namespace (and the user's module, with
 ``--model``) with the shim on and reports versions, import failures and what the shim did: enough
@@ -254,6 +254,6 @@ def main(argv: list[str]) -> None:
     leave_process_group(0)
 
 
-if __name__ == "__main__":  # verify runs it through command.PROBE_SCRIPT; this is for a person debugging
+if __name__ == "__main__":  # verify runs it through fsdp_shim/_children/verify_probe.py; this is for a person debugging
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     main(sys.argv[1:])
