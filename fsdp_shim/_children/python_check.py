@@ -26,10 +26,15 @@ PACKAGE = os.path.dirname(HERE)
 def lightning_install() -> ModuleType:
     """``fsdp_shim/lightning_install.py``, loaded by its path under a private name: importing it as
     ``fsdp_shim.lightning_install`` would run the package's ``__init__``, which activates the shim.
-    Its one import outside the standard library, ``_fsdp_shim_startup`` (side-effect free), is taken
-    from the package's own folder, where a clone run uninstalled keeps it too."""
+
+    Its one import outside the standard library, ``_fsdp_shim_startup``, has no side effects. Where
+    only the package's own folder holds it (a clone run uninstalled), it is borrowed from there and
+    forgotten afterwards, so that Lightning's import finds exactly what it would without this child.
+    """
     root = os.path.dirname(PACKAGE)
-    sys.path.insert(0, root)
+    borrowed = root not in sys.path and importlib.util.find_spec("_fsdp_shim_startup") is None
+    if borrowed:
+        sys.path.append(root)
     try:
         spec = importlib.util.spec_from_file_location(
             "_fsdp_shim_python_check_lightning_install", os.path.join(PACKAGE, "lightning_install.py")
@@ -38,7 +43,9 @@ def lightning_install() -> ModuleType:
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
     finally:
-        sys.path.remove(root)
+        if borrowed:
+            sys.path.remove(root)
+            sys.modules.pop("_fsdp_shim_startup", None)
     return module
 
 
