@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_shim import __version__, startup_files
+from fsdp_shim.verify.options import PROBE_TIMEOUT, Options
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
@@ -167,12 +168,9 @@ def _positive_number(text: str) -> float:
     return value
 
 
-PROBE_TIMEOUT = 1800
-"""verify's default --timeout, in seconds. Here, not in verify.command, so that building the parser
-imports nothing beyond the standard library (install runs in bare environments)."""
-
-
 def command_timeout() -> float:
+    """verify's default --timeout, in seconds (``verify/options.py`` imports only the standard library,
+    so building the parser still imports nothing beyond it: install runs in bare environments)."""
     return PROBE_TIMEOUT
 
 
@@ -293,7 +291,7 @@ def _verify(args: argparse.Namespace) -> int:
     if args.model is None and args.model_path is not None:
         print("fsdp-shim verify: --model-path needs --model", file=sys.stderr)
         return 2
-    options = command.Options(
+    options = Options(
         precision=args.precision,
         devices=args.devices,
         steps=args.steps,

@@ -26,32 +26,9 @@ from fsdp_shim.environment_variables import FSDP_SHIM, FSDP_SHIM_STRICT
 from fsdp_shim.lightning_install import describe_import_failure, distribution_of, namespaces_of
 from fsdp_shim.runner import BOOTSTRAP_DIRECTORY, bootstrap_on_pythonpath
 
-# Run as a script from a private temporary folder (not ``-c``, and not ``-m fsdp_shim...``, which
-# would import the shim before Lightning): ``-c`` and ``-m`` put the current folder first on
-# ``sys.path``, so a ``yaml.py`` there would run in the child; a script's folder (holding nothing but
-# this script) goes there instead. It imports Lightning the way a training script does and writes what
-# the shim did to the file named by its argument, not to stdout, which start-up code of the
-# environment (an ``atexit`` print in a sitecustomize) may write to as well.
-CHILD_CHECK = f"""
-import importlib, importlib.util, json, sys, warnings
-OUT = sys.argv[1]
-warnings.simplefilter("ignore")
-imported, failed = [], {{}}
-for name in {LIGHTNING_PACKAGES!r}:
-    if importlib.util.find_spec(name) is None:
-        continue
-    try:
-        importlib.import_module(name)
-        imported.append(name)
-    except Exception as error:
-        failed[name] = [type(error).__name__, str(error), getattr(error, "name", None)]
-shim = sys.modules.get("fsdp_shim")
-report = {{"python": sys.executable, "imported": imported, "failed": failed, "shim_loaded": shim is not None}}
-if shim is not None:
-    report["status"] = shim.status().as_dict()
-with open(OUT, "w") as handle:
-    json.dump(report, handle)
-"""
+PYTHON_CHECK = Path(__file__).resolve().parent / "_children" / "python_check.py"
+"""The ``--python-check`` child, run by its path: it imports Lightning as a training script does and
+writes what the shim did to a file of its own (see the script)."""
 
 
 @dataclass
@@ -134,7 +111,7 @@ def _check_activations(report: EnvironmentReport) -> None:
 
 
 class NoTemporaryFolder(Exception):
-    """``--python-check`` needs a temporary folder for its child's script and report, and has none."""
+    """``--python-check`` needs a temporary folder for its child's report, and has none."""
 
 
 def _run_child_check() -> tuple[subprocess.CompletedProcess[str], dict[str, Any] | None]:
@@ -143,9 +120,9 @@ def _run_child_check() -> tuple[subprocess.CompletedProcess[str], dict[str, Any]
     except OSError as error:
         raise NoTemporaryFolder(f"no usable temporary folder ({type(error).__name__}: {error}); set TMPDIR") from None
     try:
-        script, out = Path(folder, "python_check.py"), Path(folder, "report.json")
-        script.write_text(CHILD_CHECK)
-        proc = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, timeout=600)
+        out = Path(folder, "report.json")
+        command = [sys.executable, str(PYTHON_CHECK), str(out)]
+        proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
         try:
             return proc, json.loads(out.read_text())
         except (OSError, ValueError):

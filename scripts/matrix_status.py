@@ -11,21 +11,8 @@ import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-PROBE = """
-import importlib, json, warnings
-from importlib import metadata
-warnings.simplefilter("ignore")
-import fsdp_shim
-from _fsdp_shim_startup import LIGHTNING_PACKAGES
-for name in LIGHTNING_PACKAGES:
-    try:
-        importlib.import_module(name)
-    except ImportError:
-        pass
-import wrapt
-print(json.dumps({"wrapt": wrapt.__version__, "torch": metadata.version("torch"),
-                  "namespaces": [s.as_dict() for s in fsdp_shim.status().namespaces]}))
-"""
+PROBE = Path(__file__).resolve().parent / "matrix_probe.py"
+"""Run by its path in the session's interpreter; prints the shim's decisions as one JSON line."""
 
 
 def test_counts(junit: Path) -> dict[str, int]:
@@ -38,7 +25,7 @@ def test_counts(junit: Path) -> dict[str, int]:
 
 
 def main(session: str, out: str, junit: str) -> None:
-    probe = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True)
+    probe = subprocess.run([sys.executable, str(PROBE)], capture_output=True, text=True)
     state = (
         json.loads(probe.stdout.strip().splitlines()[-1]) if probe.returncode == 0 else {"error": probe.stderr[-2000:]}
     )

@@ -90,6 +90,8 @@ def installed(tmp_path: Path, wheel: Path) -> Installed:
 def test_the_wheel_ships_the_start_up_file_and_pip_uninstall_removes_everything(installed: Installed) -> None:
     text = (installed.site_packages / ENVIRONMENT_FILE).read_text()
     assert text == (ROOT / ENVIRONMENT_FILE).read_text()
+    for child in ("verify_probe.py", "python_check.py"):  # children run these files by path
+        assert (installed.site_packages / "fsdp_shim" / "_children" / child).is_file()
     installed.pip("uninstall", "-y", "fsdp-shim")
     assert sorted(p.name for p in installed.site_packages.iterdir()) == installed.before
 

@@ -13,6 +13,8 @@ import math
 import resource
 from typing import Any
 
+from fsdp_shim.verify.results import RankResult
+
 
 def flat_parameters(root: Any) -> list[Any]:
     """FSDP's flat parameters under ``root``, one per FSDP unit that holds parameters."""
@@ -75,25 +77,32 @@ def measuring_callback(pl: Any) -> Any:
     return Measure()
 
 
-def report(trainer: Any, model: Any, callback: Any, baseline_rss: int, units: dict[str, Any]) -> dict[str, Any]:
+def report(
+    trainer: Any, model: Any, callback: Any, baseline_rss: int, units: dict[str, Any], pl: Any, status: Any
+) -> RankResult:
     """Rank-local figures after ``trainer.fit``. ``units`` names sub-modules whose FSDP unit is
-    reported on its own (the seed's two models)."""
+    reported on its own (the seed's two models); ``pl`` is the Lightning namespace trained (its
+    module), ``status`` what the shim did to it (``fsdp_shim.status().namespace(...)``)."""
     import torch
 
     flat = flat_parameters(trainer.strategy.model)
     cuda = torch.cuda.is_available()
     peak = torch.cuda.max_memory_allocated() if cuda else rss_bytes() - baseline_rss
-    return {
-        "rank": trainer.global_rank,
-        "device": "cuda" if cuda else "cpu",
-        "backend": "nccl" if cuda else "gloo",
-        "module_dtype": str(model.dtype),
-        "flat_param_dtypes": sorted({str(p.dtype) for p in flat}),
-        "param_bytes": nbytes(flat),
-        "grad_bytes": callback.grad_bytes,
-        "optimizer_state_bytes": optimizer_state_bytes(trainer.optimizers[0]),
-        "unit_param_bytes": {name: nbytes(flat_parameters(unit)) for name, unit in units.items()},
-        "peak_memory_bytes": peak,
-        "peak_memory_kind": "torch.cuda.max_memory_allocated" if cuda else "peak RSS above the import baseline",
-        "losses": callback.losses,
-    }
+    return RankResult(
+        rank=trainer.global_rank,
+        device="cuda" if cuda else "cpu",
+        backend="nccl" if cuda else "gloo",
+        module_dtype=str(model.dtype),
+        flat_param_dtypes=sorted({str(p.dtype) for p in flat}),
+        param_bytes=nbytes(flat),
+        grad_bytes=callback.grad_bytes,
+        optimizer_state_bytes=optimizer_state_bytes(trainer.optimizers[0]),
+        unit_param_bytes={name: nbytes(flat_parameters(unit)) for name, unit in units.items()},
+        peak_memory_bytes=peak,
+        peak_memory_kind="torch.cuda.max_memory_allocated" if cuda else "peak RSS above the import baseline",
+        losses=callback.losses,
+        lightning=pl.__version__,
+        namespace=status.namespace,
+        shim_patched=status.patched,
+        shim_reason=status.reason,
+    )

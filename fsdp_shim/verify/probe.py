@@ -1,10 +1,12 @@
-"""The verify child process: ``python <verify's temporary folder>/fsdp_shim_verify_probe.py gate|measure ...``.
+"""The verify child process: ``python fsdp_shim/_children/verify_probe.py REQUEST_JSON`` runs :func:`main`
+with a :class:`~fsdp_shim.verify.options.ProbeRequest` (the mode, where to write, verify's options).
 
 ``gate`` imports every installed Lightning Trainer namespace (and the user's module, with
 ``--model``) with the shim on and reports versions, import failures and what the shim did: enough
 to answer "not needed" without training. ``measure`` trains for a few steps with FSDP and writes
-one JSON report per rank; ``fsdp-shim verify`` runs it once with ``FSDP_SHIM=0`` and once with
-``FSDP_SHIM=1``. Lightning's launcher re-runs this module on every rank.
+one :class:`~fsdp_shim.verify.results.RankResult` per rank; ``fsdp-shim verify`` runs it once with
+``FSDP_SHIM=0`` and once with ``FSDP_SHIM=1``. Lightning's launcher re-runs the entry script, with the
+same request, on every other rank.
 
 Exit codes: 0 done; 1 the user's code raised (the traceback is in the report); 2 a usage problem
 (a ``--model`` that is no LightningModule, a module without training data). Anything else is a
@@ -13,7 +15,6 @@ failure of the check itself.
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import json
 import os
@@ -23,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import fsdp_shim  # before Lightning: FSDP_SHIM decides whether it does anything
+from fsdp_shim.verify.options import Options, ProbeRequest
+from fsdp_shim.verify.results import RankResult
 
 USER_ERROR = 1
 USAGE_ERROR = 2
@@ -146,28 +149,32 @@ def gate(model: str | None, datamodule: str | None) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- measure
-def train_and_measure(args: argparse.Namespace) -> dict[str, Any]:
+def train_and_measure(out: str, namespace: str | None, options: Options) -> RankResult:
+    """Train ``options.steps`` steps with FSDP (the seed's model for ``namespace``, or the user's
+    ``--model``) and write this rank's figures to ``<out>.rank<N>.json``."""
     import torch
 
     from fsdp_shim.verify import measure, seed
 
     cuda = torch.cuda.is_available()
-    if args.model is None:
-        namespace = args.namespace
+    if options.model is None:
+        assert namespace is not None, "the seed model is trained for one namespace"
         pl = importlib.import_module(namespace)
         baseline = measure.rss_bytes()
-        model, loader, strategy_options = seed.build(pl, namespace, args.steps, args.devices)
+        model, loader, strategy_options = seed.build(pl, namespace, options.steps, options.devices)
         datamodule = None
     else:
-        model = construct(args.model, json.loads(args.init_args), "LightningModule")
+        model = construct(options.model, options.init_args, "LightningModule")
         namespace = trainer_namespace_of(model, "LightningModule")
         pl = importlib.import_module(namespace)  # type: ignore[arg-type]
         baseline = measure.rss_bytes()
-        datamodule = construct(args.datamodule, {}, "LightningDataModule") if args.datamodule is not None else None
+        datamodule = (
+            construct(options.datamodule, {}, "LightningDataModule") if options.datamodule is not None else None
+        )
         loader, strategy_options = None, {}
         is_overridden = importlib.import_module(f"{namespace}.utilities.model_helpers").is_overridden
         if datamodule is None and not is_overridden("train_dataloader", model):
-            raise usage_error(f"{args.model} has no train_dataloader; pass --datamodule module:attr")
+            raise usage_error(f"{options.model} has no train_dataloader; pass --datamodule module:attr")
     if not cuda:
         from fsdp_shim.verify import cpu_guards
 
@@ -175,10 +182,10 @@ def train_and_measure(args: argparse.Namespace) -> dict[str, Any]:
     callback = measure.measuring_callback(pl)
     trainer = pl.Trainer(
         accelerator="cuda" if cuda else "cpu",
-        devices=args.devices,
+        devices=options.devices,
         strategy=importlib.import_module(f"{namespace}.strategies").FSDPStrategy(**strategy_options),
-        precision=args.precision,
-        max_steps=args.steps,
+        precision=options.precision,
+        max_steps=options.steps,
         limit_val_batches=0,
         num_sanity_val_steps=0,
         callbacks=[callback],
@@ -196,12 +203,11 @@ def train_and_measure(args: argparse.Namespace) -> dict[str, Any]:
         stop = user_error("training")
         stop.record["rank"] = trainer.global_rank
         raise stop from error
-    units = seed.units(model) if args.model is None else {}
-    report = measure.report(trainer, model, callback, baseline, units)
-    status = fsdp_shim.status().namespace(namespace)
-    report.update(lightning=pl.__version__, namespace=namespace, shim_patched=status.patched, shim_reason=status.reason)
-    Path(f"{args.out}.rank{trainer.global_rank}.json").write_text(json.dumps(report))
-    return report
+    units = seed.units(model) if options.model is None else {}
+    status = fsdp_shim.status().namespace(namespace)  # type: ignore[arg-type]
+    result = measure.report(trainer, model, callback, baseline, units, pl, status)
+    Path(f"{out}.rank{trainer.global_rank}.json").write_text(result.to_json())
+    return result
 
 
 def leave_process_group(code: int = 0) -> None:
@@ -223,37 +229,24 @@ def leave_process_group(code: int = 0) -> None:
     os._exit(code)
 
 
-def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m fsdp_shim.verify.probe")
-    parser.add_argument("mode", choices=("gate", "measure"))
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--namespace", default=None)
-    parser.add_argument("--precision", default="bf16-true")
-    parser.add_argument("--devices", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--init-args", default="{}")
-    parser.add_argument("--datamodule", default=None)
-    parser.add_argument("--model-path", default=None)
-    return parser.parse_args(argv)
-
-
 def main(argv: list[str]) -> None:
-    args = parse(argv)
-    if args.model_path is not None:  # only for --model/--datamodule: the user's modules, from their folder
-        sys.path.insert(0, args.model_path)
+    """Run the probe that ``argv[0]`` (a :class:`ProbeRequest` as JSON) asks for; never returns."""
+    request = ProbeRequest.from_json(argv[0])
+    options = request.options
+    if options.model_path is not None:  # only for --model/--datamodule: the user's modules, from their folder
+        sys.path.insert(0, options.model_path)
     try:
-        if args.mode == "gate":
-            Path(args.out).write_text(json.dumps(gate(args.model, args.datamodule)))
+        if request.mode == "gate":
+            Path(request.out).write_text(json.dumps(gate(options.model, options.datamodule)))
         else:
-            train_and_measure(args)
+            train_and_measure(request.out, request.namespace, options)
     except ProbeStop as stop:
         rank = stop.record.get("rank", int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))))
-        Path(f"{args.out}.rank{rank}.error.json").write_text(json.dumps(stop.record))
+        Path(f"{request.out}.rank{rank}.error.json").write_text(json.dumps(stop.record))
         leave_process_group(stop.code)
     leave_process_group(0)
 
 
-if __name__ == "__main__":  # verify runs it through command.PROBE_SCRIPT; this is for a person debugging
+if __name__ == "__main__":  # verify runs it through fsdp_shim/_children/verify_probe.py; this is for a person debugging
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     main(sys.argv[1:])

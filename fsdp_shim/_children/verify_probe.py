@@ -1,0 +1,30 @@
+"""``fsdp-shim verify``'s probe process: ``python <this file> REQUEST_JSON`` runs
+:func:`fsdp_shim.verify.probe.main`.
+
+Run by its path (see ``fsdp_shim/_children/__init__.py``), so nothing from the current folder runs in
+the probe. Lightning's launcher re-runs ``sys.argv`` on every other rank, that is this same file with
+the same request, so every rank starts here.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+HERE = os.path.dirname(os.path.realpath(__file__))
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(HERE))
+"""The folder that holds ``fsdp_shim``: site-packages, or a clone's root when it is run uninstalled."""
+
+
+def main() -> None:
+    sys.path[:] = [entry for entry in sys.path if os.path.realpath(entry or os.curdir) != HERE]
+    if PACKAGE_ROOT not in sys.path:  # fsdp-shim run from a clone without being installed
+        sys.path.insert(0, PACKAGE_ROOT)
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    from fsdp_shim.verify.probe import main as probe
+
+    probe(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    main()
