@@ -15,10 +15,12 @@ and Fabric's (`lightning.fabric`, `lightning_fabric`), each gated and patched on
 | Lightning | Trainer | Fabric |
 |---|---|---|
 | 2.0.x | nothing: FSDP accepts only the mixed precisions | nothing |
-| 2.1.0 | `convert_module` on `FSDPPrecisionPlugin`; `connect` and `setup` on `FSDPStrategy` | `convert_module` on `FSDPPrecision` |
-| 2.1.1-2.1.4 | `convert_module` on `FSDPPrecision`; `connect` and `setup` on `FSDPStrategy` | `convert_module` on `FSDPPrecision` |
-| 2.2.0-2.4.x | `convert_module` on `FSDPPrecision` | `convert_module` on `FSDPPrecision` |
+| 2.1.0 | `convert_module` on `FSDPPrecisionPlugin`; `connect`, `setup` on `FSDPStrategy` | `convert_module` |
+| 2.1.1-2.1.4 | `convert_module` on `FSDPPrecision`; `connect`, `setup` on `FSDPStrategy` | `convert_module` |
+| 2.2.0-2.4.x | `convert_module` on `FSDPPrecision` | `convert_module` |
 | 2.5.0rc0 and on | nothing: fixed upstream | nothing |
+
+(Fabric's is always `FSDPPrecision.convert_module`.)
 
 **Why 2.1.x needs more than the method.** From 2.2.0 (PR #19061) the Trainer calls
 `precision_plugin.convert_module(model)` in `FSDPStrategy.setup`, after `configure_model` and the
