@@ -8,6 +8,8 @@
 3. ``fsdp-shim install``'s start-up file vs no fsdp-shim.
 4. ``python -c "import fsdp_shim"`` and ``python -c "import wrapt"`` against ``python -c pass``, the
    same way, in the environment with fsdp-shim installed.
+5. The floor for 1-3: a fresh environment whose only addition is a ``.pth`` file holding ``import os``,
+   which is what any start-up file that runs code costs before its code does anything.
 
 Both environments get the shim the way users do, from a wheel installed into site-packages (pip
 writes the .pyc files), and see this environment's wrapt through a plain path entry.
@@ -97,6 +99,11 @@ def main() -> None:
         plain = make_venv(Path(tmp) / "plain", wheel)
         with_file = make_venv(Path(tmp) / "with-startup-file", wheel)
         subprocess.run([with_file, "-m", "fsdp_shim", "install"], check=True, stdout=subprocess.DEVNULL, env=UNSET)
+        floor = make_venv(Path(tmp) / "floor", None)
+        floor_site = subprocess.check_output(
+            [floor, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True
+        ).strip()
+        (Path(floor_site) / "floor.pth").write_text("import os\n")
         results = {
             "pass: installed, FSDP_SHIM unset / none": paired([bare, "-c", "pass"], [plain, "-c", "pass"], args.pairs),
             "pass: FSDP_SHIM=1 / unset": paired([plain, "-c", "pass"], [plain, "-c", "pass"], args.pairs, SET),
@@ -107,6 +114,7 @@ def main() -> None:
                 [plain, "-c", "pass"], [plain, "-c", "import fsdp_shim"], args.pairs
             ),
             "import wrapt / python -c pass": paired([plain, "-c", "pass"], [plain, "-c", "import wrapt"], args.pairs),
+            "pass: a .pth holding `import os` / none": paired([bare, "-c", "pass"], [floor, "-c", "pass"], args.pairs),
         }
     import wrapt
 
