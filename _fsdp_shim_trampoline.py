@@ -48,7 +48,7 @@ def install(source: str, watched: "list[str]", hand_over: str = "") -> None:
 
 
 # ----------------------------------------------------------------------------- compiled at start-up
-def fsdp_shim_watcher(name, path=None, target=None):  # noqa: ANN001, ANN202
+def fsdp_shim_watcher(name, path=None, target=None):
     if name not in WATCHED:
         modules = sys.modules
         if not [1 for p in WATCHED if getattr(getattr(modules.get(p), "__spec__", 0), "_initializing", 1) is False]:
@@ -82,6 +82,9 @@ def watched_spec(name: str, path: object, target: object) -> object:
 
             hand_over = _fsdp_shim_startup.hand_over
         except Exception as error:
+            for finder in sys.meta_path:  # this finder and a second copy (site may read the file twice)
+                if getattr(finder, "__name__", "") == "fsdp_shim_watcher":
+                    finder.__globals__["WATCHED"].clear()  # inert: one warning, no failed import at each import
             if not isinstance(error, ImportError):
                 import warnings
 

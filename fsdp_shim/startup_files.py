@@ -34,12 +34,41 @@ MARKER = "# fsdp-shim start-up file"
 
 START_MARKER = "# " + "-" * 77 + " compiled at start-up\n"
 FIRST_USE_MARKER = "# " + "-" * 77 + " compiled at first use\n"
-_TRAMPOLINE = Path(_fsdp_shim_trampoline.__file__).read_text(encoding="utf-8")
-TRAMPOLINE_START = _TRAMPOLINE.partition(START_MARKER)[2].partition(FIRST_USE_MARKER)[0]
-TRAMPOLINE_FIRST_USE = _TRAMPOLINE.partition(FIRST_USE_MARKER)[2]
-"""The two parts of ``_fsdp_shim_trampoline`` the ``.pth`` line carries (see its docstring)."""
-PTH_TEXT = (
-    f"{MARKER}: written by `fsdp-shim install`, removed by `fsdp-shim uninstall`.\n"
+
+
+class StartupFileError(Exception):
+    """Writing or removing a start-up file failed; the message names the folder and what to do."""
+
+
+def _trampoline_parts() -> tuple[str, str]:
+    """The two parts of ``_fsdp_shim_trampoline`` the ``.pth`` line carries (see its docstring), read
+    through its loader (a zip import works too); an install without its source cannot write the file."""
+    try:
+        source = _fsdp_shim_trampoline.__loader__.get_source("_fsdp_shim_trampoline")  # type: ignore[union-attr]
+    except Exception as error:
+        message = f"cannot read the source of _fsdp_shim_trampoline ({type(error).__name__}: {error})"
+        raise StartupFileError(message) from error
+    start = (source or "").partition(START_MARKER)[2].partition(FIRST_USE_MARKER)[0]
+    first_use = (source or "").partition(FIRST_USE_MARKER)[2]
+    if not start or not first_use:
+        where = getattr(_fsdp_shim_trampoline, "__file__", "?")
+        raise StartupFileError(
+            f"this fsdp-shim install has no usable source for _fsdp_shim_trampoline ({where}), which the start-up "
+            "file carries; reinstall fsdp-shim from a wheel or sdist"
+        )
+    return start, first_use
+
+
+try:
+    TRAMPOLINE_START, TRAMPOLINE_FIRST_USE = _trampoline_parts()
+    TRAMPOLINE_PROBLEM: str | None = None
+except StartupFileError as problem:  # every other command still works; install says this
+    TRAMPOLINE_START = TRAMPOLINE_FIRST_USE = ""
+    TRAMPOLINE_PROBLEM = str(problem)
+PTH_TEXT: str | None = (
+    None
+    if TRAMPOLINE_PROBLEM
+    else f"{MARKER}: written by `fsdp-shim install`, removed by `fsdp-shim uninstall`.\n"
     "# Imports nothing: runs the source of _fsdp_shim_trampoline, a finder that loads the shim when a\n"
     "# process imports Lightning.\n"
     f"import sys; exec({TRAMPOLINE_START!r}, namespace := {{'sys': sys, 'SOURCE': 'startup file', "
@@ -50,11 +79,8 @@ START_TEXT = (
     f"{MARKER} (PEP 829): written by `fsdp-shim install`, removed by `fsdp-shim uninstall`.\n"
     "_fsdp_shim_startup:arm_from_startup_file\n"
 )
-FILES = {f"{STEM}.pth": PTH_TEXT, f"{STEM}.start": START_TEXT}
-
-
-class StartupFileError(Exception):
-    """Writing or removing a start-up file failed; the message names the folder and what to do."""
+FILES: dict[str, str | None] = {f"{STEM}.pth": PTH_TEXT, f"{STEM}.start": START_TEXT}
+"""What this version writes at each name (``None``: it cannot write that file, see TRAMPOLINE_PROBLEM)."""
 
 
 def default_directory(user: bool = False) -> Path:
@@ -134,7 +160,7 @@ class Existing:
         }[self.kind]
 
 
-def inspect(path: Path, text: str) -> Existing:
+def inspect(path: Path, text: str | None) -> Existing:
     """Classify what is at ``path``; ``text`` is what this version writes there."""
     try:
         info = os.lstat(path)
@@ -151,7 +177,7 @@ def inspect(path: Path, text: str) -> Existing:
     content = _read_bytes(path)
     if content is None and not os.path.lexists(path):
         return Existing(path, "missing")  # removed between the look and the read (a concurrent uninstall)
-    if content == text.encode():
+    if text is not None and content == text.encode():
         return Existing(path, "current")
     if content is not None and hashlib.sha256(content).hexdigest() in PREVIOUS_DIGESTS:
         return Existing(path, "ours")
@@ -185,6 +211,8 @@ def install(directory: Path, create: bool = False, replace_foreign: bool = False
             directory.mkdir(parents=True)
         except OSError as error:
             raise _cannot_write(directory, error) from error
+    if TRAMPOLINE_PROBLEM is not None:
+        raise StartupFileError(TRAMPOLINE_PROBLEM)
     result = Installed()
     pending: list[tuple[Existing, str]] = []
     for name, text in FILES.items():
@@ -200,7 +228,7 @@ def install(directory: Path, create: bool = False, replace_foreign: bool = False
                     f"{existing.path} exists and fsdp-shim did not write it: {existing.why_not_ours()}"
                 )
             result.replaced_foreign.append(existing)
-        pending.append((existing, text))
+        pending.append((existing, text or ""))
     temporaries: list[tuple[str, Existing]] = []
     try:
         for existing, text in pending:

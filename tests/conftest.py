@@ -50,7 +50,8 @@ def free_port() -> int:
 
 PORT_TAKEN = "EADDRINUSE"
 """What torch prints when another process took the rendezvous port between the draw and the listen:
-the run is repeated on a new port (twice at most), never counted as the shim's failure."""
+a run that failed with it is repeated on a new port (twice at most); a run that succeeded, or failed
+otherwise, counts as it is."""
 
 
 def clean_env(**overrides: str | None) -> dict[str, str]:
@@ -112,7 +113,7 @@ def run_child(
     env = env if env is not None else clean_env()
     for _attempt in range(3):
         proc = run_command(command, env=env)
-        if PORT_TAKEN not in proc.stderr or "MASTER_PORT" not in env:
+        if proc.returncode == 0 or PORT_TAKEN not in proc.stderr or "MASTER_PORT" not in env:
             break
         env = {**env, "MASTER_PORT": str(free_port())}
     if expect_ok and proc.returncode != 0:
@@ -254,7 +255,7 @@ def run_scenario(
             torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(launcher[1])]
             command = [*torchrun, "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *command[1:]]
         proc = run_command(command, env=clean_env(PYTHONWARNINGS="ignore", **(env or {})), timeout=timeout)
-        if PORT_TAKEN not in proc.stderr:
+        if proc.returncode == 0 or PORT_TAKEN not in proc.stderr:
             break
     if expect_ok and proc.returncode != 0:
         raise AssertionError(

@@ -279,3 +279,25 @@ def test_a_user_site_install_is_not_read_under_python_s_as_the_docs_say(tmp_path
     )
     assert "`python -s`" in row and "not active if installed with" in row and "`install --user`" in row
     assert shim("uninstall", "--user", env=env, python=base_python).returncode == 0
+
+
+def test_an_install_without_the_trampolines_source_says_so_and_every_other_command_works(tmp_path: Path) -> None:
+    """The start-up file carries ``_fsdp_shim_trampoline``'s source; an install holding only its
+    ``.pyc`` cannot write the file, and says so in one line instead of a traceback in every command."""
+    import py_compile
+    import shutil
+
+    copy = tmp_path / "sourceless"
+    shutil.copytree(ROOT / "fsdp_shim", copy / "fsdp_shim")
+    shutil.copy(ROOT / "_fsdp_shim_startup.py", copy)
+    py_compile.compile(str(ROOT / "_fsdp_shim_trampoline.py"), cfile=str(copy / "_fsdp_shim_trampoline.pyc"))
+    env = clean_env(PYTHONPATH=str(copy))
+
+    def command(*args: str) -> subprocess.CompletedProcess[str]:  # not from the checkout (-m puts cwd first)
+        return run_command([sys.executable, "-m", "fsdp_shim", *args], env=env, cwd=tmp_path, timeout=120)
+
+    proc = command("install", "--target", str(tmp_path / "site"), "--force")
+    assert_one_line_failure(proc, "no usable source for _fsdp_shim_trampoline", "reinstall fsdp-shim")
+    assert not (tmp_path / "site" / "fsdp_shim.pth").exists()
+    assert command("--version").returncode == 0
+    assert command("status").returncode in (0, 1)

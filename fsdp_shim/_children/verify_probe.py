@@ -18,7 +18,10 @@ PACKAGE_ROOT = os.path.dirname(os.path.dirname(HERE))
 
 def main() -> None:
     sys.path[:] = [entry for entry in sys.path if os.path.realpath(entry or os.curdir) != HERE]
-    if PACKAGE_ROOT not in sys.path:  # fsdp-shim run from a clone without being installed
+    if PACKAGE_ROOT not in {os.path.realpath(entry or os.curdir) for entry in sys.path}:
+        # fsdp-shim run from a clone without being installed: first, so the probe imports the fsdp_shim
+        # that started it. (Real paths: an environment under a symbolic link is already on the path,
+        # and putting site-packages first would put it ahead of the standard library.)
         sys.path.insert(0, PACKAGE_ROOT)
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     from fsdp_shim.verify.probe import main as probe
