@@ -35,16 +35,10 @@ import sys
 SOURCE = "startup file"
 WATCHED: "list[str]" = []
 HAND_OVER = ""
-# The start-up file runs only the two parts below, in a namespace holding these three names (how the
-# shim was armed, the packages still to hand over, the second part's source) and ``sys``, and puts the
-# finder first on ``sys.meta_path`` itself; ``install`` does the same for a test that imports this.
-
-
-def install(source: str, watched: "list[str]", hand_over: str = "") -> None:
-    global SOURCE, HAND_OVER
-    SOURCE, HAND_OVER = source, hand_over
-    WATCHED[:] = watched
-    sys.meta_path.insert(0, fsdp_shim_watcher)  # type: ignore[arg-type]
+# The start-up file runs only the two parts below, in a namespace of its own that holds these three
+# names (how the shim was armed, the packages still to hand over, the second part's source) and
+# ``sys``, and puts the finder first on ``sys.meta_path`` itself. Here they only name what that
+# namespace holds.
 
 
 # ----------------------------------------------------------------------------- compiled at start-up
