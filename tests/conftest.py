@@ -10,6 +10,7 @@ import random
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -90,6 +91,20 @@ def run_command(
     return proc
 
 
+def run_on_a_free_port(
+    attempt: Callable[[bool], tuple[list[str], dict[str, str]]], timeout: float = 600
+) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+    """Run the command ``attempt(retry)`` gives, and once more (twice at most) with ``retry=True`` when
+    it failed because another process took its rendezvous port (``PORT_TAKEN``); ``attempt`` draws a
+    new port for a retry. Returns the last run and its command."""
+    for retry in (False, True, True):
+        command, env = attempt(retry)
+        proc = run_command(command, env=env, timeout=timeout)
+        if proc.returncode == 0 or PORT_TAKEN not in proc.stderr:
+            break
+    return proc, command
+
+
 CHILD = ROOT / "tests" / "child.py"
 
 
@@ -110,12 +125,12 @@ def run_child(
     """
     prefix = [item for path in sys_path for item in ("--sys-path", path)]
     command = [*launcher, python, *python_args, str(CHILD), *prefix, f"children.{target}", json.dumps(arguments or {})]
-    env = env if env is not None else clean_env()
-    for _attempt in range(3):
-        proc = run_command(command, env=env)
-        if proc.returncode == 0 or PORT_TAKEN not in proc.stderr or "MASTER_PORT" not in env:
-            break
-        env = {**env, "MASTER_PORT": str(free_port())}
+    first_env = env if env is not None else clean_env()
+
+    def attempt(retry: bool) -> tuple[list[str], dict[str, str]]:
+        return command, {**first_env, "MASTER_PORT": str(free_port())} if retry else first_env
+
+    proc, _ = run_on_a_free_port(attempt)
     if expect_ok and proc.returncode != 0:
         raise AssertionError(f"child failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc
@@ -249,14 +264,15 @@ def run_scenario(
     torchrun instead of Lightning's own launcher (``devices`` is then the ranks per node)."""
     arguments = ["--api", api, "--package", package, "--shim", shim, "--devices", str(devices)]
     arguments += ["--cases", ",".join(cases), "--out", str(out), *extra]
-    for _attempt in range(3):
+
+    def attempt(retry: bool) -> tuple[list[str], dict[str, str]]:  # every attempt draws its ports anew
         command = [sys.executable, str(SCENARIO), *arguments]
         if launcher is not None:
             torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(launcher[1])]
             command = [*torchrun, "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *command[1:]]
-        proc = run_command(command, env=clean_env(PYTHONWARNINGS="ignore", **(env or {})), timeout=timeout)
-        if proc.returncode == 0 or PORT_TAKEN not in proc.stderr:
-            break
+        return command, clean_env(PYTHONWARNINGS="ignore", **(env or {}))
+
+    proc, command = run_on_a_free_port(attempt, timeout)
     if expect_ok and proc.returncode != 0:
         raise AssertionError(
             f"scenario failed (exit {proc.returncode}): {' '.join(command)}\n"
