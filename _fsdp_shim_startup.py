@@ -5,7 +5,8 @@ package runs the package's ``__init__``, which activates the shim. It imports on
 ``sys``, so start-up code and the package can share what must be written once:
 
 * ``LIGHTNING_NAMESPACES``, the one table of Lightning namespaces the shim knows;
-* ``switch_state``, the one parser for the values of ``FSDP_SHIM`` and ``FSDP_SHIM_STRICT``;
+* ``switch_state``, the one parser for the values of ``FSDP_SHIM`` and ``FSDP_SHIM_STRICT`` (defined in
+  ``_fsdp_shim_trampoline``, the only code start-up files run, and named here for everything else);
 * an import watcher that runs callbacks right before and right after a module's code executes.
 
 Why the shim has its own watcher instead of wrapt's post-import hooks: the import system calls every
@@ -16,15 +17,17 @@ sees module locks, not the global lock. Ten threads importing Lightning names at
 The watcher here never imports in ``find_spec``: it asks the finders after it for the spec and wraps
 the loader, and the callbacks run in ``exec_module``, where only the module's own lock is held.
 
-The start-up file ``fsdp-shim install`` writes does not import even this module (a ``.pth`` line is
-run by every interpreter, and a module that cannot keep a ``.pyc`` costs milliseconds to compile on
-every start). It carries the source of ``_fsdp_shim_trampoline``: a finder that wraps the loader of the
-first Lightning package imported and calls ``hand_over`` from that loader, outside the lock.
+The start-up files do not import this module: they import ``_fsdp_shim_trampoline`` (or the copy of it
+that ``fsdp-shim install`` writes), a finder that wraps the loader of the first Lightning package
+imported and calls ``hand_over`` from that loader, outside the lock.
 """
 
 import _thread
 import os
 import sys
+
+from _fsdp_shim_trampoline import ENVIRONMENT_SOURCE as ENVIRONMENT_SOURCE
+from _fsdp_shim_trampoline import OFF_VALUES, ON_VALUES, SHIM_VARIABLE, switch_state
 
 TYPE_CHECKING = False
 if TYPE_CHECKING:
@@ -50,26 +53,7 @@ its own. Everything else that names these modules derives from this table."""
 LIGHTNING_PACKAGES = tuple(dict.fromkeys(name.partition(".")[0] for name, _ in LIGHTNING_NAMESPACES))
 """The top-level packages that hold ``LIGHTNING_NAMESPACES``; importing any of them loads the shim."""
 
-SHIM_VARIABLE = "FSDP_SHIM"
 STRICT_VARIABLE = "FSDP_SHIM_STRICT"
-ON_VALUES = ("1", "true", "on", "yes", "y", "enable", "enabled")
-OFF_VALUES = ("0", "false", "off", "no", "n", "disable", "disabled")
-
-
-def switch_state(raw: "str | None") -> str:
-    """``"on"``, ``"off"``, ``"unset"`` (missing or blank) or ``"invalid"``; case and spaces ignored.
-
-    What an invalid value means is the caller's decision, and both decisions fail closed:
-    ``FSDP_SHIM`` counts it as off (Lightning as shipped), ``FSDP_SHIM_STRICT`` as on (loud).
-    """
-    if raw is None or not raw.strip():
-        return "unset"
-    value = raw.strip().lower()
-    if value in ON_VALUES:
-        return "on"
-    if value in OFF_VALUES:
-        return "off"
-    return "invalid"
 
 
 def valid_values() -> str:
@@ -342,29 +326,15 @@ def _arm_lightning_packages() -> None:
 def arm(source: str) -> None:
     """Arm the shim from code already running: the ``fsdp-shim run`` bootstrap, PEP 829's entry point.
 
-    If Lightning was imported first (another start-up hook did it), the shim is loaded at once.
+    If Lightning was imported first (another start-up hook did it), the shim is loaded at once. The
+    start-up files' finders armed earlier, so their sources are recorded first.
     """
-    _record_source(source)
     _take_over_inline_watchers()
+    _record_source(source)
     if any(name in sys.modules for name in LIGHTNING_PACKAGES):
         load_shim()
     else:
         _arm_lightning_packages()
-
-
-ENVIRONMENT_SOURCE = "FSDP_SHIM=1 (start-up file installed with the package)"
-
-
-def arm_from_environment() -> None:
-    """What ``fsdp_shim_env.pth``, which pip installs and removes with the package, calls at every
-    interpreter start where ``FSDP_SHIM`` is set at all (a dictionary lookup where it is not).
-
-    "On" arms the shim, so ``FSDP_SHIM=1`` alone reaches every Python process that inherits the
-    variable, whatever the launcher did to ``PYTHONPATH``. An unreadable value arms it too: the package
-    then loads at Lightning's import, says that the value switched the shim off, and stays off.
-    """
-    if switch_state(os.environ.get(SHIM_VARIABLE)) in ("on", "invalid"):
-        arm(ENVIRONMENT_SOURCE)
 
 
 def arm_from_startup_file() -> None:
@@ -377,9 +347,10 @@ def _is_inline_watcher(finder: object) -> bool:
 
 
 def _take_over_inline_watchers() -> None:
-    """Record how each start-up file trampoline armed the shim and make it inert: this module's
-    watcher does the work from now on. Inert, not removed (see ``_ensure_watcher``); there can
-    be two, since site reads the start-up file twice where ``lib64`` links to ``lib``."""
+    """Record how each start-up file's finder armed the shim and make it inert: this module's
+    watcher does the work from now on. Inert, not removed (see ``_ensure_watcher``). There can be
+    several: ``_fsdp_shim_trampoline`` (``FSDP_SHIM=1``), the copy ``fsdp-shim install`` wrote, and the
+    source an earlier version's start-up file carried."""
     for finder in list(sys.meta_path):
         if _is_inline_watcher(finder):
             namespace = finder.__globals__  # type: ignore[attr-defined]

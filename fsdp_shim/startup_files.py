@@ -1,14 +1,19 @@
 """The environment-wide start-up files: where they go, what they say, and how to recognise them.
 
-Two files with the same stem: ``fsdp_shim.pth`` (an ``import`` line, read by every CPython today)
-and ``fsdp_shim.start`` (a PEP 829 entry point; Python 3.15+ reads it and then ignores the ``.pth``
-import line, so the shim is armed once either way).
+``fsdp-shim install`` writes three files into a site directory:
 
-The ``.pth`` line carries the source of ``_fsdp_shim_trampoline`` and runs it: it imports nothing, so
-it costs about 0.5 ms per interpreter start (docs/benchmarks.md), and if the package is removed while
-the file stays behind (``pip uninstall`` does not know about it) every interpreter still starts
-cleanly and Lightning still imports. A stale ``.start`` file cannot be made silent: Python 3.15+ prints one error line
-for it.
+* ``_fsdp_shim_startup_file.py``, a copy of ``_fsdp_shim_trampoline`` (compiled to a ``.pyc`` at once);
+* ``fsdp_shim.pth``, an ``import`` line read by every CPython today, which imports that copy and arms
+  its finder;
+* ``fsdp_shim.start``, a PEP 829 entry point: Python 3.15+ reads it and then ignores the ``.pth``
+  import line, so the shim is armed once either way.
+
+Importing a ``.pyc`` costs every interpreter start less than compiling the same code from a line of
+the ``.pth`` would (about 0.2 ms against 0.45 ms, docs/benchmarks.md: a fresh process pays for the
+compiler's first use). The copy, rather than the package's own module, keeps a file that
+``pip uninstall`` left behind (it does not know about these files) silent: the copy still imports,
+finds no shim to hand over to at Lightning's import, and Lightning imports as if it were not there.
+A stale ``.start`` file cannot be made silent: Python 3.15+ prints one error line for it.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import py_compile
 import site
 import stat
 import sysconfig
@@ -24,63 +30,62 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import _fsdp_shim_trampoline
-from _fsdp_shim_startup import LIGHTNING_PACKAGES
 
 STEM = "fsdp_shim"
 ENVIRONMENT_FILE = "fsdp_shim_env.pth"
 """The start-up file pip installs with the package: it arms the shim where ``FSDP_SHIM`` is on, and
 is not one of the files ``fsdp-shim install`` writes or removes."""
 MARKER = "# fsdp-shim start-up file"
-
-START_MARKER = "# " + "-" * 77 + " compiled at start-up\n"
-FIRST_USE_MARKER = "# " + "-" * 77 + " compiled at first use\n"
+COPY_MODULE = "_fsdp_shim_startup_file"
+"""The name ``fsdp-shim install`` gives its copy of ``_fsdp_shim_trampoline``."""
 
 
 class StartupFileError(Exception):
     """Writing or removing a start-up file failed; the message names the folder and what to do."""
 
 
-def _trampoline_parts() -> tuple[str, str]:
-    """The two parts of ``_fsdp_shim_trampoline`` the ``.pth`` line carries (see its docstring), read
-    through its loader (a zip import works too); an install without its source cannot write the file."""
+def _trampoline_source() -> str:
+    """The source of ``_fsdp_shim_trampoline``, read through its loader (a zip import works too); an
+    install without it cannot write the copy."""
     try:
         source = _fsdp_shim_trampoline.__loader__.get_source("_fsdp_shim_trampoline")  # type: ignore[union-attr]
     except Exception as error:
         message = f"cannot read the source of _fsdp_shim_trampoline ({type(error).__name__}: {error})"
         raise StartupFileError(message) from error
-    start = (source or "").partition(START_MARKER)[2].partition(FIRST_USE_MARKER)[0]
-    first_use = (source or "").partition(FIRST_USE_MARKER)[2]
-    if not start or not first_use:
+    if not source or "def fsdp_shim_watcher" not in source:
         where = getattr(_fsdp_shim_trampoline, "__file__", "?")
         raise StartupFileError(
-            f"this fsdp-shim install has no usable source for _fsdp_shim_trampoline ({where}), which the start-up "
-            "file carries; reinstall fsdp-shim from a wheel or sdist"
+            f"this fsdp-shim install has no usable source for _fsdp_shim_trampoline ({where}), which "
+            "`fsdp-shim install` copies; reinstall fsdp-shim from a wheel or sdist"
         )
-    return start, first_use
+    return source
 
 
 try:
-    TRAMPOLINE_START, TRAMPOLINE_FIRST_USE = _trampoline_parts()
+    TRAMPOLINE_SOURCE = _trampoline_source()
     TRAMPOLINE_PROBLEM: str | None = None
 except StartupFileError as problem:  # every other command still works; install says this
-    TRAMPOLINE_START = TRAMPOLINE_FIRST_USE = ""
+    TRAMPOLINE_SOURCE = ""
     TRAMPOLINE_PROBLEM = str(problem)
+
+WRITTEN_BY = "written by `fsdp-shim install`, removed by `fsdp-shim uninstall`."
+COPY_TEXT: str | None = (
+    None
+    if TRAMPOLINE_PROBLEM
+    else f"{MARKER}: {WRITTEN_BY}\n# A copy of _fsdp_shim_trampoline.py, which {STEM}.pth imports.\n{TRAMPOLINE_SOURCE}"
+)
 PTH_TEXT: str | None = (
     None
     if TRAMPOLINE_PROBLEM
-    else f"{MARKER}: written by `fsdp-shim install`, removed by `fsdp-shim uninstall`.\n"
-    "# Imports nothing: runs the source of _fsdp_shim_trampoline, a finder that loads the shim when a\n"
-    "# process imports Lightning.\n"
-    f"import sys; exec({TRAMPOLINE_START!r}, namespace := {{'sys': sys, 'SOURCE': 'startup file', "
-    f"'WATCHED': {list(LIGHTNING_PACKAGES)!r}, 'HAND_OVER': {TRAMPOLINE_FIRST_USE!r}}}); "
-    "sys.meta_path.insert(0, namespace['fsdp_shim_watcher'])\n"
+    else f"{MARKER}: {WRITTEN_BY}\n"
+    f"# Imports {COPY_MODULE} (next to this file), whose finder loads the shim when a process imports Lightning.\n"
+    f"import {COPY_MODULE}; {COPY_MODULE}.arm('startup file')\n"
 )
-START_TEXT = (
-    f"{MARKER} (PEP 829): written by `fsdp-shim install`, removed by `fsdp-shim uninstall`.\n"
-    "_fsdp_shim_startup:arm_from_startup_file\n"
-)
-FILES: dict[str, str | None] = {f"{STEM}.pth": PTH_TEXT, f"{STEM}.start": START_TEXT}
-"""What this version writes at each name (``None``: it cannot write that file, see TRAMPOLINE_PROBLEM)."""
+START_TEXT = f"{MARKER} (PEP 829): {WRITTEN_BY}\n_fsdp_shim_startup:arm_from_startup_file\n"
+FILES: dict[str, str | None] = {f"{COPY_MODULE}.py": COPY_TEXT, f"{STEM}.pth": PTH_TEXT, f"{STEM}.start": START_TEXT}
+"""What this version writes at each name (``None``: it cannot write that file, see TRAMPOLINE_PROBLEM),
+in the order it writes them: the copy before the line that imports it (``uninstall`` goes the other
+way), so a starting interpreter never finds the line without the module."""
 
 
 def default_directory(user: bool = False) -> Path:
@@ -134,6 +139,7 @@ PREVIOUS_DIGESTS = frozenset(
         "27630d4bd7548ec9de6f44aee8b9ffdc14c46fa47d0474398ce43227f27af865",
         "ccbfe4ddb1d22604b17211e8202f5f8bfdc8cec63e4e70e162980558a98d304b",
         "10663d3e05c8027aefc8860e93fa1a4a9f3de7a067a8958778cd9ad21fb7e15a",
+        "90492aefebd4556bb9867a8b9a8e95c1546552fd9d38c7b16ca3d25ce2bee605",  # the .pth that carried the source
     }
 )
 
@@ -193,14 +199,14 @@ class Installed:
 
 
 def install(directory: Path, create: bool = False, replace_foreign: bool = False) -> Installed:
-    """Write both files, or neither. Idempotent.
+    """Write every file, or none. Idempotent.
 
     ``create`` makes a missing directory first. Each file is written to a new file with an
     unpredictable name (``tempfile.mkstemp``: created exclusively, never through a link another user
     planted in a shared site-packages) and renamed over the final name, which replaces a link there
     rather than writing through it; a starting interpreter sees the old file or the new one, never
     half of one. Concurrent installs into one folder each rename their own file, so all succeed.
-    A file at either name that fsdp-shim did not write is replaced only with ``replace_foreign``.
+    A file at any of the names that fsdp-shim did not write is replaced only with ``replace_foreign``.
     """
     if not directory.is_dir():
         if directory.exists():
@@ -237,7 +243,7 @@ def install(directory: Path, create: bool = False, replace_foreign: bool = False
             try:
                 os.replace(temporary, existing.path)
             except OSError:
-                for _, done in temporaries[:index]:  # both or neither: take back a file that was not there
+                for _, done in temporaries[:index]:  # all or none: take back a file that was not there
                     if done.kind == "missing":
                         _unlink(done.path)
                 raise
@@ -247,7 +253,33 @@ def install(directory: Path, create: bool = False, replace_foreign: bool = False
     finally:
         for temporary, _ in temporaries:
             _unlink(Path(temporary))
+    _compile_copy(directory)
     return result
+
+
+def _compile_copy(directory: Path) -> None:
+    """Write the copy's ``.pyc`` now, so that no interpreter compiles it at start-up, not even where
+    site-packages is read-only for the users who run Python. An interpreter that cannot use this
+    one (another Python version) compiles its own, as for any module."""
+    with contextlib.suppress(OSError, py_compile.PyCompileError):
+        py_compile.compile(str(directory / f"{COPY_MODULE}.py"), doraise=True)
+
+
+def _compiled_copies(directory: Path) -> list[Path]:
+    """The copy's ``.pyc`` files, of every Python version that imported it (regular files only)."""
+    cache = directory / "__pycache__"
+    try:
+        names = os.listdir(cache)
+    except OSError:
+        return []
+    found = []
+    for name in names:
+        path = cache / name
+        if name.startswith(f"{COPY_MODULE}.") and name.endswith(".pyc"):
+            with contextlib.suppress(OSError):
+                if stat.S_ISREG(os.lstat(path).st_mode):
+                    found.append(path)
+    return found
 
 
 def _write_temporary(directory: Path, text: str) -> str:
@@ -273,10 +305,11 @@ def _unlink(path: Path) -> None:
 
 
 def uninstall(directory: Path) -> tuple[list[Path], list[Existing]]:
-    """Remove both files where their whole content is what fsdp-shim wrote (this or an earlier
-    version); returns (removed, left): anything else at those names is left and reported."""
+    """Remove the files where their whole content is what fsdp-shim wrote (this or an earlier
+    version), and the copy's ``.pyc`` files with the copy; returns (removed, left): anything else at
+    those names is left and reported."""
     removed, left = [], []
-    for name, text in FILES.items():
+    for name, text in reversed(FILES.items()):
         existing = inspect(directory / name, text)
         if existing.kind == "missing":
             continue
@@ -290,6 +323,11 @@ def uninstall(directory: Path) -> tuple[list[Path], list[Existing]]:
         except OSError as error:
             raise _cannot_write(directory, error) from error
         removed.append(existing.path)
+        if name == f"{COPY_MODULE}.py":
+            for compiled in _compiled_copies(directory):
+                _unlink(compiled)
+            with contextlib.suppress(OSError):
+                (directory / "__pycache__").rmdir()  # only where nothing else is in it
     return removed, left
 
 

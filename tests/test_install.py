@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, clean_env, run_command
 
-from fsdp_shim.startup_files import PTH_TEXT, START_TEXT
+from fsdp_shim.startup_files import COPY_MODULE, FILES, PTH_TEXT, START_TEXT
 
 pytestmark = pytest.mark.release_independent
 
@@ -166,12 +166,14 @@ def test_a_link_planted_at_the_old_temporary_name_or_the_final_name_is_never_wri
     proc = shim("install", python=python)
     assert proc.returncode == 0, proc.stderr
     assert victim.read_text() == "precious\n"
-    for name, text in (("fsdp_shim.pth", PTH_TEXT), ("fsdp_shim.start", START_TEXT)):
+    for name, text in FILES.items():
         assert not (folder / name).is_symlink()
         assert (folder / name).read_text() == text
     assert startup_files_in(folder) == [
         ".fsdp_shim.pth.tmp",
         ".fsdp_shim.start.tmp",
+        "__pycache__",
+        f"{COPY_MODULE}.py",
         "aa_outer_environment.pth",
         "fsdp_shim.pth",
         "fsdp_shim.start",
@@ -226,8 +228,8 @@ def test_a_file_from_an_earlier_version_is_upgraded_and_removed_without_force(tm
     assert startup_files_in(folder) == []
 
 
-def test_a_directory_at_one_of_the_names_writes_neither_file(tmp_path: Path) -> None:
-    """Both files or neither, and no temporary file left behind."""
+def test_a_directory_at_one_of_the_names_writes_no_file(tmp_path: Path) -> None:
+    """Every file or none, and no temporary file left behind."""
     folder = tmp_path / "site-packages"
     (folder / "fsdp_shim.start").mkdir(parents=True)
     proc = shim("install", "--target", str(folder), "--force")
@@ -254,7 +256,7 @@ def test_concurrent_installs_into_one_folder_all_succeed(tmp_path: Path) -> None
     procs = [subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=clean_env()) for _ in range(6)]
     errors = [proc.communicate(timeout=120)[1] for proc in procs]
     assert [proc.returncode for proc in procs] == [0] * 6, errors
-    assert startup_files_in(folder) == ["fsdp_shim.pth", "fsdp_shim.start"]
+    assert startup_files_in(folder) == ["__pycache__", f"{COPY_MODULE}.py", "fsdp_shim.pth", "fsdp_shim.start"]
     assert (folder / "fsdp_shim.pth").read_text() == PTH_TEXT
 
 
@@ -282,8 +284,8 @@ def test_a_user_site_install_is_not_read_under_python_s_as_the_docs_say(tmp_path
 
 
 def test_an_install_without_the_trampolines_source_says_so_and_every_other_command_works(tmp_path: Path) -> None:
-    """The start-up file carries ``_fsdp_shim_trampoline``'s source; an install holding only its
-    ``.pyc`` cannot write the file, and says so in one line instead of a traceback in every command."""
+    """The start-up file imports a copy of ``_fsdp_shim_trampoline``'s source; an install holding only
+    its ``.pyc`` cannot write the copy, and says so in one line instead of a traceback in every command."""
     import py_compile
     import shutil
 

@@ -13,13 +13,14 @@ pytestmark = pytest.mark.release_independent
 PACKAGE = ROOT / "fsdp_shim"
 MODULES = {
     ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): path
-    for path in [*PACKAGE.rglob("*.py"), ROOT / "_fsdp_shim_startup.py"]
+    for path in [*PACKAGE.rglob("*.py"), ROOT / "_fsdp_shim_startup.py", ROOT / "_fsdp_shim_trampoline.py"]
 }
 
 
-LOADER_EDGE = ("_fsdp_shim_startup", "fsdp_shim")
-"""The start-up module runs before the package and loads it (``load_shim``, at Lightning's import):
-the one import that goes up the layers, by design, like an entry point being loaded."""
+LOADER_EDGES = {("_fsdp_shim_trampoline", "_fsdp_shim_startup"), ("_fsdp_shim_startup", "fsdp_shim")}
+"""Each layer that runs before the next loads it when Lightning is imported: the start-up files' finder
+hands over to the start-up module (``hand_over``), which loads the package (``load_shim``). The only
+imports that go up the layers, by design, like entry points being loaded."""
 
 
 def _under_type_checking(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
@@ -50,7 +51,7 @@ def imports_in(source: str) -> set[str]:
 
 def imports_of(name: str) -> set[str]:
     found = imports_in(MODULES[name].read_text())
-    return {module for module in found if module in MODULES and module != name and (name, module) != LOADER_EDGE}
+    return {module for module in found if module in MODULES and module != name and (name, module) not in LOADER_EDGES}
 
 
 def cycles_in(graph: dict[str, set[str]]) -> list[str]:

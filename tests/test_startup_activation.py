@@ -32,7 +32,7 @@ from conftest import (
 import _fsdp_shim_startup as startup
 from fsdp_shim.bootstrap import sitecustomize as bootstrap
 from fsdp_shim.runner import BOOTSTRAP_DIRECTORY
-from fsdp_shim.startup_files import ENVIRONMENT_FILE, FIRST_USE_MARKER, PTH_TEXT, START_TEXT, site_directories
+from fsdp_shim.startup_files import COPY_MODULE, COPY_TEXT, ENVIRONMENT_FILE, PTH_TEXT, START_TEXT, site_directories
 
 pytestmark = pytest.mark.release_independent
 
@@ -67,29 +67,45 @@ def pythonpath_entries() -> list[str]:
 
 # ----------------------------------------------------------------------------- one table
 def test_every_copy_of_the_lightning_package_list_agrees() -> None:
-    """The start-up file's watcher list is formatted from the one table, and the run
-    bootstrap's fallback list (it must work when that table cannot be imported) matches it."""
+    """The start-up files' finder watches the packages of the one table, and the run bootstrap's
+    fallback list (it must work when that table cannot be imported) matches it."""
+    import _fsdp_shim_trampoline
     from fsdp_shim.backport import NAMESPACES
 
     packages = tuple(dict.fromkeys(ns.name.partition(".")[0] for ns in NAMESPACES))
     assert packages == startup.LIGHTNING_PACKAGES
-    assert f"'WATCHED': {list(packages)!r}" in PTH_TEXT
+    assert tuple(_fsdp_shim_trampoline.WATCHED) == packages
     assert packages == bootstrap.LIGHTNING_PACKAGES
 
 
-def test_the_startup_file_runs_the_trampoline_modules_source_verbatim() -> None:
-    """The code the ``.pth`` runs is ``_fsdp_shim_trampoline.py`` as linted and tested, not a copy:
-    its two parts, in order, make up the end of the module."""
+def test_the_startup_file_imports_a_verbatim_copy_of_the_trampoline_module() -> None:
+    """What ``fsdp-shim install``'s ``.pth`` runs is ``_fsdp_shim_trampoline.py`` as linted and tested:
+    the copy it imports holds that module's source after two comment lines, and its one code line
+    imports the copy and arms it."""
     import _fsdp_shim_trampoline
 
-    line = next(line for line in PTH_TEXT.splitlines() if line.startswith("import "))
-    run = ast.parse(line).body[1].value  # exec(START, namespace := {..., "HAND_OVER": FIRST_USE})
-    start = run.args[0].value
-    namespace = run.args[1].value
-    first_use = namespace.values[[key.value for key in namespace.keys].index("HAND_OVER")].value
-    assert run.func.id == "exec" and start.startswith("def fsdp_shim_watcher") and "def watched_spec" in first_use
     source = Path(_fsdp_shim_trampoline.__file__).read_text(encoding="utf-8")
-    assert source.endswith(start + FIRST_USE_MARKER + first_use)
+    header, _, body = COPY_TEXT.partition('"""')
+    assert '"""' + body == source and all(line.startswith("#") for line in header.splitlines())
+    line = next(line for line in PTH_TEXT.splitlines() if not line.startswith("#"))
+    statements = ast.parse(line).body
+    assert [type(statement) for statement in statements] == [ast.Import, ast.Expr]
+    assert statements[0].names[0].name == COPY_MODULE
+    call = statements[1].value
+    assert ast.unparse(call.func) == f"{COPY_MODULE}.arm" and call.args[0].value == "startup file"
+
+
+def test_the_module_every_interpreter_imports_runs_almost_nothing_at_import() -> None:
+    """``_fsdp_shim_trampoline`` is imported at every start where a start-up file arms the shim: at
+    import it imports only ``sys``, builds no class and calls nothing but names (docs/benchmarks.md)."""
+    tree = ast.parse(Path(ROOT / "_fsdp_shim_trampoline.py").read_text(encoding="utf-8"))
+    kinds = {type(node) for node in tree.body}
+    assert kinds <= {ast.Expr, ast.Import, ast.Assign, ast.FunctionDef}, kinds
+    assert [alias.name for node in tree.body if isinstance(node, ast.Import) for alias in node.names] == ["sys"]
+    calls = [
+        node for statement in tree.body if not isinstance(statement, ast.FunctionDef) for node in ast.walk(statement)
+    ]
+    assert not [node for node in calls if isinstance(node, ast.Call)]
 
 
 @pytest.mark.parametrize("value", ["", "1", "on", "maybe", "0", "no", "DISABLED", " off "])
@@ -119,9 +135,11 @@ def test_install_is_idempotent_and_uninstall_leaves_a_clean_interpreter(venv: Ve
     first = venv.run("-m", "fsdp_shim", "install")
     assert (venv.site_packages / "fsdp_shim.pth").read_text() == PTH_TEXT
     assert (venv.site_packages / "fsdp_shim.start").read_text() == START_TEXT
-    assert first.stdout.count("wrote ") == 2
+    assert (venv.site_packages / f"{COPY_MODULE}.py").read_text() == COPY_TEXT
+    assert list((venv.site_packages / "__pycache__").glob(f"{COPY_MODULE}.*.pyc"))  # compiled by install
+    assert first.stdout.count("wrote ") == 3
     second = venv.run("-m", "fsdp_shim", "install")
-    assert second.stdout.count("already installed") == 2
+    assert second.stdout.count("already installed") == 3
 
     quiet = venv.run("-c", "pass")
     assert quiet.stderr == "" and quiet.stdout == ""
@@ -133,6 +151,8 @@ def test_install_is_idempotent_and_uninstall_leaves_a_clean_interpreter(venv: Ve
     venv.run("-m", "fsdp_shim", "uninstall")
     assert not (venv.site_packages / "fsdp_shim.pth").exists()
     assert not (venv.site_packages / "fsdp_shim.start").exists()
+    assert not (venv.site_packages / f"{COPY_MODULE}.py").exists()
+    assert not list((venv.site_packages / "__pycache__").glob(f"{COPY_MODULE}.*"))
     clean = venv.run("-c", "pass")
     assert clean.stderr == "" and clean.stdout == ""
     assert probe_in(venv)["loaded"] is False
@@ -155,16 +175,15 @@ def test_a_startup_file_left_behind_by_a_removed_package_is_silent(
     assert imported.stdout.strip() == "False False" and imported.stderr == ""
 
 
-def test_the_startup_file_imports_nothing(venv: Venv) -> None:
-    """The reason the start-up cost stays in the noise: no module is imported at all, only a watcher
-    is put on sys.meta_path."""
+def test_the_startup_file_imports_one_small_module_and_puts_one_finder_first(venv: Venv) -> None:
+    """What every interpreter pays for the start-up file: one module (the copy, from its ``.pyc``)
+    and one finder in front of the others, even though site reads a venv's start-up files twice."""
     without, finders_without = probe_in(venv, target="modules_and_finders")
     venv.run("-m", "fsdp_shim", "install")
     with_file, finders_with = probe_in(venv, target="modules_and_finders")
-    assert set(with_file) == set(without)
-    # One watcher per time site reads the file (twice where lib64 links to lib), nothing else.
-    watchers = [f for f in finders_with if f == "fsdp_shim_watcher"]
-    assert watchers and finders_with == [*watchers, *finders_without]
+    assert set(with_file) - set(without) == {COPY_MODULE}
+    assert set(without) <= set(with_file)
+    assert finders_with == ["fsdp_shim_watcher", *finders_without]
 
 
 # ----------------------------------------------------------------------------- fsdp-shim run
@@ -452,7 +471,11 @@ def test_status_reports_and_exit_code(venv: Venv, layouts: dict[str, Layout]) ->
     venv.run("-m", "fsdp_shim", "install")
     report = json.loads(venv.run("-m", "fsdp_shim", "status", "--json", "--python-check").stdout)
     assert report["consistent"] is True, report["problems"]
-    assert [Path(f["path"]).name for f in report["startup_files"]] == ["fsdp_shim.pth", "fsdp_shim.start"]
+    assert [Path(f["path"]).name for f in report["startup_files"]] == [
+        f"{COPY_MODULE}.py",
+        "fsdp_shim.pth",
+        "fsdp_shim.start",
+    ]
     assert report["child"]["shim_loaded"] is True
     by_namespace = {n["namespace"]: n for n in report["child"]["status"]["namespaces"]}
     assert by_namespace["lightning.pytorch"]["patched"] is True
