@@ -11,14 +11,13 @@ from __future__ import annotations
 import importlib.util
 import sys
 from pathlib import Path
-from typing import Any
 
 from fsdp_shim.backport import FIRST_AFFECTED, base_release, unaffected_reason
 from fsdp_shim.lightning_install import TRAINER_NAMESPACES, describe_import_failure, installed_packages
 from fsdp_shim.verify.options import Options
 from fsdp_shim.verify.progress import Progress
 from fsdp_shim.verify.protocol import GATE_STEP, run_gate, run_measure
-from fsdp_shim.verify.results import RankResult
+from fsdp_shim.verify.results import NamespaceGate, RankResult
 from fsdp_shim.verify.verdict import Section, judge
 
 
@@ -34,15 +33,15 @@ def environment_problem() -> str | None:
     return None
 
 
-def _not_measured(namespace: str, info: dict[str, Any], options: Options) -> Section | None:
+def _not_measured(namespace: str, info: NamespaceGate, options: Options) -> Section | None:
     """A section decided from the gates alone, or ``None`` when the namespace must be measured."""
-    if "import_failure" in info:
-        return Section(namespace, None, "FAILED", describe_import_failure(namespace, info["import_failure"]))
-    version = info["version"]
+    if info.import_failure is not None:
+        return Section(namespace, None, "FAILED", describe_import_failure(namespace, info.import_failure))
+    version = info.version
     release = base_release(version)
     if release is not None and release < FIRST_AFFECTED:
         return Section(namespace, version, "not needed", unaffected_reason(version))
-    if not info["affected"] and not options.measure:
+    if not info.affected and not options.measure:
         reason = f"{unaffected_reason(version)}; nothing was trained (--measure trains anyway)"
         return Section(namespace, version, "not needed", reason)
     return None
@@ -72,17 +71,17 @@ def verify(options: Options, workdir: Path) -> list[Section]:
         return [Section("Lightning", None, "FAILED", error)]
     sections: list[Section] = []
     to_measure: list[tuple[str | None, str]] = []
-    for namespace, info in gate["namespaces"].items():
-        if options.model is not None and "import_failure" not in info:
+    for namespace, info in gate.namespaces.items():
+        if options.model is not None and info.import_failure is None:
             continue  # with --model, the model's own namespace is judged below; a broken one is still reported
         decided = _not_measured(namespace, info, options)
         if decided is not None:
             sections.append(decided)
         else:
-            to_measure.append((namespace, f"{namespace} {info['version']}"))
+            to_measure.append((namespace, f"{namespace} {info.version}"))
     if options.model is not None:
-        importable = [ns for ns in gate["model_namespaces"] if "import_failure" not in gate["namespaces"].get(ns, {})]
-        decided_all = [_not_measured(ns, gate["namespaces"][ns], options) for ns in importable]
+        importable = [ns for ns in gate.model_namespaces if gate.importable(ns)]
+        decided_all = [_not_measured(ns, gate.namespaces[ns], options) for ns in importable]
         if importable and all(decided_all):
             sections += [d for d in decided_all if d is not None]
         else:

@@ -25,7 +25,7 @@ from typing import Any
 
 import fsdp_shim  # before Lightning: FSDP_SHIM decides whether it does anything
 from fsdp_shim.verify.options import Options, ProbeRequest
-from fsdp_shim.verify.results import RankResult
+from fsdp_shim.verify.results import GateResult, NamespaceGate, RankResult
 
 USER_ERROR = 1
 USAGE_ERROR = 2
@@ -113,11 +113,11 @@ def construct(spec: str, init_args: dict[str, Any], kind: str) -> Any:
 
 
 # ----------------------------------------------------------------------------- gate
-def gate(model: str | None, datamodule: str | None) -> dict[str, Any]:
+def gate(model: str | None, datamodule: str | None) -> GateResult:
     from fsdp_shim.backport import is_affected_release
     from fsdp_shim.lightning_install import TRAINER_NAMESPACES, import_failure, installed_packages
 
-    result: dict[str, Any] = {"namespaces": {}}
+    result = GateResult()
     if model is not None:
         target = resolve(model)
         check_callable(model, target, "LightningModule")
@@ -127,7 +127,7 @@ def gate(model: str | None, datamodule: str | None) -> dict[str, Any]:
             check_training_data(model, target, own)
         if datamodule is not None:
             check_callable(datamodule, resolve(datamodule), "LightningDataModule")
-        result["model_namespaces"] = [own] if own else imported
+        result.model_namespaces.extend([own] if own else imported)
     packages = installed_packages()
     for namespace in TRAINER_NAMESPACES:
         if namespace.partition(".")[0] not in packages:
@@ -135,16 +135,16 @@ def gate(model: str | None, datamodule: str | None) -> dict[str, Any]:
         try:
             module = importlib.import_module(namespace)
         except Exception as error:
-            result["namespaces"][namespace] = {"import_failure": import_failure(error)}
+            result.namespaces[namespace] = NamespaceGate(import_failure=import_failure(error))
             continue
         version = getattr(module, "__version__", None) or "(unknown)"
         status = fsdp_shim.status().namespace(namespace)
-        result["namespaces"][namespace] = {
-            "version": version,
-            "affected": is_affected_release(version),
-            "shim_patched": status.patched,
-            "shim_reason": status.reason,
-        }
+        result.namespaces[namespace] = NamespaceGate(
+            version=version,
+            affected=is_affected_release(version),
+            shim_patched=status.patched,
+            shim_reason=status.reason,
+        )
     return result
 
 
@@ -237,7 +237,7 @@ def main(argv: list[str]) -> None:
         sys.path.insert(0, options.model_path)
     try:
         if request.mode == "gate":
-            Path(request.out).write_text(json.dumps(gate(options.model, options.datamodule)))
+            Path(request.out).write_text(gate(options.model, options.datamodule).to_json())
         else:
             train_and_measure(request.out, request.namespace, options)
     except ProbeStop as stop:

@@ -18,10 +18,9 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 from fsdp_shim.verify.options import Options, ProbeRequest
-from fsdp_shim.verify.results import RankResult
+from fsdp_shim.verify.results import GateResult, RankResult
 
 PROBE_SCRIPT = Path(__file__).resolve().parent.parent / "_children" / "verify_probe.py"
 """The probe's entry script, run by its path so nothing from the current folder runs in the probe;
@@ -107,13 +106,13 @@ def _failure(proc: subprocess.CompletedProcess[str], what: str) -> str:
     return f"{what} failed (exit {proc.returncode}): {tail}"
 
 
-def run_gate(options: Options, workdir: Path) -> tuple[dict[str, Any], str]:
+def run_gate(options: Options, workdir: Path) -> tuple[GateResult, str]:
     """The gate probe's findings, or an error when the probe itself failed."""
     out = workdir / "gate.json"
     proc = run_probe(probe_command("gate", out, options), "1", out, GATE_STEP, options.timeout)
     if proc.returncode != 0 or not out.exists():
-        return {}, _failure(proc, "reading the installed Lightning")
-    return json.loads(out.read_text()), ""
+        return GateResult(), _failure(proc, "reading the installed Lightning")
+    return GateResult.from_json(out.read_text()), ""
 
 
 def run_measure(

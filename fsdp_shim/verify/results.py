@@ -1,14 +1,49 @@
-"""One rank's figures from one training run: what the probe measures and what the verdict judges.
+"""What the probes find, as the probe writes it and verify reads it back: one typed record per job.
 
-The probe writes one :class:`RankResult` per rank as ``<out>.rank<N>.json``; verify reads them back
-with :meth:`RankResult.from_json`. ``--json`` prints them as ``dataclasses.asdict`` gives them, so the
-field order here is the order of the keys there.
+* :class:`GateResult`: the gate probe's reading of the installed Lightning (``gate.json``), from which
+  verify decides what it must train;
+* :class:`RankResult`: one rank's figures from one training run (``<out>.rank<N>.json``), what the
+  probe measures and what the verdict judges. ``--json`` prints them as ``dataclasses.asdict`` gives
+  them, so the field order here is the order of the keys there.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class NamespaceGate:
+    """One installed Trainer namespace as the gate probe found it: its release and whether the shim
+    patched it, or why it does not import (``import_failure``, as ``lightning_install.import_failure``)."""
+
+    version: str = ""
+    affected: bool = False
+    shim_patched: bool = False
+    shim_reason: str = ""
+    import_failure: list[str | None] | None = None
+
+
+@dataclass(frozen=True)
+class GateResult:
+    namespaces: dict[str, NamespaceGate] = field(default_factory=dict)
+    """Every installed Trainer namespace, in the order of ``TRAINER_NAMESPACES``."""
+    model_namespaces: list[str] = field(default_factory=list)
+    """With ``--model``: the namespace the model's class belongs to, or those imported with it."""
+
+    def importable(self, namespace: str) -> bool:
+        found = self.namespaces.get(namespace)
+        return found is None or found.import_failure is None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> GateResult:
+        data = json.loads(text)
+        namespaces = {name: NamespaceGate(**info) for name, info in data["namespaces"].items()}
+        return cls(namespaces, data["model_namespaces"])
 
 
 @dataclass(frozen=True)
