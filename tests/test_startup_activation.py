@@ -616,7 +616,7 @@ def test_a_startup_file_newer_than_the_startup_module_lets_lightning_import_and_
     env = with_pythonpath(clean_env(), older)
     # Imports after Lightning's pass the start-up file's finder, which must go inert after its first
     # failed hand-over instead of warning again at each (-W always: where warnings are not collapsed
-    # per location, as under many test runners). A venv may read the file twice (lib64 -> lib), so the
+    # per location, as under many test runners). site reads a venv's start-up files twice, so the
     # count is compared with a run that imports nothing after Lightning.
     message = "this start-up file does not match the installed fsdp-shim"
     counts = []

@@ -5,15 +5,19 @@ the optimizer's tensor state (0-dim counters such as Adam's ``step`` are left ou
 whatever the model), the training losses, and the peak memory: ``torch.cuda.max_memory_allocated``
 on CUDA, and on CPU the peak RSS above the RSS once torch and Lightning are imported (the interpreter
 and the libraries are most of a small model's RSS, and do not change with the shim).
+
+Nothing from the package is imported at the top: the tests' training scenario loads this file by its
+path to count bytes the same way in runs that must never import (and so activate) fsdp_shim.
 """
 
 from __future__ import annotations
 
 import math
 import resource
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from fsdp_shim.verify.results import RankResult
+if TYPE_CHECKING:
+    from fsdp_shim.verify.results import RankResult
 
 
 def flat_parameters(root: Any) -> list[Any]:

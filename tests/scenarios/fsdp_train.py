@@ -92,30 +92,25 @@ def namespaces(package: str) -> tuple[str, str]:
     )
 
 
-def flat_parameters(fsdp_root: nn.Module) -> list[torch.Tensor]:
-    from torch.distributed.fsdp import FullyShardedDataParallel
+def load_measuring_code() -> Any:
+    """The shim's own byte counting (``fsdp_shim/verify/measure.py``), loaded by its path: importing it
+    by name would import fsdp_shim, and so activate the shim, in runs that must not have it."""
+    import importlib.util
 
-    flat = []
-    for module in fsdp_root.modules():
-        if isinstance(module, FullyShardedDataParallel) and module._handle is not None:
-            flat.append(module._handle.flat_param)
-    return flat
-
-
-def tensor_bytes(tensors: list[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def grad_bytes(fsdp_root: nn.Module) -> int:
-    grads = [p.grad for p in flat_parameters(fsdp_root) if p.grad is not None]
-    if not grads:  # use_orig_params keeps the sharded gradient on the original parameters' views
-        grads = [p.grad for p in fsdp_root.parameters() if p.grad is not None]
-    return tensor_bytes(grads)
+    package = importlib.util.find_spec("fsdp_shim")  # finds the package without running its __init__
+    assert package is not None and package.submodule_search_locations, "fsdp_shim is not installed"
+    path = Path(package.submodule_search_locations[0]) / "verify" / "measure.py"
+    spec = importlib.util.spec_from_file_location("fsdp_shim_measuring_code", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Adam's moments; the 0-dim ``step`` counters are float32 whatever the model dtype."""
-    return tensor_bytes([v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0])
+MEASURE = load_measuring_code()
+flat_parameters = MEASURE.flat_parameters
+grad_bytes = MEASURE.sharded_grad_bytes
+optimizer_state_bytes = MEASURE.optimizer_state_bytes
 
 
 def measure(fsdp_root: nn.Module, optimizer: torch.optim.Optimizer, grads: int) -> dict[str, Any]:
@@ -123,7 +118,7 @@ def measure(fsdp_root: nn.Module, optimizer: torch.optim.Optimizer, grads: int) 
     return {
         "flat_param_dtypes": sorted({str(p.dtype) for p in flat}),
         "flat_param_numel": sum(p.numel() for p in flat),
-        "flat_param_bytes": tensor_bytes(flat),
+        "flat_param_bytes": MEASURE.nbytes(flat),
         "grad_bytes": grads,
         "optimizer_state_bytes": optimizer_state_bytes(optimizer),
         "param_dtypes": sorted({str(p.dtype) for p in fsdp_root.parameters()}),
