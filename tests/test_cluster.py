@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, clean_env, free_port
+from conftest import ROOT, clean_env, free_port, make_venv
 
 pytestmark = [
     pytest.mark.release_independent,
@@ -177,8 +177,6 @@ def startup_python(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The interpreter of a new virtual environment that sees this one's packages, with the start-up
     file written by ``fsdp-shim install`` into its site-packages; uninstalled afterwards, and the
     environment is a temporary folder, so nothing outside the test is changed."""
-    from test_startup_activation import make_venv
-
     venv = make_venv(tmp_path_factory.mktemp("startup") / "venv", [str(ROOT), sysconfig.get_paths()["purelib"]])
     venv.run("-m", "fsdp_shim", "install")
     assert (venv.site_packages / "fsdp_shim.pth").exists()
