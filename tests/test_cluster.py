@@ -122,7 +122,7 @@ def report(text: str) -> None:
 
 
 def print_table(title: str, command: list[str] | str, ranks: list[dict[str, Any]]) -> None:
-    """The per-rank table for the log (and the issue's closing note)."""
+    """The per-rank table for the log."""
     shown = command if isinstance(command, str) else shlex.join(command)
     lines = [f"\n=== {title}", f"$ {shown}", "rank  node   api      dtype           flat bytes  grad bytes  adam bytes"]
     for result in ranks:
