@@ -89,6 +89,8 @@ def report(
     module), ``status`` what the shim did to it (``fsdp_shim.status().namespace(...)``)."""
     import torch
 
+    from fsdp_shim.verify.results import RankResult
+
     flat = flat_parameters(trainer.strategy.model)
     cuda = torch.cuda.is_available()
     peak = torch.cuda.max_memory_allocated() if cuda else rss_bytes() - baseline_rss
