@@ -10,8 +10,10 @@ process pays for the compiler's first use; docs/benchmarks.md has the figures):
 * ``fsdp_shim_env.pth``, which pip installs and removes with the package, calls
   ``arm_from_environment`` where ``FSDP_SHIM`` is set at all;
 * ``fsdp_shim.pth``, which ``fsdp-shim install`` writes, imports a copy of this module that it writes
-  next to itself (``_fsdp_shim_startup_file``) and calls ``arm``. A copy, because ``pip uninstall``
-  does not know about that file: what it left behind still imports, and finds no shim to hand over to.
+  next to itself (``COPY_NAME``), which arms itself at import (the last lines below): the ``.pth``
+  line is a bare ``import``, because ``site`` compiles every ``.pth`` line at every start and a call
+  after the import costs as much again as the bare import line. A copy, because ``pip uninstall`` does
+  not know about that file: what it left behind still imports, and finds no shim to hand over to.
 
 The finder answers only for Lightning's top-level packages (``WATCHED``). It imports nothing inside
 ``find_spec``, where the import system holds its global lock: it asks the finders after it for the spec
@@ -38,6 +40,8 @@ WATCHED = ["lightning", "lightning_fabric", "pytorch_lightning"]
 test keeps the two equal). Emptied when the hand-over has happened or cannot."""
 SOURCE = "startup file"
 """How this finder was armed, recorded by ``_fsdp_shim_startup`` at the hand-over."""
+COPY_NAME = "_fsdp_shim_startup_file"
+"""The module name of the copy ``fsdp-shim install`` writes; imported under it, the copy arms itself."""
 
 
 def switch_state(raw: "str | None") -> str:
@@ -130,3 +134,7 @@ def _watched_spec(name: str, path: object, target: object) -> object:
     exec_module.exec_module = exec_module  # type: ignore[attr-defined]
     spec.loader = exec_module
     return spec
+
+
+if __name__ == COPY_NAME:
+    arm(SOURCE)

@@ -3,8 +3,8 @@
 ``fsdp-shim install`` writes three files into a site directory:
 
 * ``_fsdp_shim_startup_file.py``, a copy of ``_fsdp_shim_trampoline`` (compiled to a ``.pyc`` at once);
-* ``fsdp_shim.pth``, an ``import`` line read by every CPython today, which imports that copy and arms
-  its finder;
+* ``fsdp_shim.pth``, an ``import`` line read by every CPython today, which imports that copy (the copy
+  arms its finder when imported under its name);
 * ``fsdp_shim.start``, a PEP 829 entry point: Python 3.15+ reads it and then ignores the ``.pth``
   import line, so the shim is armed once either way.
 
@@ -36,7 +36,7 @@ ENVIRONMENT_FILE = "fsdp_shim_env.pth"
 """The start-up file pip installs with the package: it arms the shim where ``FSDP_SHIM`` is on, and
 is not one of the files ``fsdp-shim install`` writes or removes."""
 MARKER = "# fsdp-shim start-up file"
-COPY_MODULE = "_fsdp_shim_startup_file"
+COPY_MODULE = _fsdp_shim_trampoline.COPY_NAME
 """The name ``fsdp-shim install`` gives its copy of ``_fsdp_shim_trampoline``."""
 
 
@@ -79,7 +79,7 @@ PTH_TEXT: str | None = (
     if TRAMPOLINE_PROBLEM
     else f"{MARKER}: {WRITTEN_BY}\n"
     f"# Imports {COPY_MODULE} (next to this file), whose finder loads the shim when a process imports Lightning.\n"
-    f"import {COPY_MODULE}; {COPY_MODULE}.arm('startup file')\n"
+    f"import {COPY_MODULE}\n"
 )
 START_TEXT = f"{MARKER} (PEP 829): {WRITTEN_BY}\n_fsdp_shim_startup:arm_from_startup_file\n"
 FILES: dict[str, str | None] = {f"{COPY_MODULE}.py": COPY_TEXT, f"{STEM}.pth": PTH_TEXT, f"{STEM}.start": START_TEXT}
@@ -140,6 +140,8 @@ PREVIOUS_DIGESTS = frozenset(
         "ccbfe4ddb1d22604b17211e8202f5f8bfdc8cec63e4e70e162980558a98d304b",
         "10663d3e05c8027aefc8860e93fa1a4a9f3de7a067a8958778cd9ad21fb7e15a",
         "90492aefebd4556bb9867a8b9a8e95c1546552fd9d38c7b16ca3d25ce2bee605",  # the .pth that carried the source
+        "f395258f2bced5447c25f89a9d30e30c24501dc4a2c6678b486913ad882c2d46",  # the copy, armed by the .pth's call
+        "43c4dd05485c257ff11ba29e209504b90d7511ef02d37d417d0e476d3d70efe1",  # the .pth that called arm()
     }
 )
 

@@ -216,16 +216,21 @@ def test_a_foreign_startup_file_is_not_replaced_without_force_and_an_edited_one_
     assert (folder / "fsdp_shim.pth").read_text() == edited
 
 
-def test_a_file_from_an_earlier_version_is_upgraded_and_removed_without_force(tmp_path: Path) -> None:
-    folder = tmp_path / "site-packages"
-    folder.mkdir()
-    (folder / "fsdp_shim.pth").write_text((ROOT / "tests" / "data" / "fsdp_shim-0.2.0-earlier.pth").read_text())
-    proc = shim("install", "--target", str(folder), "--force")
+@pytest.mark.parametrize("earlier", ["fsdp_shim-0.2.0-earlier.pth", "fsdp_shim-0.2.0-arm-call.pth"])
+def test_a_file_from_an_earlier_version_is_upgraded_and_removed_without_force(
+    earlier: str, site_packages: tuple[str, Path]
+) -> None:
+    """Start-up files an earlier fsdp-shim wrote are ours to replace and remove: no ``--force``."""
+    python, folder = site_packages
+    earlier_text = (ROOT / "tests" / "data" / earlier).read_text()
+    assert earlier_text != PTH_TEXT
+    (folder / "fsdp_shim.pth").write_text(earlier_text)
+    proc = shim("install", python=python)
     assert proc.returncode == 0 and "replaced" not in proc.stderr, proc.stderr
     assert (folder / "fsdp_shim.pth").read_text() == PTH_TEXT
-    (folder / "fsdp_shim.pth").write_text((ROOT / "tests" / "data" / "fsdp_shim-0.2.0-earlier.pth").read_text())
-    assert shim("uninstall", "--target", str(folder)).returncode == 0
-    assert startup_files_in(folder) == []
+    (folder / "fsdp_shim.pth").write_text(earlier_text)
+    assert shim("uninstall", python=python).returncode == 0
+    assert startup_files_in(folder) == ["aa_outer_environment.pth"]
 
 
 def test_a_directory_at_one_of_the_names_writes_no_file(tmp_path: Path) -> None:

@@ -80,32 +80,50 @@ def test_every_copy_of_the_lightning_package_list_agrees() -> None:
 
 def test_the_startup_file_imports_a_verbatim_copy_of_the_trampoline_module() -> None:
     """What ``fsdp-shim install``'s ``.pth`` runs is ``_fsdp_shim_trampoline.py`` as linted and tested:
-    the copy it imports holds that module's source after two comment lines, and its one code line
-    imports the copy and arms it."""
+    the copy it imports holds that module's source after two comment lines, and its one code line is a
+    bare import of the copy, which arms itself because of the name it is imported under."""
     import _fsdp_shim_trampoline
 
     source = Path(_fsdp_shim_trampoline.__file__).read_text(encoding="utf-8")
     header, _, body = COPY_TEXT.partition('"""')
     assert '"""' + body == source and all(line.startswith("#") for line in header.splitlines())
-    line = next(line for line in PTH_TEXT.splitlines() if not line.startswith("#"))
-    statements = ast.parse(line).body
-    assert [type(statement) for statement in statements] == [ast.Import, ast.Expr]
-    assert statements[0].names[0].name == COPY_MODULE
-    call = statements[1].value
-    assert ast.unparse(call.func) == f"{COPY_MODULE}.arm" and call.args[0].value == "startup file"
+    code_lines = [line for line in PTH_TEXT.splitlines() if not line.startswith("#")]
+    assert code_lines == [f"import {COPY_MODULE}"]
+    assert COPY_MODULE == _fsdp_shim_trampoline.COPY_NAME
+
+
+def test_the_copy_arms_itself_only_under_its_own_name(tmp_path: Path) -> None:
+    """Imported as ``install``'s copy, the trampoline puts its finder first on ``sys.meta_path``;
+    imported as ``_fsdp_shim_trampoline`` (by ``_fsdp_shim_startup``, or by ``fsdp_shim_env.pth`` where
+    ``FSDP_SHIM`` is set), it arms nothing by itself."""
+    (tmp_path / f"{COPY_MODULE}.py").write_text(COPY_TEXT, encoding="utf-8")
+    (tmp_path / "_fsdp_shim_trampoline.py").write_text(COPY_TEXT, encoding="utf-8")
+    probe = (
+        "import sys; sys.path.insert(0, sys.argv[1]); before = len(sys.meta_path); "
+        "import importlib; module = importlib.import_module(sys.argv[2]); "
+        "print(len(sys.meta_path) - before, sys.meta_path[0] is module.fsdp_shim_watcher)"
+    )
+    outputs = {}
+    for name in (COPY_MODULE, "_fsdp_shim_trampoline"):
+        proc = subprocess.run(
+            [sys.executable, "-S", "-c", probe, str(tmp_path), name], capture_output=True, text=True, check=True
+        )
+        outputs[name] = proc.stdout.split()
+    assert outputs == {COPY_MODULE: ["1", "True"], "_fsdp_shim_trampoline": ["0", "False"]}
 
 
 def test_the_module_every_interpreter_imports_runs_almost_nothing_at_import() -> None:
     """``_fsdp_shim_trampoline`` is imported at every start where a start-up file arms the shim: at
-    import it imports only ``sys``, builds no class and calls nothing but names (docs/benchmarks.md)."""
+    import it imports only ``sys``, builds no class, and calls nothing but ``arm`` in the copy
+    ``install`` writes (docs/benchmarks.md)."""
     tree = ast.parse(Path(ROOT / "_fsdp_shim_trampoline.py").read_text(encoding="utf-8"))
-    kinds = {type(node) for node in tree.body}
+    *body, last = tree.body
+    kinds = {type(node) for node in body}
     assert kinds <= {ast.Expr, ast.Import, ast.Assign, ast.FunctionDef}, kinds
-    assert [alias.name for node in tree.body if isinstance(node, ast.Import) for alias in node.names] == ["sys"]
-    calls = [
-        node for statement in tree.body if not isinstance(statement, ast.FunctionDef) for node in ast.walk(statement)
-    ]
+    assert [alias.name for node in body if isinstance(node, ast.Import) for alias in node.names] == ["sys"]
+    calls = [node for statement in body if not isinstance(statement, ast.FunctionDef) for node in ast.walk(statement)]
     assert not [node for node in calls if isinstance(node, ast.Call)]
+    assert ast.unparse(last) == "if __name__ == COPY_NAME:\n    arm(SOURCE)"
 
 
 @pytest.mark.parametrize("value", ["", "1", "on", "maybe", "0", "no", "DISABLED", " off "])
