@@ -5,11 +5,14 @@
    having the package installed. The figure is the median of the per-pair ratios of interleaved
    runs (robust to drift in machine load).
 2. The same environment with ``FSDP_SHIM=1`` vs unset: what arming at start-up costs.
-3. ``fsdp-shim install``'s start-up file vs no fsdp-shim.
+3. ``fsdp-shim install``'s start-up file vs no fsdp-shim, and vs the same environment without it (its
+   own share, on top of row 1).
 4. ``python -c "import fsdp_shim"`` and ``python -c "import wrapt"`` against ``python -c pass``, the
    same way, in the environment with fsdp-shim installed.
-5. The floor for 1-3: a fresh environment whose only addition is a ``.pth`` file holding ``import os``,
-   which is what any start-up file that runs code costs before its code does anything.
+5. The floors: a fresh environment whose only addition is a ``.pth`` file holding ``import os``, which is
+   what any start-up file that runs code costs before its code does anything (the floor of row 1); and
+   one whose ``.pth`` imports an empty module from site-packages, what any start-up file that imports a
+   module pays before that module runs (the floor of row 3's own share).
 
 Both environments get the shim the way users do, from a wheel installed into site-packages (pip
 writes the .pyc files), and see this environment's wrapt through a plain path entry.
@@ -104,17 +107,30 @@ def main() -> None:
             [floor, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True
         ).strip()
         (Path(floor_site) / "floor.pth").write_text("import os\n")
+        import_floor = make_venv(Path(tmp) / "import-floor", None)
+        import_floor_site = subprocess.check_output(
+            [import_floor, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True
+        ).strip()
+        (Path(import_floor_site) / "empty_module.py").write_text("")
+        subprocess.run([import_floor, "-m", "compileall", "-q", import_floor_site], check=True)
+        (Path(import_floor_site) / "floor.pth").write_text("import empty_module\n")
         results = {
             "pass: installed, FSDP_SHIM unset / none": paired([bare, "-c", "pass"], [plain, "-c", "pass"], args.pairs),
             "pass: FSDP_SHIM=1 / unset": paired([plain, "-c", "pass"], [plain, "-c", "pass"], args.pairs, SET),
             "pass: `fsdp-shim install` file / none": paired(
                 [bare, "-c", "pass"], [with_file, "-c", "pass"], args.pairs
             ),
+            "pass: `fsdp-shim install` file / installed": paired(
+                [plain, "-c", "pass"], [with_file, "-c", "pass"], args.pairs
+            ),
             "import fsdp_shim / python -c pass": paired(
                 [plain, "-c", "pass"], [plain, "-c", "import fsdp_shim"], args.pairs
             ),
             "import wrapt / python -c pass": paired([plain, "-c", "pass"], [plain, "-c", "import wrapt"], args.pairs),
             "pass: a .pth holding `import os` / none": paired([bare, "-c", "pass"], [floor, "-c", "pass"], args.pairs),
+            "pass: a .pth importing an empty module / none": paired(
+                [bare, "-c", "pass"], [import_floor, "-c", "pass"], args.pairs
+            ),
         }
     import wrapt
 
@@ -122,11 +138,11 @@ def main() -> None:
     if args.json:
         print(json.dumps(results, indent=2))
         return
-    print(f"{'comparison':<42} {'baseline ms':>12} {'candidate ms':>13} {'median ratio':>13}")
+    print(f"{'comparison':<48} {'baseline ms':>12} {'candidate ms':>13} {'median ratio':>13}")
     for name, row in results.items():
         if not name.startswith("_"):
             print(
-                f"{name:<42} {row['baseline_median_ms']:>12} {row['candidate_median_ms']:>13} {row['median_ratio']:>13}"
+                f"{name:<48} {row['baseline_median_ms']:>12} {row['candidate_median_ms']:>13} {row['median_ratio']:>13}"
             )
     environment = results["_environment"]
     print(f"python {environment['python']}, wrapt {environment['wrapt']}, {args.pairs} interleaved pairs each")
