@@ -94,10 +94,18 @@ def _check_toggles(report: EnvironmentReport) -> None:
 
 
 def _check_activations(report: EnvironmentReport) -> None:
+    search_path = sys.path if sys.flags.safe_path else sys.path[1:]  # site runs before sys.path[0] is added
     for found in startup_files.find():
         report.startup_files.append({"path": str(found.path), "current": found.current})
         if not found.current:
             report.problems.append(f"{found.path} was written by another fsdp-shim version; run `fsdp-shim install`")
+        elif found.path.name == startup_files.PTH_NAME:
+            instead = startup_files.copy_imported_instead(found.path.parent, search_path)
+            if instead is not None:
+                report.problems.append(
+                    f"{found.path} imports {startup_files.COPY_MODULE} by name and finds {instead}, not this "
+                    "version's copy, so it arms nothing: remove that file, or run `fsdp-shim install` where it is"
+                )
     if report.startup_files and importlib.util.find_spec("_fsdp_shim_startup") is None:
         report.problems.append("a start-up file is installed but its module _fsdp_shim_startup cannot be imported")
     for entry in bootstrap_on_pythonpath(os.environ):

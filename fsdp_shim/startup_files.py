@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.machinery
 import os
 import py_compile
 import site
@@ -78,11 +79,13 @@ PTH_TEXT: str | None = (
     None
     if TRAMPOLINE_PROBLEM
     else f"{MARKER}: {WRITTEN_BY}\n"
-    f"# Imports {COPY_MODULE} (next to this file), whose finder loads the shim when a process imports Lightning.\n"
+    f"# Imports {COPY_MODULE}, which install writes next to this file: it arms a finder that loads the shim\n"
+    "# when a process imports Lightning.\n"
     f"import {COPY_MODULE}\n"
 )
 START_TEXT = f"{MARKER} (PEP 829): {WRITTEN_BY}\n_fsdp_shim_startup:arm_from_startup_file\n"
-FILES: dict[str, str | None] = {f"{COPY_MODULE}.py": COPY_TEXT, f"{STEM}.pth": PTH_TEXT, f"{STEM}.start": START_TEXT}
+PTH_NAME = f"{STEM}.pth"
+FILES: dict[str, str | None] = {f"{COPY_MODULE}.py": COPY_TEXT, PTH_NAME: PTH_TEXT, f"{STEM}.start": START_TEXT}
 """What this version writes at each name (``None``: it cannot write that file, see TRAMPOLINE_PROBLEM),
 in the order it writes them: the copy before the line that imports it (``uninstall`` goes the other
 way), so a starting interpreter never finds the line without the module."""
@@ -342,6 +345,27 @@ def find(directories: list[Path] | None = None) -> list[StartupFile]:
             if content.startswith(MARKER):
                 found.append(StartupFile(directory / name, content == text))
     return found
+
+
+def copy_imported_instead(directory: Path, search_path: list[str]) -> Path | None:
+    """The module that ``directory``'s ``fsdp_shim.pth`` imports in place of its own copy, where that
+    module is not this version's copy; None where the start-up import arms the shim.
+
+    The ``.pth`` imports the copy by name, not by path: a file of that name earlier on ``search_path``
+    (``PYTHONPATH``, a site directory read before this one) is what runs, and anything but the current
+    copy arms nothing, which no interpreter would say. ``search_path`` is ``sys.path`` as it stands when
+    ``site`` reads the file, so only the entries up to ``directory`` are searched.
+    """
+    position = [_canonical(Path(entry or os.curdir)) for entry in search_path]
+    own = _canonical(directory)
+    entries = search_path[: position.index(own) + 1] if own in position else [*search_path, str(directory)]
+    spec = importlib.machinery.PathFinder.find_spec(COPY_MODULE, entries)
+    found = Path(spec.origin) if spec is not None and spec.origin else None
+    if found is not None and _canonical(found.parent) == own and found.name == f"{COPY_MODULE}.py":
+        return None  # its own copy: whether that copy is current is reported with the other files
+    if found is not None and _read(found) == COPY_TEXT:
+        return None  # another directory's current copy arms the shim just the same
+    return found or directory / f"{COPY_MODULE}.py"
 
 
 def _read(path: Path) -> str:

@@ -11,6 +11,7 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import packaging
 import pytest
 from conftest import ROOT, clean_env, run_command
 
@@ -216,21 +217,68 @@ def test_a_foreign_startup_file_is_not_replaced_without_force_and_an_edited_one_
     assert (folder / "fsdp_shim.pth").read_text() == edited
 
 
-@pytest.mark.parametrize("earlier", ["fsdp_shim-0.2.0-earlier.pth", "fsdp_shim-0.2.0-arm-call.pth"])
+EARLIER_FILES = {
+    "0.2.0": {"fsdp_shim.pth": "fsdp_shim-0.2.0-earlier.pth"},
+    "unreleased, the .pth called arm()": {
+        "fsdp_shim.pth": "fsdp_shim-unreleased-arm-call.pth",
+        f"{COPY_MODULE}.py": "_fsdp_shim_startup_file-unreleased.py.txt",
+    },
+}
+"""Start-up files that earlier versions of fsdp-shim wrote, by the name each had in a site directory."""
+
+
+def earlier_files(version: str) -> dict[str, str]:
+    return {name: (ROOT / "tests" / "data" / data).read_text() for name, data in EARLIER_FILES[version].items()}
+
+
+def watchers_armed(python: str, env: dict[str, str]) -> int:
+    """How many of the start-up file's finders a fresh interpreter has on ``sys.meta_path``."""
+    probe = "import sys; print(sum(getattr(f, '__name__', '') == 'fsdp_shim_watcher' for f in sys.meta_path))"
+    return int(subprocess.check_output([python, "-c", probe], env=env, text=True, timeout=60))
+
+
+@pytest.mark.parametrize("version", list(EARLIER_FILES))
 def test_a_file_from_an_earlier_version_is_upgraded_and_removed_without_force(
-    earlier: str, site_packages: tuple[str, Path]
+    version: str, site_packages: tuple[str, Path]
 ) -> None:
     """Start-up files an earlier fsdp-shim wrote are ours to replace and remove: no ``--force``."""
     python, folder = site_packages
-    earlier_text = (ROOT / "tests" / "data" / earlier).read_text()
-    assert earlier_text != PTH_TEXT
-    (folder / "fsdp_shim.pth").write_text(earlier_text)
+    earlier = earlier_files(version)
+    for name, text in earlier.items():
+        assert text != FILES[name]
+        (folder / name).write_text(text)
+    assert watchers_armed(python, clean_env()) >= 1, "the earlier files must arm the shim"  # 0.2.0's: once a pass
     proc = shim("install", python=python)
     assert proc.returncode == 0 and "replaced" not in proc.stderr, proc.stderr
-    assert (folder / "fsdp_shim.pth").read_text() == PTH_TEXT
-    (folder / "fsdp_shim.pth").write_text(earlier_text)
+    assert {name: (folder / name).read_text() for name in FILES} == FILES
+    assert watchers_armed(python, clean_env()) == 1
+    for name, text in earlier.items():
+        (folder / name).write_text(text)
     assert shim("uninstall", python=python).returncode == 0
     assert startup_files_in(folder) == ["aa_outer_environment.pth"]
+
+
+def test_status_names_a_module_the_startup_file_imports_in_place_of_its_copy(
+    site_packages: tuple[str, Path], tmp_path: Path
+) -> None:
+    """``fsdp_shim.pth`` imports its copy by name: an earlier copy first on ``sys.path`` runs instead
+    and arms nothing. No interpreter says so at start-up; ``fsdp-shim status`` names the file."""
+    python, folder = site_packages
+    (folder / "zz_status_needs.pth").write_text(f"{Path(packaging.__file__).parent.parent}\n")  # packaging
+    assert shim("install", python=python).returncode == 0
+    assert shim("status", python=python).returncode == 0
+    shadow = tmp_path / "on-pythonpath"
+    shadow.mkdir()
+    shadow_copy = shadow / f"{COPY_MODULE}.py"
+    shadow_copy.write_text(earlier_files("unreleased, the .pth called arm()")[f"{COPY_MODULE}.py"])
+    env = {**clean_env(), "PYTHONPATH": str(shadow)}
+    assert watchers_armed(python, env) == 0, "the shadowing copy must disarm the start-up file"
+    proc = shim("status", python=python, env=env)
+    assert proc.returncode == 1
+    assert f"{folder / 'fsdp_shim.pth'} imports {COPY_MODULE} by name and finds {shadow_copy}" in proc.stdout
+    shadow_copy.write_text(FILES[f"{COPY_MODULE}.py"])  # a current copy there arms the shim just the same
+    assert watchers_armed(python, env) == 1
+    assert shim("status", python=python, env=env).returncode == 0
 
 
 def test_a_directory_at_one_of_the_names_writes_no_file(tmp_path: Path) -> None:
