@@ -172,11 +172,11 @@ def _missing_message(
 ) -> str:
     hosts = sorted({str(report.get("host")) for report in reports.values()})
     noun = "rank" if len(missing) == 1 else "ranks"
+    holders = "rank {} (on {}) holds its" if len(reports) == 1 else "ranks {} (on {}) hold their"
     return (
         f"fsdp-shim: {noun} {_ranks(missing)} of {world_size} did not confirm the FSDP precision fix within "
-        f"{limit:g} s, so this job is half-patched: {'rank' if len(reports) == 1 else 'ranks'} "
-        f"{_ranks(sorted(reports))} (on {', '.join(hosts)}) hold "
-        f"their shards, gradients and optimizer state in {_short(dtype)}, the others most likely in float32, "
+        f"{limit:g} s, so this job is half-patched: {holders.format(_ranks(sorted(reports)), ', '.join(hosts))} "
+        f"shards, gradients and optimizer state in {_short(dtype)}, the others most likely in float32, "
         "and it would fail or mix dtypes at its first checkpoint. Stopping before training. Likely causes on "
         f"the ranks that did not answer: {SHIM_VARIABLE}=0 in their environment; a node whose Python "
         "environment lacks fsdp-shim or its start-up file; a launcher that dropped PYTHONPATH or "

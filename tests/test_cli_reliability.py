@@ -59,6 +59,7 @@ def test_status_python_check_runs_no_code_from_the_current_folder(planted: Path)
     assert proc.returncode in (0, 1), proc.stderr
 
 
+@pytest.mark.release_independent
 @pytest.mark.usefixtures("lightning_installed")
 def test_verify_probes_run_no_code_from_the_current_folder(planted: Path) -> None:
     proc = cli("verify", "--steps", "1", "--json", cwd=planted)
