@@ -101,7 +101,12 @@ def _check_activations(report: EnvironmentReport) -> None:
             report.problems.append(f"{found.path} was written by another fsdp-shim version; run `fsdp-shim install`")
         elif found.path.name == startup_files.PTH_NAME:
             instead = startup_files.copy_imported_instead(found.path.parent, search_path)
-            if instead is not None:
+            if instead is not None and not instead.exists():
+                report.problems.append(
+                    f"{found.path} imports {startup_files.COPY_MODULE}, which is missing ({instead}), so it "
+                    "arms nothing and every interpreter start prints an error: run `fsdp-shim install` again"
+                )
+            elif instead is not None:
                 report.problems.append(
                     f"{found.path} imports {startup_files.COPY_MODULE} by name and finds {instead}, not this "
                     "version's copy, so it arms nothing: remove that file, or run `fsdp-shim install` where it is"

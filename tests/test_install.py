@@ -279,6 +279,11 @@ def test_status_names_a_module_the_startup_file_imports_in_place_of_its_copy(
     shadow_copy.write_text(FILES[f"{COPY_MODULE}.py"])  # a current copy there arms the shim just the same
     assert watchers_armed(python, env) == 1
     assert shim("status", python=python, env=env).returncode == 0
+    shadow_copy.unlink()
+    (folder / f"{COPY_MODULE}.py").unlink()
+    proc = shim("status", python=python, env=env)
+    assert proc.returncode == 1
+    assert f"imports {COPY_MODULE}, which is missing ({folder / f'{COPY_MODULE}.py'})" in proc.stdout
 
 
 def test_a_directory_at_one_of_the_names_writes_no_file(tmp_path: Path) -> None:
