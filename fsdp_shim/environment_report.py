@@ -94,13 +94,12 @@ def _check_toggles(report: EnvironmentReport) -> None:
 
 
 def _check_activations(report: EnvironmentReport) -> None:
-    search_path = sys.path if sys.flags.safe_path else sys.path[1:]  # site runs before sys.path[0] is added
     for found in startup_files.find():
         report.startup_files.append({"path": str(found.path), "current": found.current})
         if not found.current:
             report.problems.append(f"{found.path} was written by another fsdp-shim version; run `fsdp-shim install`")
         elif found.path.name == startup_files.PTH_NAME:
-            instead = startup_files.copy_imported_instead(found.path.parent, search_path)
+            instead = startup_files.copy_imported_instead(found.path.parent)
             if instead is not None and not instead.exists():
                 report.problems.append(
                     f"{found.path} imports {startup_files.COPY_MODULE}, which is missing ({instead}), so it "

@@ -25,6 +25,7 @@ import os
 import py_compile
 import site
 import stat
+import sys
 import sysconfig
 import tempfile
 from dataclasses import dataclass, field
@@ -84,8 +85,9 @@ PTH_TEXT: str | None = (
     f"import {COPY_MODULE}\n"
 )
 START_TEXT = f"{MARKER} (PEP 829): {WRITTEN_BY}\n_fsdp_shim_startup:arm_from_startup_file\n"
+COPY_FILE = f"{COPY_MODULE}.py"
 PTH_NAME = f"{STEM}.pth"
-FILES: dict[str, str | None] = {f"{COPY_MODULE}.py": COPY_TEXT, PTH_NAME: PTH_TEXT, f"{STEM}.start": START_TEXT}
+FILES: dict[str, str | None] = {COPY_FILE: COPY_TEXT, PTH_NAME: PTH_TEXT, f"{STEM}.start": START_TEXT}
 """What this version writes at each name (``None``: it cannot write that file, see TRAMPOLINE_PROBLEM),
 in the order it writes them: the copy before the line that imports it (``uninstall`` goes the other
 way), so a starting interpreter never finds the line without the module."""
@@ -267,7 +269,7 @@ def _compile_copy(directory: Path) -> None:
     site-packages is read-only for the users who run Python. An interpreter that cannot use this
     one (another Python version) compiles its own, as for any module."""
     with contextlib.suppress(OSError, py_compile.PyCompileError):
-        py_compile.compile(str(directory / f"{COPY_MODULE}.py"), doraise=True)
+        py_compile.compile(str(directory / COPY_FILE), doraise=True)
 
 
 def _compiled_copies(directory: Path) -> list[Path]:
@@ -328,7 +330,7 @@ def uninstall(directory: Path) -> tuple[list[Path], list[Existing]]:
         except OSError as error:
             raise _cannot_write(directory, error) from error
         removed.append(existing.path)
-        if name == f"{COPY_MODULE}.py":
+        if name == COPY_FILE:
             for compiled in _compiled_copies(directory):
                 _unlink(compiled)
             with contextlib.suppress(OSError):
@@ -347,25 +349,26 @@ def find(directories: list[Path] | None = None) -> list[StartupFile]:
     return found
 
 
-def copy_imported_instead(directory: Path, search_path: list[str]) -> Path | None:
+def copy_imported_instead(directory: Path) -> Path | None:
     """The module that ``directory``'s ``fsdp_shim.pth`` imports in place of its own copy, where that
     module is not this version's copy; None where the start-up import arms the shim.
 
-    The ``.pth`` imports the copy by name, not by path: a file of that name earlier on ``search_path``
+    The ``.pth`` imports the copy by name, not by path: a file of that name earlier on ``sys.path``
     (``PYTHONPATH``, a site directory read before this one) is what runs, and anything but the current
-    copy arms nothing, which no interpreter would say. ``search_path`` is ``sys.path`` as it stands when
-    ``site`` reads the file, so only the entries up to ``directory`` are searched.
+    copy arms nothing, which no interpreter would say. ``site`` reads the file before ``sys.path[0]``
+    (the script's folder) is added, and with only the entries before ``directory`` in place.
     """
+    search_path = sys.path if sys.flags.safe_path else sys.path[1:]
     position = [_canonical(Path(entry or os.curdir)) for entry in search_path]
     own = _canonical(directory)
     entries = search_path[: position.index(own) + 1] if own in position else [*search_path, str(directory)]
     spec = importlib.machinery.PathFinder.find_spec(COPY_MODULE, entries)
     found = Path(spec.origin) if spec is not None and spec.origin else None
-    if found is not None and _canonical(found.parent) == own and found.name == f"{COPY_MODULE}.py":
+    if found is not None and _canonical(found.parent) == own and found.name == COPY_FILE:
         return None  # its own copy: whether that copy is current is reported with the other files
     if found is not None and _read(found) == COPY_TEXT:
         return None  # another directory's current copy arms the shim just the same
-    return found or directory / f"{COPY_MODULE}.py"
+    return found or directory / COPY_FILE
 
 
 def _read(path: Path) -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import packaging
 import pytest
-from conftest import ROOT, clean_env, run_command
+from conftest import ROOT, child_json, clean_env, run_command
 
 from fsdp_shim.startup_files import COPY_MODULE, FILES, PTH_TEXT, START_TEXT
 
@@ -233,8 +233,8 @@ def earlier_files(version: str) -> dict[str, str]:
 
 def watchers_armed(python: str, env: dict[str, str]) -> int:
     """How many of the start-up file's finders a fresh interpreter has on ``sys.meta_path``."""
-    probe = "import sys; print(sum(getattr(f, '__name__', '') == 'fsdp_shim_watcher' for f in sys.meta_path))"
-    return int(subprocess.check_output([python, "-c", probe], env=env, text=True, timeout=60))
+    _, finders = child_json("startup:modules_and_finders", python=python, env=env)
+    return finders.count("fsdp_shim_watcher")
 
 
 @pytest.mark.parametrize("version", list(EARLIER_FILES))
