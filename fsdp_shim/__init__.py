@@ -1,18 +1,37 @@
-"""fsdp-shim: Lightning 2.5.0's FSDP "true"-precision conversion for Lightning 2.1–2.4.
+"""fsdp-shim: fixes for FSDP "true"-precision training in Lightning, without upgrading or forking it.
 
-With ``strategy="fsdp"`` and ``precision="bf16-true"`` or ``"16-true"``, Lightning 2.1.0–2.4.x never
-casts the model before FSDP wraps it, so sharded parameters, gradients and optimizer state take twice
-the memory they should. Importing this package (or activating it at interpreter start, see
-``fsdp-shim install`` and ``fsdp-shim run``) wraps Lightning's own classes so an affected release
-behaves like 2.5.0; a release that already has the fix is not touched.
+Importing this package activates the shim, like ``import ddtrace.auto``; the implementation lives in
+``_fsdp_shim``, whose import activates nothing. With ``strategy="fsdp"`` and ``precision="bf16-true"``
+or ``"16-true"`` it applies two fixes, each only to the Lightning releases that lack it:
 
-Set ``FSDP_SHIM=0`` to switch it off without changing code.
+* **cast** (2.1.0-2.4.x): the model is cast to the precision's dtype before FSDP wraps it, as
+  Lightning 2.5.0 does; without it sharded parameters, gradients and optimizer state take twice the
+  memory;
+* **recompute** (2.1.0 and later): activation checkpointing recomputes blocks in the default dtype the
+  forward had, instead of float32.
+
+``FSDP_SHIM=0`` switches it off without changing code; ``FSDP_SHIM_DISABLED_FIXES=recompute`` (or
+``cast``) switches off one fix. ``python -m fsdp_shim`` is the ``fsdp-shim`` command, which activates
+nothing.
 """
 
-from fsdp_shim._version import __version__
-from fsdp_shim.activation import activate, deactivate, status
-from fsdp_shim.errors import FSDPShimError, FSDPShimWarning
+import sys
+
+from _fsdp_shim import FSDPShimWarning
+from _fsdp_shim._version import __version__
+from _fsdp_shim.activation import activate, deactivate, status
+from _fsdp_shim.failures import FSDPShimError
 
 __all__ = ["FSDPShimError", "FSDPShimWarning", "__version__", "activate", "deactivate", "status"]
 
-activate()
+
+def _runs_the_command() -> bool:
+    """Whether this process is ``python -m fsdp_shim``, which imports this package before it runs the
+    command: the command inspects the environment and must not activate (its console script, which
+    imports ``_fsdp_shim.cli`` only, does not either)."""
+    argv = list(getattr(sys, "orig_argv", ()))
+    return any((a == "-m" and b == "fsdp_shim") or a == "-mfsdp_shim" for a, b in zip(argv, [*argv[1:], ""]))
+
+
+if not _runs_the_command():
+    activate()

@@ -2,6 +2,6 @@
 
 import sys
 
-from fsdp_shim.cli import main
+from _fsdp_shim.cli import main
 
 sys.exit(main())

@@ -19,10 +19,10 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
-import fsdp_shim.bootstrap
-from _fsdp_shim_startup import SHIM_VARIABLE, switch_state
+from _fsdp_shim.config import SHIM_VARIABLE, switch_state
+from _fsdp_shim.startup_files import ENVIRONMENT_FILE, site_directories
 
-BOOTSTRAP_DIRECTORY = str(Path(fsdp_shim.bootstrap.__file__).resolve().parent)
+BOOTSTRAP_DIRECTORY = str(Path(__file__).resolve().parent / "bootstrap")
 
 # Options of the python command that take a value (``-W default``), and those that end the options.
 _PYTHON_OPTIONS_WITH_VALUE = "WX"
@@ -56,7 +56,7 @@ def bootstrap_on_pythonpath(environ: Mapping[str, str]) -> list[str]:
     """Entries of PYTHONPATH that look like an fsdp-shim bootstrap folder (this one or another)."""
     found = []
     for entry in environ.get("PYTHONPATH", "").split(os.pathsep):
-        if entry and Path(entry).name == "bootstrap" and Path(entry).parent.name == "fsdp_shim":
+        if entry and Path(entry).name == "bootstrap" and Path(entry).parent.name in ("_fsdp_shim", "fsdp_shim"):
             found.append(entry)  # existing or not: a stale entry is worth reporting too
     return found
 
@@ -95,8 +95,6 @@ def _has_this_fsdp_shim(command: list[str]) -> bool:
     found = shutil.which(python[0])
     if found is None or os.path.abspath(found) != os.path.abspath(sys.executable):
         return False
-    from fsdp_shim.startup_files import ENVIRONMENT_FILE, site_directories
-
     return any((directory / ENVIRONMENT_FILE).is_file() for directory in site_directories())
 
 

@@ -19,8 +19,8 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
-from fsdp_shim.verify.options import Options, ProbeRequest
-from fsdp_shim.verify.results import GateResult, RankResult
+from _fsdp_shim.verify.options import Options, ProbeRequest
+from _fsdp_shim.verify.results import GateResult, RankResult
 
 PROBE_SCRIPT = Path(__file__).resolve().parent.parent / "_children" / "verify_probe.py"
 """The probe's entry script, run by its path so nothing from the current folder runs in the probe;

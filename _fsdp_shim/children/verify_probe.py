@@ -24,7 +24,7 @@ def main() -> None:
         # and putting site-packages first would put it ahead of the standard library.)
         sys.path.insert(0, PACKAGE_ROOT)
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
-    from fsdp_shim.verify.probe import main as probe
+    from _fsdp_shim.verify.probe import main as probe
 
     probe(sys.argv[1:])
 

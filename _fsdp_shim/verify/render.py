@@ -9,9 +9,9 @@ from __future__ import annotations
 import textwrap
 from typing import Any
 
-from fsdp_shim.verify import seed
-from fsdp_shim.verify.options import Options
-from fsdp_shim.verify.verdict import Section, overall
+from _fsdp_shim.verify import seed
+from _fsdp_shim.verify.options import Options
+from _fsdp_shim.verify.verdict import Section, overall
 
 WIDTH = 100
 """verify's output fits a 100-column terminal: the table, the verdicts (wrapped) and the terms."""

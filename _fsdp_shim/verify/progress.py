@@ -10,7 +10,7 @@ import sys
 import threading
 import time
 
-from fsdp_shim.verify.render import WIDTH
+from _fsdp_shim.verify.render import WIDTH
 
 
 class Progress:

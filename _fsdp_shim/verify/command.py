@@ -19,11 +19,11 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from fsdp_shim.verify.options import Options
-from fsdp_shim.verify.plan import environment_problem, verify
-from fsdp_shim.verify.protocol import Stop
-from fsdp_shim.verify.render import render
-from fsdp_shim.verify.verdict import overall
+from _fsdp_shim.verify.options import Options
+from _fsdp_shim.verify.plan import environment_problem, verify
+from _fsdp_shim.verify.protocol import Stop
+from _fsdp_shim.verify.render import render
+from _fsdp_shim.verify.verdict import overall
 
 
 def main(options: Options) -> int:

@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from fsdp_shim.backport import is_affected_release, unaffected_reason
-from fsdp_shim.verify import measure
-from fsdp_shim.verify.results import RankResult
+from _fsdp_shim.config import CAST
+from _fsdp_shim.verify import measure
+from _fsdp_shim.verify.results import RankResult
 
 DTYPES = {"bf16-true": "torch.bfloat16", "16-true": "torch.float16"}
 BYTE_KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes")
@@ -38,10 +38,10 @@ def _figures(result: RankResult) -> tuple[str, ...]:
 def judge(off: list[RankResult], on: list[RankResult], precision: str, seed_model: bool) -> tuple[str, str]:
     """The verdict from both runs, every rank. ``fixed`` must hold on every rank, exactly."""
     version = on[0].lightning
-    if not is_affected_release(version):
+    if not CAST.affects(version):
         if all(_figures(a) == _figures(b) for a, b in zip(off, on)):
-            return "not needed", f"{unaffected_reason(version)}; measured: the shim changes nothing"
-        return "FAILED", f"{unaffected_reason(version)}, but the figures differ with the shim on"
+            return "not needed", f"{CAST.unaffected_reason(version)}; measured: the shim changes nothing"
+        return "FAILED", f"{CAST.unaffected_reason(version)}, but the figures differ with the shim on"
     want = DTYPES[precision]
     problems = []
     if not on[0].shim_patched:

@@ -12,13 +12,13 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from fsdp_shim.backport import FIRST_AFFECTED, base_release, unaffected_reason
-from fsdp_shim.lightning_install import TRAINER_NAMESPACES, describe_import_failure, installed_packages
-from fsdp_shim.verify.options import Options
-from fsdp_shim.verify.progress import Progress
-from fsdp_shim.verify.protocol import GATE_STEP, run_gate, run_measure
-from fsdp_shim.verify.results import NamespaceGate, RankResult
-from fsdp_shim.verify.verdict import Section, judge
+from _fsdp_shim.config import CAST, TRAINER_NAMESPACES, base_release
+from _fsdp_shim.distributions import describe_import_failure, installed_packages
+from _fsdp_shim.verify.options import Options
+from _fsdp_shim.verify.progress import Progress
+from _fsdp_shim.verify.protocol import GATE_STEP, run_gate, run_measure
+from _fsdp_shim.verify.results import NamespaceGate, RankResult
+from _fsdp_shim.verify.verdict import Section, judge
 
 
 def environment_problem() -> str | None:
@@ -39,10 +39,10 @@ def _not_measured(namespace: str, info: NamespaceGate, options: Options) -> Sect
         return Section(namespace, None, "FAILED", describe_import_failure(namespace, info.import_failure))
     version = info.version
     release = base_release(version)
-    if release is not None and release < FIRST_AFFECTED:
-        return Section(namespace, version, "not needed", unaffected_reason(version))
+    if release is not None and release < CAST.first_affected:
+        return Section(namespace, version, "not needed", CAST.unaffected_reason(version))
     if not info.affected and not options.measure:
-        reason = f"{unaffected_reason(version)}; nothing was trained (--measure trains anyway)"
+        reason = f"{CAST.unaffected_reason(version)}; nothing was trained (--measure trains anyway)"
         return Section(namespace, version, "not needed", reason)
     return None
 

@@ -21,32 +21,47 @@ Do not import anything heavy here: it runs in every Python process the command s
 import os
 import sys
 
-LIGHTNING_PACKAGES = ("lightning", "lightning_fabric", "pytorch_lightning")  # as _fsdp_shim_startup's
 SUPPORTED = sys.version_info >= (3, 9)
+_HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _arm_shim():
     try:
-        import _fsdp_shim_startup
+        import _fsdp_shim
 
-        _fsdp_shim_startup.arm("fsdp-shim run")
+        _fsdp_shim.arm("fsdp-shim run")
     except Exception as error:  # never stop an interpreter from starting; say so at Lightning's import
-        sys.meta_path.insert(0, _NotArmed(error))
+        sys.meta_path.insert(0, _NotArmed(error, _lightning_packages()))
+
+
+def _lightning_packages():
+    """The top-level packages of the namespace table in the start-up module next to this folder, read
+    from its source: it cannot be imported here, which is why arming failed."""
+    import ast
+
+    try:
+        with open(os.path.join(os.path.dirname(_HERE), "__init__.py")) as source:
+            tree = ast.parse(source.read())
+        table = next(n.value for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "NAMESPACES")
+        return {name.partition(".")[0] for name in ast.literal_eval(table)}
+    except Exception:  # not readable either: the next import of anything reports it
+        return None
 
 
 class _NotArmed:
     """Finder that reports, once, at the first Lightning import, that the shim could not be armed."""
 
-    def __init__(self, error):
+    def __init__(self, error, packages):
         self.error = error
+        self.packages = packages
 
     def find_spec(self, name, path=None, target=None):
-        if name not in LIGHTNING_PACKAGES or self.error is None:
+        if self.error is None or (self.packages is not None and name not in self.packages):
             return None
         error, self.error = self.error, None
         message = (
-            "fsdp-shim run: the shim could not be armed in %s (%s: %s), so Lightning runs without its FSDP "
-            "'true'-precision fix. Install fsdp-shim in this interpreter's environment."
+            "fsdp-shim run: the shim could not be armed in %s (%s: %s), so Lightning runs without its fixes."
+            " Install fsdp-shim in this interpreter's environment."
             % (sys.executable, type(error).__name__, error)
         )
         strict = os.environ.get("FSDP_SHIM_STRICT", "").strip().lower()
@@ -59,7 +74,7 @@ class _NotArmed:
 def _run_shadowed_sitecustomize():
     """Import the next ``sitecustomize`` on the path, with this folder (and any alias of it) removed
     from ``sys.path`` for good: only that folder, so entries the other module adds stay."""
-    here = os.path.realpath(os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.realpath(_HERE)
     this_module = sys.modules.pop(__name__, None)
     sys.path[:] = [entry for entry in sys.path if os.path.realpath(entry or os.curdir) != here]
     try:

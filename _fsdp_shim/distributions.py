@@ -10,9 +10,7 @@ from __future__ import annotations
 import importlib.util
 from importlib import metadata
 
-from _fsdp_shim_startup import LIGHTNING_NAMESPACES, LIGHTNING_PACKAGES
-
-TRAINER_NAMESPACES = tuple(name for name, kind in LIGHTNING_NAMESPACES if kind == "trainer")
+from _fsdp_shim.config import LIGHTNING_PACKAGES, NAMESPACES
 
 
 def installed_packages() -> list[str]:
@@ -43,7 +41,7 @@ def distribution_of(package: str) -> tuple[str, str] | None:
 
 
 def namespaces_of(package: str) -> list[str]:
-    return [name for name, _ in LIGHTNING_NAMESPACES if name.partition(".")[0] == package]
+    return [name for name in NAMESPACES if name.partition(".")[0] == package]
 
 
 def import_failure(error: BaseException) -> list[str | None]:

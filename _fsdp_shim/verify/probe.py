@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 import fsdp_shim  # before Lightning: FSDP_SHIM decides whether it does anything
-from fsdp_shim.verify.options import Options, ProbeRequest
-from fsdp_shim.verify.results import GateResult, NamespaceGate, RankResult
+from _fsdp_shim.verify.options import Options, ProbeRequest
+from _fsdp_shim.verify.results import GateResult, NamespaceGate, RankResult
 
 USER_ERROR = 1
 USAGE_ERROR = 2
@@ -76,7 +76,7 @@ def resolve(spec: str) -> Any:
 def trainer_namespace_of(obj: Any, kind: str) -> str | None:
     """The Lightning Trainer namespace whose ``kind`` base class (LightningModule, LightningDataModule)
     ``obj`` (a class or an instance) derives from."""
-    from fsdp_shim.lightning_install import TRAINER_NAMESPACES
+    from _fsdp_shim.config import TRAINER_NAMESPACES
 
     cls = obj if isinstance(obj, type) else type(obj)
     for namespace in TRAINER_NAMESPACES:
@@ -114,8 +114,8 @@ def construct(spec: str, init_args: dict[str, Any], kind: str) -> Any:
 
 # ----------------------------------------------------------------------------- gate
 def gate(model: str | None, datamodule: str | None) -> GateResult:
-    from fsdp_shim.backport import is_affected_release
-    from fsdp_shim.lightning_install import TRAINER_NAMESPACES, import_failure, installed_packages
+    from _fsdp_shim.config import CAST, TRAINER_NAMESPACES
+    from _fsdp_shim.distributions import import_failure, installed_packages
 
     result = GateResult()
     if model is not None:
@@ -138,12 +138,12 @@ def gate(model: str | None, datamodule: str | None) -> GateResult:
             result.namespaces[namespace] = NamespaceGate(import_failure=import_failure(error))
             continue
         version = getattr(module, "__version__", None) or "(unknown)"
-        status = fsdp_shim.status().namespace(namespace)
+        cast = fsdp_shim.status().namespace(namespace).fix(CAST.name)
         result.namespaces[namespace] = NamespaceGate(
             version=version,
-            affected=is_affected_release(version),
-            shim_patched=status.patched,
-            shim_reason=status.reason,
+            affected=CAST.affects(version),
+            shim_patched=cast.patched,
+            shim_reason=cast.reason,
         )
     return result
 
@@ -154,7 +154,7 @@ def train_and_measure(out: str, namespace: str | None, options: Options) -> Rank
     ``--model``) and write this rank's figures to ``<out>.rank<N>.json``."""
     import torch
 
-    from fsdp_shim.verify import measure, seed
+    from _fsdp_shim.verify import measure, seed
 
     cuda = torch.cuda.is_available()
     if options.model is None:
@@ -176,7 +176,7 @@ def train_and_measure(out: str, namespace: str | None, options: Options) -> Rank
         if datamodule is None and not is_overridden("train_dataloader", model):
             raise usage_error(f"{options.model} has no train_dataloader; pass --datamodule module:attr")
     if not cuda:
-        from fsdp_shim.verify import cpu_guards
+        from _fsdp_shim.verify import cpu_guards
 
         cpu_guards.lift(namespace)
     callback = measure.measuring_callback(pl)
@@ -204,8 +204,8 @@ def train_and_measure(out: str, namespace: str | None, options: Options) -> Rank
         stop.record["rank"] = trainer.global_rank
         raise stop from error
     units = seed.units(model) if options.model is None else {}
-    status = fsdp_shim.status().namespace(namespace)  # type: ignore[arg-type]
-    result = measure.report(trainer, model, callback, baseline, units, pl, status)
+    cast = fsdp_shim.status().namespace(namespace).fix("cast")  # type: ignore[arg-type]
+    result = measure.report(trainer, model, callback, baseline, units, pl, cast)
     Path(f"{out}.rank{trainer.global_rank}.json").write_text(result.to_json())
     return result
 

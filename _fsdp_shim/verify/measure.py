@@ -17,7 +17,7 @@ import resource
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from fsdp_shim.verify.results import RankResult
+    from _fsdp_shim.verify.results import RankResult
 
 
 def flat_parameters(root: Any) -> list[Any]:
@@ -82,14 +82,14 @@ def measuring_callback(pl: Any) -> Any:
 
 
 def report(
-    trainer: Any, model: Any, callback: Any, baseline_rss: int, units: dict[str, Any], pl: Any, status: Any
+    trainer: Any, model: Any, callback: Any, baseline_rss: int, units: dict[str, Any], pl: Any, cast: Any
 ) -> RankResult:
     """Rank-local figures after ``trainer.fit``. ``units`` names sub-modules whose FSDP unit is
     reported on its own (the seed's two models); ``pl`` is the Lightning namespace trained (its
-    module), ``status`` what the shim did to it (``fsdp_shim.status().namespace(...)``)."""
+    module), ``cast`` what the shim's cast fix did to it (``status().namespace(...).fix("cast")``)."""
     import torch
 
-    from fsdp_shim.verify.results import RankResult
+    from _fsdp_shim.verify.results import RankResult
 
     flat = flat_parameters(trainer.strategy.model)
     cuda = torch.cuda.is_available()
@@ -108,7 +108,7 @@ def report(
         peak_memory_kind="torch.cuda.max_memory_allocated" if cuda else "peak RSS above the import baseline",
         losses=callback.losses,
         lightning=pl.__version__,
-        namespace=status.namespace,
-        shim_patched=status.patched,
-        shim_reason=status.reason,
+        namespace=pl.__name__,
+        shim_patched=cast.patched,
+        shim_reason=cast.reason,
     )

@@ -19,14 +19,22 @@ import threading
 import warnings
 from typing import TYPE_CHECKING
 
-from _fsdp_shim_startup import LIGHTNING_PACKAGES, FSDPShimWarning, switch_state, valid_values
-from fsdp_shim.environment_variables import FSDP_SHIM_STRICT
-from fsdp_shim.errors import FSDPShimError
+from _fsdp_shim import COPY_NAME, FSDPShimWarning
+from _fsdp_shim.config import LIGHTNING_PACKAGES, STRICT_VARIABLE, switch_state, valid_switch_values
 
 if TYPE_CHECKING:
     import logging
     from collections.abc import Mapping
     from types import FrameType
+
+
+class FSDPShimError(RuntimeError):
+    """Raised in strict mode (``FSDP_SHIM_STRICT``) where the shim could not apply a fix, and by the
+    rank check in every mode: the message says what is missing or changed. Outside strict mode the
+    same problem is one ``FSDPShimWarning`` and Lightning stays exactly as shipped."""
+
+
+FSDPShimError.__module__ = "fsdp_shim.errors"  # where users import it from, and what tracebacks print
 
 _said: set[str] = set()
 _said_lock = threading.Lock()
@@ -49,7 +57,7 @@ def read_switch(name: str, environ: Mapping[str, str] | None, meaning: str) -> s
     if state == "invalid":
         warn_once(
             f"fsdp-shim: {name}={raw!r} is not a valid value and {meaning}. "
-            f"Valid values (case-insensitive): {valid_values()}.",
+            f"Valid values (case-insensitive): {valid_switch_values()}.",
             key=f"toggle:{name}={raw}",
         )
     return state
@@ -57,10 +65,11 @@ def read_switch(name: str, environ: Mapping[str, str] | None, meaning: str) -> s
 
 def strict_mode(environ: Mapping[str, str] | None = None) -> bool:
     """Whether ``FSDP_SHIM_STRICT`` turns the shim's problems into errors. An unrecognised value is on."""
-    return read_switch(FSDP_SHIM_STRICT, environ, "turned strict mode ON (failures raise)") in ("on", "invalid")
+    return read_switch(STRICT_VARIABLE, environ, "turned strict mode ON (failures raise)") in ("on", "invalid")
 
 
 _PACKAGE_DIRECTORY = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_PUBLIC_PACKAGE_DIRECTORY = os.path.join(os.path.dirname(_PACKAGE_DIRECTORY[:-1]), "fsdp_shim") + os.sep
 _IMPORTLIB_DIRECTORY = os.path.dirname(os.path.abspath(warnings.__file__)) + os.sep + "importlib" + os.sep
 
 
@@ -71,7 +80,7 @@ def report(problem: str, consequence: str, *, key: str | None = None, cause: Bas
     so only said, outside strict mode).
     """
     if strict_mode():
-        raise FSDPShimError(f"{problem} ({FSDP_SHIM_STRICT} is on)") from cause
+        raise FSDPShimError(f"{problem} ({STRICT_VARIABLE} is on)") from cause
     warn_once(f"{problem}; {consequence}", key=key or problem)
 
 
@@ -111,8 +120,8 @@ def user_frame() -> FrameType | None:
 
 
 def _internal_prefixes() -> tuple[str, ...]:
-    prefixes = [_PACKAGE_DIRECTORY, _IMPORTLIB_DIRECTORY]
-    for name in ("_fsdp_shim_startup", "wrapt", *LIGHTNING_PACKAGES):
+    prefixes = [_PACKAGE_DIRECTORY, _PUBLIC_PACKAGE_DIRECTORY, _IMPORTLIB_DIRECTORY]
+    for name in (COPY_NAME, "wrapt", *LIGHTNING_PACKAGES):
         module = sys.modules.get(name)
         path = getattr(module, "__file__", None)
         if path:

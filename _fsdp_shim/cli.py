@@ -9,8 +9,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fsdp_shim import __version__, startup_files
-from fsdp_shim.verify.options import PROBE_TIMEOUT, Options
+from _fsdp_shim import startup_files
+from _fsdp_shim._version import __version__
+from _fsdp_shim.verify.options import PROBE_TIMEOUT, Options
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
@@ -231,7 +232,7 @@ def _install(args: argparse.Namespace) -> int:
         print(f"fsdp-shim install: refusing: {refusal}; --force writes there anyway.", file=sys.stderr)
         return 1
     try:
-        result = startup_files.install(directory, create=args.force or args.user, replace_foreign=args.force)
+        result = startup_files.write_files(directory, create=args.force or args.user, replace_foreign=args.force)
     except startup_files.ForeignFileError as error:
         print(f"fsdp-shim install: refusing: {error}; nothing was written. --force replaces it.", file=sys.stderr)
         return 1
@@ -254,7 +255,7 @@ def _install(args: argparse.Namespace) -> int:
 def _uninstall(args: argparse.Namespace) -> int:
     directory = _directory(args)
     try:
-        removed, left = startup_files.uninstall(directory)
+        removed, left = startup_files.remove_files(directory)
     except startup_files.StartupFileError as error:
         print(f"fsdp-shim uninstall: {error}.", file=sys.stderr)
         return 1
@@ -271,19 +272,19 @@ def _uninstall(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from fsdp_shim import environment_report
+    from _fsdp_shim import environment
 
     try:
-        report = environment_report.collect(python_check=args.python_check)
-    except environment_report.NoTemporaryFolder as error:
+        report = environment.collect(python_check=args.python_check)
+    except environment.NoTemporaryFolder as error:
         print(f"fsdp-shim status: --python-check needs {error}", file=sys.stderr)
         return 2
-    print(json.dumps(report.as_dict(), indent=2) if args.json else environment_report.render(report))
+    print(json.dumps(report.as_dict(), indent=2) if args.json else environment.render(report))
     return 0 if report.consistent else 1
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from fsdp_shim.verify import command
+    from _fsdp_shim.verify import command
 
     if args.model is None and (args.init_args or args.datamodule):
         print("fsdp-shim verify: --init-args and --datamodule need --model", file=sys.stderr)
@@ -333,7 +334,7 @@ def _main(argv: list[str] | None) -> int:
         parser.print_help()
         return 0
     if args.command == "run":
-        from fsdp_shim.runner import run
+        from _fsdp_shim.run import run
 
         command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
         return run(command)

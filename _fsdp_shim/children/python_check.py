@@ -1,0 +1,59 @@
+"""``fsdp-shim status --python-check``'s child: ``python <this file> OUT.json``.
+
+It imports every installed Lightning package the way a training script does, without activating the
+shim itself (only what the environment's start-up activations do), and writes what the shim did to
+``OUT.json``: not to stdout, which start-up code of the environment (an ``atexit`` print in a
+sitecustomize) may write to as well. Run by its path (see ``_fsdp_shim/children/__init__.py``), so
+nothing from the current folder runs in it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import sys
+import warnings
+from typing import Any
+
+HERE = os.path.dirname(os.path.realpath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+"""The folder that holds ``_fsdp_shim``: site-packages, or a clone's root when it is run uninstalled."""
+
+
+def check() -> dict[str, Any]:
+    """Import every installed Lightning package; what imported, what failed and what the shim did."""
+    borrowed = importlib.util.find_spec("_fsdp_shim") is None
+    if borrowed:  # a clone run uninstalled: last on the path, and only for this import
+        sys.path.append(ROOT)
+    try:
+        from _fsdp_shim import distributions  # activates nothing
+    finally:
+        if borrowed:
+            sys.path.remove(ROOT)
+    imported, failed = [], {}
+    for name in distributions.installed_packages():
+        try:
+            importlib.import_module(name)
+            imported.append(name)
+        except Exception as error:
+            failed[name] = distributions.import_failure(error)
+    activation = sys.modules.get("_fsdp_shim.activation")  # imported by the start-up finder's hand-over
+    report: dict[str, Any] = {"python": sys.executable, "imported": imported, "failed": failed}
+    report["shim_loaded"] = activation is not None
+    if activation is not None:
+        report["status"] = activation.status().as_dict()
+    return report
+
+
+def main(out: str) -> None:
+    sys.path[:] = [entry for entry in sys.path if os.path.realpath(entry or os.curdir) != HERE]
+    warnings.simplefilter("ignore")
+    report = check()
+    with open(out, "w") as handle:
+        json.dump(report, handle)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,166 @@
+"""Everything fsdp-shim can be told or knows in advance: its environment variables, the Lightning
+namespaces, and the fixes with the releases each one applies to.
+
+Values travel one way, from here down to the code that uses them. This module reads the environment
+and says what a value means, and what is wrong with it; it warns about nothing itself
+(``_fsdp_shim.failures`` does, once, at the user's line). The switch parser and the namespace table
+live in the start-up module (``_fsdp_shim/__init__.py``), which must work before anything else is
+imported; they are named here for everything else.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from _fsdp_shim import (
+    NAMESPACES,
+    OFF_VALUES,
+    ON_VALUES,
+    SHIM_VARIABLE,
+    STRICT_VARIABLE,
+    switch_state,
+)
+
+RANK_CHECK_TIMEOUT_VARIABLE = "FSDP_SHIM_RANK_CHECK_TIMEOUT"
+DISABLED_FIXES_VARIABLE = "FSDP_SHIM_DISABLED_FIXES"
+TRAINER_NAMESPACES = tuple(name for name, kind in NAMESPACES.items() if kind == "trainer")
+LIGHTNING_PACKAGES = tuple(dict.fromkeys(name.partition(".")[0] for name in NAMESPACES))
+"""The top-level packages that hold the namespaces, in the order of the table."""
+
+Release = tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class Fix:
+    """One of the shim's fixes: which releases lack it, and what it changes."""
+
+    name: str
+    """What ``FSDP_SHIM_DISABLED_FIXES`` calls it."""
+    changes: str
+    """What it changes, in one sentence (status, docs)."""
+    first_affected: Release
+    first_fixed: Release | None
+    """The first release that ships it; ``None`` while no release does."""
+    upstream: str
+    unfixed: str
+    """What a namespace left without this fix keeps doing (for messages)."""
+
+    def affects(self, version: str) -> bool:
+        """Whether a Lightning version lacks this fix (the release half of the gate; the other half is
+        the shape of the classes)."""
+        release = base_release(version)
+        return (
+            release is not None
+            and self.first_affected <= release
+            and (self.first_fixed is None or release < self.first_fixed)
+        )
+
+    def built_in(self, version: str) -> bool:
+        """Whether the release ships this fix itself."""
+        release = base_release(version)
+        return release is not None and self.first_fixed is not None and release >= self.first_fixed
+
+    def releases(self) -> str:
+        first = ".".join(map(str, self.first_affected))
+        if self.first_fixed is None:
+            return f"{first} and later (no release has it yet)"
+        return f"{first} up to {'.'.join(map(str, self.first_fixed))} (exclusive)"
+
+    def unaffected_reason(self, version: str) -> str:
+        """Why a release this fix does not apply to needs nothing."""
+        if self.built_in(version):
+            return f"Lightning {version} already contains it ({self.upstream}); left untouched"
+        return f"Lightning {version} has no 'true' precisions for FSDP; nothing to fix"
+
+
+CAST = Fix(
+    name="cast",
+    changes="casts the model to the precision's dtype before FSDP wraps it, as Lightning 2.5.0 does",
+    first_affected=(2, 1, 0),  # 2.1.0 added the "true" precisions to FSDP
+    first_fixed=(2, 5, 0),  # Lightning PR #20323, first in 2.5.0rc0
+    upstream="Lightning #20323, 2.5.0",
+    unfixed="FSDP 'true' precisions keep the memory bug",
+)
+RECOMPUTE = Fix(
+    name="recompute",
+    changes=(
+        "runs the backward, and so every activation-checkpointing recompute, in the default dtype the forward had"
+    ),
+    first_affected=(2, 1, 0),
+    first_fixed=None,  # no Lightning release has it; the newest release's session proves the bug
+    upstream="not fixed in any Lightning release",
+    unfixed="activation checkpointing recomputes blocks in float32 under 'true' precisions",
+)
+FIXES = (CAST, RECOMPUTE)
+FIX_NAMES = tuple(fix.name for fix in FIXES)
+
+
+def base_release(version: str) -> Release | None:
+    """``(major, minor, micro)`` of a version string, or ``None`` if it is not PEP 440.
+
+    Releases are compared on their base version: ``2.5.0rc0``, ``2.5.0.dev1``, ``2.4.0.post1`` and
+    ``2.4.0+cu121`` count as 2.5.0, 2.5.0, 2.4.0 and 2.4.0. A plain PEP 440 comparison would put
+    ``2.5.0rc0`` before ``2.5.0`` and call it affected, though the fix is already in it.
+    """
+    from packaging.version import InvalidVersion, Version  # here: `import fsdp_shim` alone loads no packaging
+
+    try:
+        release = Version(version).release
+    except (InvalidVersion, TypeError):
+        return None
+    padded = (*release, 0, 0)[:3]
+    return (padded[0], padded[1], padded[2])
+
+
+def valid_switch_values() -> str:
+    """The recognised values of ``FSDP_SHIM`` and ``FSDP_SHIM_STRICT``, for messages."""
+    return ", ".join((*ON_VALUES, *OFF_VALUES))
+
+
+def _environ(environ: Mapping[str, str] | None) -> Mapping[str, str]:
+    return os.environ if environ is None else environ
+
+
+def shim_state(environ: Mapping[str, str] | None = None) -> str:
+    """``switch_state`` of ``FSDP_SHIM``: "unset" and "on" leave the shim on; "invalid" is off."""
+    return switch_state(_environ(environ).get(SHIM_VARIABLE))
+
+
+def strict_state(environ: Mapping[str, str] | None = None) -> str:
+    """``switch_state`` of ``FSDP_SHIM_STRICT``: "on" and "invalid" are on."""
+    return switch_state(_environ(environ).get(STRICT_VARIABLE))
+
+
+def disabled_fixes(environ: Mapping[str, str] | None = None) -> tuple[frozenset[str], list[str]]:
+    """The fixes ``FSDP_SHIM_DISABLED_FIXES`` names (comma-separated, case and spaces ignored; ``*``
+    or ``all`` names every fix), and the names it holds that are no fix (to warn about)."""
+    raw = _environ(environ).get(DISABLED_FIXES_VARIABLE, "")
+    names = [name.strip().lower() for name in raw.split(",") if name.strip()]
+    if any(name in ("*", "all") for name in names):
+        return frozenset(FIX_NAMES), [name for name in names if name not in (*FIX_NAMES, "*", "all")]
+    return frozenset(name for name in names if name in FIX_NAMES), [name for name in names if name not in FIX_NAMES]
+
+
+MAX_RANK_CHECK_SECONDS = 365 * 24 * 3600.0
+"""The longest wait the rank check asks the store for: larger values (``inf`` included) mean "as long
+as it takes" and are clamped to this, which every store accepts (``1e20`` s overflowed it)."""
+
+
+def rank_check_timeout(environ: Mapping[str, str] | None = None) -> tuple[float | None, str | None]:
+    """The rank check's wait in seconds from ``FSDP_SHIM_RANK_CHECK_TIMEOUT``: ``None`` where unset
+    (the check then waits as long as the process group's own timeout), ``0`` to switch the check off.
+    An unreadable or negative value keeps the default, and the second item says what was wrong: a
+    check that guards against silent corruption must not be switched off by a typo."""
+    raw = _environ(environ).get(RANK_CHECK_TIMEOUT_VARIABLE, "").strip()
+    if not raw:
+        return None, None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if math.isnan(value) or value < 0:
+        return None, f"{RANK_CHECK_TIMEOUT_VARIABLE}={raw!r} is not a number of seconds >= 0"
+    return min(value, MAX_RANK_CHECK_SECONDS), None

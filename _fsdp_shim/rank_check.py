@@ -1,0 +1,238 @@
+"""Every rank of a distributed job runs the same fixes, or the job stops before its first optimizer step.
+
+A job in which some ranks have the shim and others do not (``FSDP_SHIM=0`` on one node, a node whose
+environment lacks the start-up file, a launcher that dropped ``PYTHONPATH``) trains without any error:
+compute agrees, because Lightning's "true" plugins all-gather in the low dtype, but the ranks hold
+their shards, gradients and optimizer state in different dtypes, or recompute checkpointed blocks in
+different dtypes, and the job dies at its first checkpoint in a collective whose message names no
+cause, or silently trains on gradients the ranks computed differently. So each rank says in the
+process group's key-value store which fixes are in effect for it, and waits, bounded, for every other
+rank to say the same.
+
+When: once per attempt of a process group, at the first call of one of the shim's wrappers that
+matters for training (the cast, when FSDP wraps a model; the backward, before its first step), so a
+rank that converts more models than another, or runs fit, validate and test, is checked once. The
+keys name the attempt (``TORCHELASTIC_RUN_ID`` and ``TORCHELASTIC_RESTART_COUNT``: torchrun's store
+outlives a restart) and which process group of this process it is.
+
+Why the store and not a collective: a rank without the shim never runs this code, so a collective
+here would hang the ranks that do, or pair with an unrelated collective of the other rank. A key that
+never appears only costs the waiting ranks their wait, after which they stop with an error that names
+the missing ranks. The wait defaults to the process group's own timeout, so the shim never stops a
+job that torch would have let run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+from _fsdp_shim import failures, wrappers
+from _fsdp_shim.config import (
+    FIXES,
+    RANK_CHECK_TIMEOUT_VARIABLE,
+    SHIM_VARIABLE,
+    rank_check_timeout,
+)
+from _fsdp_shim.failures import FSDPShimError
+
+DEFAULT_TIMEOUT_SECONDS = 1800.0
+"""The wait where the process group's own timeout cannot be read (torch's default for it)."""
+_KEY_PREFIX = "fsdp_shim/rank_check"
+
+_lock = threading.Lock()
+_checked: list[Any] = []
+"""The process groups this process has checked, in order (strong references: an id could be reused)."""
+
+
+def confirm_every_rank(namespace: str, dtype: Any) -> None:
+    """Publish this rank's fixes and wait until every rank of the job has published the same.
+
+    Raises ``FSDPShimError`` (in every mode: a half-patched job is never what anyone wants) when a rank
+    does not report in time or reports differently. Anything else going wrong in the check itself
+    follows the failure policy: a warning (strict: an error), and training goes on.
+    """
+    try:
+        found = _process_group()
+    except Exception as error:
+        _could_not_check(error)
+        return
+    if found is None:
+        return
+    group, store, rank, world_size = found
+    with _lock:
+        if any(checked is group for checked in _checked):
+            return
+        _checked.append(group)
+        number = len(_checked)
+    limit = _wait_seconds(store)
+    if limit == 0:
+        return
+    decision = _decision(namespace, dtype)
+    started = time.monotonic()
+    try:
+        reports = _exchange(store, number, rank, world_size, decision, limit)
+    except Exception as error:
+        _could_not_check(error)
+        return
+    missing = [r for r in range(world_size) if r not in reports]
+    if missing:
+        raise FSDPShimError(_missing_message(missing, reports, world_size, limit))
+    if len({_behaviour(report) for report in reports.values()}) > 1:
+        raise FSDPShimError(_disagreement_message(reports, world_size))
+    if rank == 0:
+        failures.announce(
+            "fsdp-shim: patched on all %d ranks (%s), confirmed in %.2f s",
+            world_size,
+            _summary(decision),
+            time.monotonic() - started,
+        )
+
+
+def _process_group() -> tuple[Any, Any, int, int] | None:
+    """The default group, its store, this rank and the world size; ``None`` outside a multi-rank job."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    world_size = dist.get_world_size()
+    if world_size < 2:
+        return None
+    c10d = dist.distributed_c10d
+    return c10d._get_default_group(), c10d._get_default_store(), dist.get_rank(), world_size
+
+
+def _wait_seconds(store: Any) -> float:
+    """``FSDP_SHIM_RANK_CHECK_TIMEOUT``, or the process group's own timeout (its store's)."""
+    seconds, problem = rank_check_timeout()
+    if seconds is not None:
+        return seconds
+    try:
+        default = float(store.timeout.total_seconds())
+    except Exception:  # a store without a readable timeout
+        default = DEFAULT_TIMEOUT_SECONDS
+    if problem is not None:
+        failures.warn_once(
+            f"fsdp-shim: {problem}; the cross-rank check waits as long as the process group's timeout ({default:g} s)",
+            key=f"rank-timeout:{problem}",
+        )
+    return default
+
+
+def _decision(namespace: str, dtype: Any) -> dict[str, Any]:
+    """What this rank runs: per fix, who provides it ("fsdp-shim", "Lightning" or "off"), the dtype,
+    and where it runs (for messages)."""
+    from _fsdp_shim._version import __version__
+
+    module = sys.modules.get(namespace)
+    version = getattr(module, "__version__", None) or ""
+    fixes = {}
+    for fix in FIXES:
+        if fix.built_in(version):
+            fixes[fix.name] = "Lightning"
+        else:
+            fixes[fix.name] = "fsdp-shim" if wrappers.status(namespace, fix).patched else "off"
+    return {
+        "fixes": fixes,
+        "dtype": str(dtype),
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "namespace": namespace,
+        "lightning": version,
+        "fsdp_shim": __version__,
+    }
+
+
+def _behaviour(report: dict[str, Any]) -> tuple[Any, ...]:
+    """What must agree across ranks: the dtype, and which fixes are in effect (whoever provides them)."""
+    fixes = report.get("fixes", {})
+    return (report.get("dtype"), *(fixes.get(fix.name, "off") != "off" for fix in FIXES))
+
+
+def _exchange(
+    store: Any, number: int, rank: int, world_size: int, decision: dict[str, Any], limit: float
+) -> dict[int, dict[str, Any]]:
+    """Write this rank's key, wait for the others' up to ``limit`` seconds, read what is there."""
+    attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', '-')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    keys = [f"{_KEY_PREFIX}/{attempt}/{number}/{r}" for r in range(world_size)]
+    store.set(keys[rank], json.dumps(decision))
+    try:
+        store.wait(keys, timedelta(seconds=limit))
+    except Exception as error:  # the store says "timeout" in a type that differs across torch releases
+        if not _is_timeout(error):
+            raise
+    reports = {}
+    for r, key in enumerate(keys):
+        if r == rank or store.check([key]):
+            reports[r] = json.loads(store.get(key))
+    return reports
+
+
+def _is_timeout(error: BaseException) -> bool:
+    return "timeout" in f"{type(error).__name__} {error}".lower() or "timed out" in str(error).lower()
+
+
+def _summary(report: dict[str, Any]) -> str:
+    """``bfloat16; fixes: cast, recompute`` (a fix Lightning ships itself is named as such)."""
+    fixes = [
+        name if by == "fsdp-shim" else f"{name} (Lightning's own)"
+        for name, by in report.get("fixes", {}).items()
+        if by != "off"
+    ]
+    return f"{str(report.get('dtype')).replace('torch.', '')}; fixes: {', '.join(fixes) or 'none'}"
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(str(r) for r in ranks)
+
+
+def _missing_message(missing: list[int], reports: dict[int, dict[str, Any]], world_size: int, limit: float) -> str:
+    hosts = sorted({str(report.get("host")) for report in reports.values()})
+    noun = "rank" if len(missing) == 1 else "ranks"
+    reporters = "rank" if len(reports) == 1 else "ranks"
+    summary = _summary(next(iter(reports.values())))
+    return (
+        f"fsdp-shim: {noun} {_ranks(missing)} of {world_size} did not report within {limit:g} s which fixes "
+        f"it runs, so this job may be half-patched ({reporters} {_ranks(sorted(reports))} on "
+        f"{', '.join(hosts)}: {summary}). Stopping before the first optimizer step. On the ranks that did not "
+        f"report, fsdp-shim may not be active ({SHIM_VARIABLE}=0 in their environment; a node whose Python "
+        "environment lacks fsdp-shim or its start-up file; a launcher that dropped PYTHONPATH or "
+        f"{SHIM_VARIABLE}: srun/sbatch --export=..., env -i, sudo, a job script that sets PYTHONPATH), they "
+        "may run another Lightning release (one with the cast built in reports only at its first backward), "
+        f"or they were still busy after {limit:g} s ({RANK_CHECK_TIMEOUT_VARIABLE} sets the wait). Activate it "
+        f"on every rank ({SHIM_VARIABLE}=1 with fsdp-shim installed in every node's environment, see "
+        "docs/cluster.md)."
+    )
+
+
+def _disagreement_message(reports: dict[int, dict[str, Any]], world_size: int) -> str:
+    groups: dict[str, list[int]] = {}
+    for r, report in sorted(reports.items()):
+        label = (
+            f"{_summary(report)} ({report.get('namespace')} {report.get('lightning')}, "
+            f"fsdp-shim {report.get('fsdp_shim')})"
+        )
+        groups.setdefault(label, []).append(r)
+    described = "; ".join(
+        f"{'rank' if len(ranks) == 1 else 'ranks'} {_ranks(ranks)}: {label}" for label, ranks in groups.items()
+    )
+    return (
+        f"fsdp-shim: the {world_size} ranks of this job run different fixes or dtypes ({described}), so "
+        "their shards, gradients and optimizer state would not match. Stopping before the first optimizer "
+        "step. Use one Lightning release, one fsdp-shim release, one precision and one "
+        "FSDP_SHIM_DISABLED_FIXES on every node."
+    )
+
+
+def _could_not_check(error: BaseException) -> None:
+    failures.report(
+        f"fsdp-shim: could not check that every rank of this job runs the same fixes ({type(error).__name__}: {error})",
+        f"training goes on unchecked; make sure every rank has the shim ({SHIM_VARIABLE}=1 on every node)",
+        key="rank-check",
+        cause=error,
+    )

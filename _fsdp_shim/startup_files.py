@@ -1,0 +1,339 @@
+"""``fsdp-shim install`` / ``uninstall``: the start-up files that arm the shim in every interpreter of
+an environment, where they go, what they say, and how to recognise them.
+
+``write_files`` puts three files into a site directory, in this order:
+
+* ``_fsdp_shim_startup_file.py``: a copy of the start-up module (``_fsdp_shim/__init__.py``) that arms
+  its finder when imported under that name (``COPY_NAME``); compiled to a ``.pyc`` at once;
+* ``fsdp_shim.pth``: ``import _fsdp_shim_startup_file``, which every CPython reads at start-up. A bare
+  import: ``site`` compiles every ``.pth`` line at every start, and a call after the import cost about
+  0.1 M instructions more (docs/benchmarks.md);
+* ``fsdp_shim.start``: the same as a PEP 829 entry point (Python 3.15+ then ignores the ``.pth`` line).
+
+A copy, not the package's module, because ``pip uninstall fsdp-shim`` does not know these files: what
+it leaves behind still imports, finds no shim to hand over to, and Lightning imports as shipped.
+
+Every file starts with ``MARKER``. A file at one of these names whose first line is the marker is
+fsdp-shim's, whatever version wrote it and whatever was appended to it later (configuration management
+appends comments): ``write_files`` replaces it, ``remove_files`` removes it. Anything else there is
+someone else's. The files go and come together: a ``.pth`` left without the module it imports would
+print a traceback at every interpreter start, so ``remove_files`` removes all of them or none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.machinery
+import os
+import py_compile
+import site
+import stat
+import sys
+import sysconfig
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import _fsdp_shim
+from _fsdp_shim import COPY_NAME
+
+MARKER = "# fsdp-shim start-up file"
+ENVIRONMENT_FILE = "fsdp_shim_env.pth"
+"""The start-up file pip installs with the package (where ``FSDP_SHIM`` is set, it arms the shim); not
+one of the files ``fsdp-shim install`` writes or removes."""
+COPY_FILE = f"{COPY_NAME}.py"
+PTH_NAME = "fsdp_shim.pth"
+START_NAME = "fsdp_shim.start"
+WRITTEN_BY = "written by `fsdp-shim install`, removed by `fsdp-shim uninstall`."
+
+
+class StartupFileError(Exception):
+    """Writing or removing a start-up file failed; the message names the folder and what to do."""
+
+
+class ForeignFileError(StartupFileError):
+    """A file at one of fsdp-shim's names is someone else's; ``--force`` replaces it."""
+
+
+def _startup_source() -> str:
+    """The start-up module's source, read through its loader (a zip import works too)."""
+    try:
+        source = _fsdp_shim.__loader__.get_source("_fsdp_shim")  # type: ignore[union-attr]
+    except Exception as error:
+        raise StartupFileError(f"cannot read the source of _fsdp_shim ({type(error).__name__}: {error})") from error
+    if not source or "def fsdp_shim_finder" not in source:
+        raise StartupFileError(
+            f"this fsdp-shim install has no usable source for _fsdp_shim/__init__.py ({_fsdp_shim.__file__}), "
+            "which `fsdp-shim install` copies; reinstall fsdp-shim from a wheel or sdist"
+        )
+    return source
+
+
+def file_texts() -> dict[str, str]:
+    """What this version writes at each name, in the order it writes them (``remove_files`` goes the
+    other way), so a starting interpreter never finds the ``.pth`` without the module it imports."""
+    return {
+        COPY_FILE: f"{MARKER}: {WRITTEN_BY}\n# A copy of _fsdp_shim/__init__.py, which {PTH_NAME} imports.\n"
+        + _startup_source(),
+        PTH_NAME: f"{MARKER}: {WRITTEN_BY}\n# Arms a finder that hands Lightning to the shim when a process "
+        f"imports it.\nimport {COPY_NAME}\n",
+        START_NAME: f"{MARKER} (PEP 829): {WRITTEN_BY}\n{COPY_NAME}:arm\n",
+    }
+
+
+# ----------------------------------------------------------------------------- where
+def default_directory(user: bool = False) -> Path:
+    """Where ``install`` writes without ``--target``: this interpreter's site-packages (or user site)."""
+    return Path(site.getusersitepackages()) if user else Path(sysconfig.get_paths()["purelib"])
+
+
+def user_site_is_read() -> bool:
+    """Whether this interpreter reads the user site-packages (not inside a virtual environment)."""
+    return bool(site.ENABLE_USER_SITE)
+
+
+def site_directories() -> list[Path]:
+    """Directories whose start-up files this interpreter reads, in the order ``site`` reads them."""
+    directories = [Path(p) for p in site.getsitepackages()]
+    if user_site_is_read():
+        directories.insert(0, Path(site.getusersitepackages()))
+    return directories
+
+
+def read_by_this_interpreter(directory: Path) -> bool:
+    """Whether ``site`` reads start-up files from ``directory`` when this interpreter starts."""
+    return canonical(directory) in {canonical(d) for d in site_directories()}
+
+
+def canonical(path: Path | str) -> str:
+    return os.path.normcase(os.path.realpath(path))
+
+
+# ----------------------------------------------------------------------------- what is there
+@dataclass(frozen=True)
+class Existing:
+    """What sits at one start-up file's path, looked at without following a link."""
+
+    path: Path
+    kind: str
+    """``missing``, ``current`` (this version's text), ``ours`` (the marker first, other content: an
+    earlier version's file, or an edited one), ``foreign`` (a regular file without the marker),
+    ``link``, ``directory`` or ``special``."""
+
+    def why_not_ours(self) -> str:
+        return {
+            "foreign": "its first line is not fsdp-shim's marker (another program's file)",
+            "link": "it is a symbolic link",
+            "directory": "it is a directory",
+            "special": "it is not a regular file",
+        }[self.kind]
+
+
+def inspect(path: Path, text: str | None) -> Existing:
+    """Classify what is at ``path``; ``text`` is what this version writes there."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        return Existing(path, "missing")
+    except OSError:
+        return Existing(path, "special")
+    if stat.S_ISLNK(info.st_mode):
+        return Existing(path, "link")
+    if stat.S_ISDIR(info.st_mode):
+        return Existing(path, "directory")
+    if not stat.S_ISREG(info.st_mode):
+        return Existing(path, "special")
+    content = read_bytes(path)
+    if content is None and not os.path.lexists(path):
+        return Existing(path, "missing")  # removed between the look and the read (a concurrent uninstall)
+    if text is not None and content == text.encode():
+        return Existing(path, "current")
+    if content is not None and content.startswith(MARKER.encode()):
+        return Existing(path, "ours")
+    return Existing(path, "foreign")
+
+
+def find(directories: list[Path] | None = None) -> list[Existing]:
+    """fsdp-shim's start-up files (current or not) in the given (default: this interpreter's site)
+    directories."""
+    try:
+        texts: dict[str, str | None] = dict(file_texts())
+    except StartupFileError:
+        texts = dict.fromkeys((COPY_FILE, PTH_NAME, START_NAME))
+    found = []
+    for directory in directories if directories is not None else site_directories():
+        for name, text in texts.items():
+            existing = inspect(directory / name, text)
+            if existing.kind in ("current", "ours"):
+                found.append(existing)
+    return found
+
+
+def copy_imported_instead(directory: Path) -> Path | None:
+    """The module that ``directory``'s ``fsdp_shim.pth`` imports in place of its own copy, where that
+    is not a current copy (a missing copy is named by its path); ``None`` where the import arms.
+
+    The ``.pth`` imports the copy by name, not by path: a file of that name earlier on ``sys.path``
+    (``PYTHONPATH``, a site directory read before this one) is what runs, and anything but a current
+    copy arms nothing, which no interpreter would say. ``site`` reads the file before ``sys.path[0]``
+    (the script's folder) is added, and with only the entries before ``directory`` in place.
+    """
+    search_path = sys.path if sys.flags.safe_path else sys.path[1:]
+    position = [canonical(entry or os.curdir) for entry in search_path]
+    own = canonical(directory)
+    entries = search_path[: position.index(own) + 1] if own in position else [*search_path, str(directory)]
+    spec = importlib.machinery.PathFinder.find_spec(COPY_NAME, entries)
+    found = Path(spec.origin) if spec is not None and spec.origin else None
+    if found is None:
+        return directory / COPY_FILE
+    if canonical(found.parent) == own and found.name == COPY_FILE:
+        return None  # its own copy: whether that copy is current is reported with the other files
+    with contextlib.suppress(StartupFileError):
+        if read_bytes(found) == file_texts()[COPY_FILE].encode():
+            return None  # another directory's current copy arms the shim just the same
+    return found
+
+
+# ----------------------------------------------------------------------------- install, uninstall
+@dataclass
+class Written:
+    written: list[Path] = field(default_factory=list)
+    unchanged: list[Path] = field(default_factory=list)
+    replaced_foreign: list[Existing] = field(default_factory=list)
+    """Files fsdp-shim did not write that ``replace_foreign`` let it replace (reported, never silent)."""
+
+
+def write_files(directory: Path, create: bool = False, replace_foreign: bool = False) -> Written:
+    """Write every file, or none. Idempotent.
+
+    ``create`` makes a missing directory first. Each file is written to a new file with an
+    unpredictable name (``tempfile.mkstemp``: created exclusively, never through a link another user
+    planted in a shared site-packages) and renamed over the final name, which replaces a link there
+    rather than writing through it; a starting interpreter sees the old file or the new one, never
+    half of one. Concurrent installs into one folder each rename their own file, so all succeed.
+    A file at any of the names that is not fsdp-shim's is replaced only with ``replace_foreign``.
+    """
+    if not directory.is_dir():
+        if directory.exists():
+            raise StartupFileError(f"{directory} is not a directory")
+        if not create:
+            raise StartupFileError(f"{directory} does not exist")
+        try:
+            directory.mkdir(parents=True)
+        except OSError as error:
+            raise _cannot_write(directory, error) from error
+    result = Written()
+    pending: list[tuple[Existing, str]] = []
+    for name, text in file_texts().items():
+        existing = inspect(directory / name, text)
+        if existing.kind in ("directory", "special"):
+            raise StartupFileError(f"{existing.path} exists and {existing.why_not_ours()}")
+        if existing.kind == "current":
+            result.unchanged.append(existing.path)
+            continue
+        if existing.kind in ("foreign", "link"):
+            if not replace_foreign:
+                raise ForeignFileError(
+                    f"{existing.path} exists and fsdp-shim did not write it: {existing.why_not_ours()}"
+                )
+            result.replaced_foreign.append(existing)
+        pending.append((existing, text))
+    temporaries: list[tuple[str, Existing]] = []
+    try:
+        for existing, text in pending:
+            temporaries.append((_write_temporary(directory, text), existing))
+        for index, (temporary, existing) in enumerate(temporaries):
+            try:
+                os.replace(temporary, existing.path)
+            except OSError:
+                for _, done in temporaries[:index]:  # all or none: take back a file that was not there
+                    if done.kind == "missing":
+                        _unlink(done.path)
+                raise
+            result.written.append(existing.path)
+    except OSError as error:
+        raise _cannot_write(directory, error) from error
+    finally:
+        for temporary, _ in temporaries:
+            _unlink(Path(temporary))
+    with contextlib.suppress(OSError, py_compile.PyCompileError):
+        # Now, so that no interpreter compiles it at start-up, even where site-packages is read-only for
+        # the users who run Python; another Python version compiles its own, as for any module.
+        py_compile.compile(str(directory / COPY_FILE), doraise=True)
+    return result
+
+
+def remove_files(directory: Path) -> tuple[list[Path], list[Existing]]:
+    """Remove fsdp-shim's files, all of them or none, and the copy's ``.pyc`` files with the copy;
+    returns (removed, left). Where any file at the names is someone else's, nothing is removed: a
+    ``.pth`` that imports a missing module prints a traceback at every interpreter start."""
+    present = [
+        existing
+        for name in reversed(list(file_texts()))
+        if (existing := inspect(directory / name, None)).kind != "missing"
+    ]
+    left = [existing for existing in present if existing.kind not in ("current", "ours")]
+    if left:
+        return [], left
+    removed = []
+    for existing in present:
+        try:
+            existing.path.unlink()
+        except FileNotFoundError:
+            continue  # a concurrent uninstall got there first
+        except OSError as error:
+            raise _cannot_write(directory, error) from error
+        removed.append(existing.path)
+    if any(path.name == COPY_FILE for path in removed):
+        cache = directory / "__pycache__"
+        with contextlib.suppress(OSError):
+            for name in os.listdir(cache):
+                if name.startswith(f"{COPY_NAME}.") and name.endswith(".pyc"):
+                    _unlink(cache / name)
+            cache.rmdir()  # only where nothing else is in it
+    return removed, []
+
+
+def _write_temporary(directory: Path, text: str) -> str:
+    descriptor, name = tempfile.mkstemp(prefix=".fsdp_shim-", suffix=".tmp", dir=directory)
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(descriptor, 0o666 & ~umask)  # as a plain write would make it: readable by every user
+        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+            descriptor = -1
+            handle.write(text)
+    except BaseException:
+        if descriptor != -1:
+            os.close(descriptor)
+        _unlink(Path(name))
+        raise
+    return name
+
+
+def _unlink(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        path.unlink()
+
+
+def read_bytes(path: Path) -> bytes | None:
+    """The file's bytes, or ``None``; a symbolic link is not followed (it is nobody's start-up file)."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+            return None
+        with os.fdopen(descriptor, "rb") as handle:
+            descriptor = -1
+            return handle.read(1 << 20)
+    except OSError:
+        return None
+    finally:
+        if descriptor != -1:
+            os.close(descriptor)
+
+
+def _cannot_write(directory: Path, error: OSError) -> StartupFileError:
+    return StartupFileError(f"cannot write to {directory} ({type(error).__name__}: {error.strerror or error})")

@@ -1,0 +1,427 @@
+"""The one wrapper layer: ``patch``, ``unpatch`` and ``status`` for one Lightning namespace and one fix,
+next to other code that patches the same methods (tracers, profilers, a team's own hot-fix).
+
+What to wrap comes from the fix (``_fsdp_shim.fixes``) as ``Target``s; this module knows nothing of
+Lightning. Every target of one fix in one namespace is resolved and checked before anything changes,
+then all are wrapped or none. Four rules, each because breaking it is silently wrong:
+
+* The shim knows its wrappers by their type (``ShimWrapper``), never by a marker attribute: a wrapt
+  proxy answers ``getattr`` for what it wraps, so another library's wrapper on top of the shim's
+  would look like the shim's.
+* Each wrapper carries what removing it needs (``WrapperState``: what the class held before, and the
+  switch wrapt consults on every call), so any copy of this module, a reloaded one included, finds
+  the shim's wrappers on the classes and reuses them instead of stacking another.
+* It never removes an object that is not its own: a wrapper other code has wrapped since is switched
+  off in place (it passes every call through) instead of being torn out from under that code.
+* Removal restores the very object that was there before: Lightning's function, another library's
+  wrapper, or nothing where the method was inherited.
+
+Everything here can run inside an import hook, where an exception makes the user's ``import
+lightning`` fail: problems go through ``_fsdp_shim.failures.report``. Imports happen without the lock
+held (another thread may be importing the same modules); it guards only the records and ``setattr``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import wrapt
+
+from _fsdp_shim import failures
+from _fsdp_shim.config import DISABLED_FIXES_VARIABLE, Fix, base_release
+from _fsdp_shim.status import NOT_IMPORTED, FixStatus
+
+Body = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
+"""A wrapper body, with wrapt's signature ``(wrapped, instance, args, kwargs)``."""
+Placement = Literal["on top", "under another wrapper", "gone"]
+MISSING: Any = object()
+_CHAIN_LIMIT = 32  # layers of __wrapped__ followed before giving up (a cycle, or an odd proxy)
+
+
+class GlueError(Exception):
+    """The shim's own glue failed inside a wrapper (a Lightning attribute it reads was renamed). A body
+    raises it before changing anything, so the wrapper can call Lightning's method as it found it."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(f"{type(error).__name__}: {error}")
+
+
+class TargetChanged(Exception):
+    """A Lightning class no longer has the shape the fix was written against."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """A method on a Lightning class that a fix wraps.
+
+    ``inherited`` says how Lightning ships it: ``True``, the class inherits it (the wrapper goes on the
+    class, and removing it restores inheritance); ``False``, the class defines it (the wrapper replaces
+    it, and removal puts the function back)."""
+
+    module: str
+    """Relative to the namespace, e.g. ``plugins.precision.fsdp``."""
+    class_name: str
+    attribute: str
+    inherited: bool
+    body: Body
+
+    def label(self, namespace: str) -> str:
+        return f"{namespace}.{self.module}.{self.class_name}.{self.attribute}"
+
+
+Plan = Callable[[str, str], tuple[Target, ...]]
+"""``(namespace, version) -> targets``: what a fix wraps in one namespace of one release."""
+
+
+# ----------------------------------------------------------------------------- one wrapper
+@dataclass
+class WrapperState:
+    """What one wrapper does and what taking it off needs. Called by wrapt before every call
+    (``enabled=``): ``False`` passes the call straight to the wrapped function."""
+
+    fix: str
+    label: str
+    owner: type
+    attribute: str
+    original: Any
+    """What the class dict held before: Lightning's function, another library's object, or MISSING."""
+    composed_with: str | None = None
+    """Set when ``original`` is another library's object where Lightning ships none."""
+    on: bool = True
+    fallback: str | None = None
+    """Why a call fell back to Lightning's own method; status then stops saying "patched"."""
+
+    def __call__(self) -> bool:
+        return self.on
+
+
+class ShimWrapper(wrapt.FunctionWrapper):
+    """The only kind of wrapper fsdp-shim puts on a Lightning class."""
+
+    @property
+    def shim_state(self) -> WrapperState:
+        state: WrapperState = self._self_state
+        return state
+
+
+def is_shim_wrapper(obj: object) -> bool:
+    """Whether ``obj`` itself (not what it wraps) is a wrapper of fsdp-shim's, from this copy of this
+    module or an earlier one (a reloaded module defines a new class of the same name)."""
+    return any(k.__name__ == "ShimWrapper" and k.__module__ == __name__ for k in type(obj).__mro__)
+
+
+def wrapper_chain(obj: object) -> Iterator[object]:
+    """``obj`` and what it wraps, layer by layer through ``__wrapped__`` (wrapt and functools)."""
+    seen: set[int] = set()
+    for _ in range(_CHAIN_LIMIT):
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        yield obj
+        try:
+            obj = obj.__wrapped__  # type: ignore[attr-defined]
+        except Exception:  # no further layer (or a proxy that raises): the chain ends here
+            return
+
+
+def describe(obj: object) -> str:
+    """A short name for an object found on a class, for messages. A proxy is named by its own type:
+    its ``__qualname__`` would be that of the function it wraps."""
+    if type(obj) is not getattr(obj, "__class__", type(obj)):
+        return f"a {type(obj).__module__}.{type(obj).__qualname__}"
+    return f"{getattr(obj, '__module__', None) or '?'}.{getattr(obj, '__qualname__', type(obj).__qualname__)}"
+
+
+def placement(wrapper: Any) -> Placement:
+    state = wrapper.shim_state
+    current = state.owner.__dict__.get(state.attribute, MISSING)
+    if current is wrapper:
+        return "on top"
+    if any(layer is wrapper for layer in wrapper_chain(current)):
+        return "under another wrapper"
+    return "gone"
+
+
+def found_on_top(wrapper: Any) -> str:
+    state = wrapper.shim_state
+    return describe(state.owner.__dict__.get(state.attribute, None))
+
+
+def remove(wrapper: Any) -> Placement:
+    """Restore the class if the shim's wrapper is still what it holds; switch the wrapper off in place
+    if other code has wrapped it since; nothing to do if it is gone."""
+    state = wrapper.shim_state
+    where = placement(wrapper)
+    if where == "on top":
+        if state.original is MISSING:
+            delattr(state.owner, state.attribute)
+        else:
+            setattr(state.owner, state.attribute, state.original)
+    elif where == "under another wrapper":
+        state.on = False
+    return where
+
+
+def _install(owner: type, target: Target, function: Any, state: WrapperState) -> ShimWrapper:
+    """Put a ``ShimWrapper`` of ``function`` running ``target.body`` on ``owner``."""
+
+    def call(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        try:
+            return target.body(wrapped, instance, args, kwargs)
+        except GlueError as error:
+            state.fallback = str(error)
+            failures.report(
+                f"fsdp-shim: {state.label} could not read what it needs ({error})",
+                f"Lightning's own method was used for this call, so it runs without the {state.fix} fix",
+                key=f"glue:{state.label}",
+                cause=error,
+            )
+            return wrapped(*args, **kwargs)
+
+    wrapper = ShimWrapper(function, call, enabled=state)
+    wrapper._self_state = state
+    setattr(owner, target.attribute, wrapper)
+    return wrapper
+
+
+def _function_to_wrap(owner: type, target: Target, label: str) -> tuple[Any, Any, str | None]:
+    """``(function to wrap, what the class dict holds, whose object that is)``. Where the class holds
+    an object and Lightning ships none, another library patched it: the shim wraps that object, so
+    both run, and says so. Raises ``TargetChanged`` when there is nothing callable to wrap."""
+    own = owner.__dict__.get(target.attribute, MISSING)
+    if own is not MISSING:
+        function, composed_with = own, (describe(own) if target.inherited else None)
+    elif target.inherited:
+        function = next(
+            (b.__dict__[target.attribute] for b in owner.__mro__[1:] if target.attribute in b.__dict__), MISSING
+        )
+        composed_with = None
+    else:
+        raise TargetChanged(f"{label} is not defined on the class itself")
+    if function is MISSING:
+        raise TargetChanged(f"{label} does not exist")
+    if not inspect.isfunction(function):  # a wrapt proxy of a function passes: it reports the function's class
+        raise TargetChanged(f"{label} is a {type(function).__name__}, expected a function")
+    return function, own, composed_with
+
+
+def _own_wrapper(owner: type, attribute: str) -> Any:
+    for layer in wrapper_chain(owner.__dict__.get(attribute, MISSING)):
+        if is_shim_wrapper(layer):
+            return layer
+    return None
+
+
+# ----------------------------------------------------------------------------- one namespace, one fix
+@dataclass
+class _Record:
+    module: Any
+    """The namespace's module object when it was checked: another one in ``sys.modules`` now means it
+    was imported again (new classes), and this record describes a copy that is gone."""
+    version: str | None = None
+    affected: bool | None = None
+    reason: str = "patched"
+    wrappers: list[Any] = field(default_factory=list)
+    deactivated: bool = False
+
+
+_records: dict[tuple[str, str], _Record] = {}
+_retired: list[Any] = []
+"""Wrappers on the classes of an earlier copy of a namespace (imported again since): ``unpatch``
+still restores those classes, which old objects may still use."""
+_lock = threading.Lock()
+
+
+@dataclass
+class _Step:
+    target: Target
+    owner: type
+    label: str
+    reuse: Any = None
+    """The shim's own wrapper already on the class (switched off by ``unpatch``, or left by a reloaded
+    copy of this module): switched on again instead of stacking another."""
+    function: Any = None
+    original: Any = MISSING
+    composed_with: str | None = None
+
+
+def patch(namespace: str, fix: Fix, plan: Plan, *, disabled: bool = False) -> FixStatus:
+    """Apply ``fix`` to an imported namespace whose release lacks it; leave any other alone.
+
+    Idempotent: a namespace is checked once per copy of its classes; after ``unpatch`` it is checked
+    again, and a wrapper that had to stay under another library's wrapper is switched back on."""
+    module = sys.modules.get(namespace)
+    if module is None:
+        return status(namespace, fix)
+    key = (namespace, fix.name)
+    with _lock:
+        if _current(_records.get(key), module):
+            return status(namespace, fix)
+    decided = _decide(namespace, fix, plan, module, disabled)
+    with _lock:
+        record = _records.get(key)
+        if _current(record, module):
+            return status(namespace, fix)  # another thread got here first
+        if record is not None:
+            _retired.extend(w for w in record.wrappers if placement(w) != "gone")
+        if not isinstance(decided, _Record):
+            decided = _install_all(module, fix, *decided)
+        _records[key] = decided
+    if decided.reason.startswith("not patched: "):
+        version = decided.version or "(unknown version)"
+        which = f" ({fix.name} fix)" if decided.affected else ""
+        failures.report(
+            f"fsdp-shim: cannot patch {namespace} {version}{which}: {decided.reason.removeprefix('not patched: ')}",
+            f"Lightning was left unchanged, so {fix.unfixed if decided.affected else 'no fix applies'}",
+            key=f"patch:{namespace}" + (f":{fix.name}" if decided.affected else ""),
+        )
+    return status(namespace, fix)
+
+
+def _current(record: _Record | None, module: Any) -> bool:
+    """Whether ``record`` describes the namespace as imported now and is in force (not unpatched)."""
+    return (
+        record is not None
+        and record.module is module
+        and not record.deactivated
+        and all(_owner_is_current(wrapper) for wrapper in record.wrappers)
+    )
+
+
+def _owner_is_current(wrapper: Any) -> bool:
+    owner = wrapper.shim_state.owner
+    return getattr(sys.modules.get(owner.__module__), owner.__name__, None) is owner
+
+
+def _decide(namespace: str, fix: Fix, plan: Plan, module: Any, disabled: bool) -> _Record | tuple[str, list[_Step]]:
+    """Gate the namespace and resolve every target; nothing is changed yet."""
+    version = getattr(module, "__version__", None)
+    if not isinstance(version, str):
+        return _Record(module, None, None, f"not patched: {namespace}.__version__ is missing")
+    if base_release(version) is None:
+        return _Record(module, version, None, f"not patched: its version {version!r} is not PEP 440")
+    if not fix.affects(version):
+        return _Record(module, version, False, fix.unaffected_reason(version))
+    if disabled:
+        return _Record(module, version, True, f"switched off by {DISABLED_FIXES_VARIABLE}")
+    steps = []
+    try:
+        for target in plan(namespace, version):
+            owner = getattr(importlib.import_module(f"{namespace}.{target.module}"), target.class_name, None)
+            if not isinstance(owner, type):
+                raise TargetChanged(f"{namespace}.{target.module} has no class {target.class_name}")
+            label = target.label(namespace)
+            mine = _own_wrapper(owner, target.attribute)
+            if mine is not None:
+                steps.append(_Step(target, owner, label, reuse=mine))
+            else:
+                function, original, composed_with = _function_to_wrap(owner, target, label)
+                steps.append(_Step(target, owner, label, None, function, original, composed_with))
+    except (ImportError, TargetChanged) as error:
+        return _Record(module, version, True, f"not patched: {error}")
+    return version, steps
+
+
+def _install_all(module: Any, fix: Fix, version: str, steps: list[_Step]) -> _Record:
+    """Install every wrapper or none (call with the lock held)."""
+    done: list[Any] = []
+    try:
+        for step in steps:
+            if step.reuse is not None:
+                step.reuse.shim_state.on = True
+                done.append(step.reuse)
+            else:
+                state = WrapperState(
+                    fix.name, step.label, step.owner, step.target.attribute, step.original, step.composed_with
+                )
+                done.append(_install(step.owner, step.target, step.function, state))
+    except Exception as error:  # setattr on a class can fail (slots, metaclasses): undo what was done
+        for wrapper, step in zip(reversed(done), reversed(steps[: len(done)])):
+            if step.reuse is None:
+                remove(wrapper)
+        return _Record(
+            module, version, True, f"not patched: installing a wrapper failed ({type(error).__name__}: {error})"
+        )
+    return _Record(module, version, True, "patched", done)
+
+
+def unpatch(namespace: str, fix: Fix) -> list[tuple[Any, Placement]]:
+    """Put back the exact objects that were on the classes before the shim patched them; returns each
+    wrapper with where it was found (``under another wrapper``: switched off in place)."""
+    with _lock:
+        for wrapper in [w for w in _retired if w.shim_state.fix == fix.name]:
+            if placement(wrapper) == "on top":
+                remove(wrapper)
+            _retired.remove(wrapper)
+        record = _records.get((namespace, fix.name))
+        if record is None:
+            return []
+        results = [(wrapper, remove(wrapper)) for wrapper in reversed(record.wrappers)]
+        record.wrappers = [wrapper for wrapper, where in results if where == "under another wrapper"]
+        record.deactivated = True
+    return results
+
+
+def status(namespace: str, fix: Fix) -> FixStatus:
+    """The fix's state in the namespace, read from the classes: another library replacing or wrapping
+    the shim's wrapper, a call that fell back, or a module imported again changes what this says."""
+    module = sys.modules.get(namespace)
+    if module is None:
+        return FixStatus(fix.name, reason=NOT_IMPORTED)
+    record = _records.get((namespace, fix.name))
+    if record is None:
+        return FixStatus(fix.name, reason="imported; not checked yet")
+    base = FixStatus(fix.name, record.affected, False, record.reason)
+    if record.module is not module:
+        return _stale(base, f"{namespace} was imported again after fsdp-shim checked it")
+    for wrapper in record.wrappers:
+        if not _owner_is_current(wrapper):
+            owner, label = wrapper.shim_state.owner.__module__, wrapper.shim_state.label
+            return _stale(base, f"{owner} was imported again after fsdp-shim patched it ({label} is a new class)")
+    if record.reason != "patched":
+        return base
+    targets = tuple(wrapper.shim_state.label for wrapper in record.wrappers)
+    problems, notes = _inspect(record.wrappers)
+    if record.deactivated:
+        return FixStatus(fix.name, True, False, "; ".join(["deactivated", *problems]), targets)
+    if problems:
+        return FixStatus(fix.name, True, False, "not patched: " + "; ".join(problems), targets)
+    return FixStatus(fix.name, True, True, "patched" + (f" ({'; '.join(notes)})" if notes else ""), targets)
+
+
+def _stale(base: FixStatus, why: str) -> FixStatus:
+    return FixStatus(
+        base.fix,
+        base.affected,
+        False,
+        f"not patched: {why}, and its new classes were not checked yet (fsdp_shim.activate() checks them)",
+    )
+
+
+def _inspect(wrappers: list[Any]) -> tuple[list[str], list[str]]:
+    problems, notes = [], []
+    for wrapper in wrappers:
+        state = wrapper.shim_state
+        where = placement(wrapper)
+        if where == "gone":
+            problems.append(
+                f"other code replaced its wrapper on {state.label} (the class holds {found_on_top(wrapper)})"
+            )
+        elif not state.on:
+            problems.append(
+                f"its wrapper on {state.label} stays under {found_on_top(wrapper)} and passes calls through"
+            )
+        elif state.fallback is not None:
+            problems.append(f"{state.label} fell back to Lightning's own method at call time ({state.fallback})")
+        else:
+            if where == "under another wrapper":
+                notes.append(f"its wrapper on {state.label} is under {found_on_top(wrapper)}")
+            if state.composed_with is not None:
+                notes.append(f"on {state.label} it wraps {state.composed_with}, which was there before")
+    return problems, notes
