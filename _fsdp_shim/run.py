@@ -18,6 +18,7 @@ import shutil
 import sys
 from collections.abc import Mapping
 from pathlib import Path
+from typing import NamedTuple
 
 from _fsdp_shim.config import SHIM_VARIABLE, switch_state
 from _fsdp_shim.startup_files import ENVIRONMENT_FILE, site_directories
@@ -125,118 +126,266 @@ def flags_skipping_the_bootstrap(command: list[str]) -> list[str]:
     return found
 
 
-_SLURM_COMMANDS = ("srun", "sbatch", "salloc")
-_SLURM_EXPORT_VARIABLES = {"srun": "SLURM_EXPORT_ENV", "sbatch": "SBATCH_EXPORT", "salloc": "SALLOC_EXPORT"}
-_REACHES_THE_SHIM = ("PYTHONPATH", SHIM_VARIABLE)
+# The launchers `environment_warnings` follows, and how each reads its arguments: as getopt_long with
+# "+" does (options end at the first word that is not one), from the programs' own option tables. For
+# each: the short options that take a value (the rest of their word, else the next word); the long
+# options that never take the next word (every other one does, `--user bob`; any takes `--name=value`;
+# a name the launcher does not know makes it refuse to start, so only its own names matter); and
+# whether NAME=VALUE words among the options set variables for its command.
+class _Syntax(NamedTuple):
+    short_with_value: str
+    long_without_value: frozenset[str]
+    assignments: bool
 
 
-def _passes_the_shim(names: list[str]) -> bool:
-    return any(name.partition("=")[0] in _REACHES_THE_SHIM for name in names)
+def _names(text: str) -> frozenset[str]:
+    return frozenset(text.split())
 
 
-def _slurm_export(words: list[str], program: str, environ: Mapping[str, str]) -> str | None:
-    """The ``--export`` value the SLURM command will use (its option, else its variable), or None."""
-    for index, word in enumerate(words):
-        if word == "--export" and index + 1 < len(words):
-            return words[index + 1]
-        if word.startswith("--export="):
-            return word.partition("=")[2]
-    return environ.get(_SLURM_EXPORT_VARIABLES[program])
+# SLURM's src/common/slurm_opt.c (SchedMD/slurm 284c3b95): the srun, salloc and sbatch long options whose has_arg is not
+# required_argument, less --wait, which takes a value in srun (sbatch's entry adds it back).
+_SLURM_LONG_WITHOUT_VALUE = _names(
+    "async bcast bell compress consolidate-segments contiguous debugger-test disable-status exact exclusive "
+    "external external-launcher get-user-env help hold ignore-pbs immediate interactive kill-command "
+    "kill-on-bad-exit label multi-prog nice no-allocate no-bell no-kill no-requeue no-shell oom-kill-step "
+    "overcommit overlap oversubscribe parsable preserve-env propagate pty quiet quit-on-interrupt reboot requeue "
+    "resv-ports send-libs spread-job spread-segments stepmgr test-only unbuffered usage use-min-nodes verbose "
+    "version wait-for-children whole x11"
+)
+_SLURM_SHORT_WITH_VALUE = "ABCDFGJLMNSTWabcdeimnopqrtwx"  # -W takes a value in srun only
+_LAUNCHERS = {
+    "srun": _Syntax(_SLURM_SHORT_WITH_VALUE, _SLURM_LONG_WITHOUT_VALUE, assignments=False),
+    "salloc": _Syntax(_SLURM_SHORT_WITH_VALUE, _SLURM_LONG_WITHOUT_VALUE, assignments=False),
+    "sbatch": _Syntax(_SLURM_SHORT_WITH_VALUE.replace("W", ""), _SLURM_LONG_WITHOUT_VALUE | {"wait"}, False),
+    # GNU env (coreutils 9.7: "+a:C:iS:u:v0"); a lone "-" is its old spelling of -i.
+    "env": _Syntax(
+        "aCSu",
+        _names(
+            "block-signal debug default-signal help ignore-environment ignore-signal list-signal-handling null version"
+        ),
+        assignments=True,
+    ),
+    # sudo 1.9 ("+Aa:BbC:c:D:Eeg:Hh::iKklNnPp:R:r:SsT:t:U:u:Vv"; `-h HOST` is read as a value, as sudo
+    # does when a plain word follows it): -E takes no value, --preserve-env only `=LIST`.
+    "sudo": _Syntax(
+        "aCcDghpRrTtUu",
+        _names(
+            "askpass background bell edit help list login no-update non-interactive preserve-env preserve-groups "
+            "remove-timestamp reset-timestamp set-home shell stdin validate version"
+        ),
+        assignments=True,
+    ),
+}
+# Where srun and sbatch read --export when it is not given (SRUN_EXPORT_ENV overrides SLURM_EXPORT_ENV).
+# salloc has neither the option nor such a variable: its command gets the caller's environment.
+_SLURM_EXPORT_VARIABLES = {"srun": ("SRUN_EXPORT_ENV", "SLURM_EXPORT_ENV"), "sbatch": ("SBATCH_EXPORT",)}
+# What `fsdp-shim run` gives its command. PYTHONPATH's bootstrap arms the shim in any Python (or says
+# why it cannot); FSDP_SHIM in one with fsdp-shim installed, as the Python the user means has. So
+# either one reaching the command counts, except where sudo picks the Python (`_through_sudo`).
+_SHIM_VARIABLES = frozenset(("PYTHONPATH", SHIM_VARIABLE))
 
 
-def _leading_options(words: list[str], with_value: str) -> list[str]:
-    """The options before the command a launcher runs (``with_value``: short options taking a value)."""
-    options = []
-    arguments = iter(words)
-    for word in arguments:
-        if word == "--" or not word.startswith("-") or word == "-":
-            if word == "-":
-                options.append(word)
+def _is_assignment(word: str) -> bool:
+    return "=" in word and word[0] not in "=/"  # sudo's test; env takes any word with "="
+
+
+def _leading_options(words: list[str], syntax: _Syntax) -> tuple[list[tuple[str, str | None]], list[str], list[str]]:
+    """A launcher's options as (name, value) pairs, its NAME=VALUE words, and the command it starts.
+
+    Read as the launcher reads them, because a word taken for a value must not be taken for the
+    command, nor an option of the command for the launcher's: ``sudo -uE python`` is user "E" (no
+    -E), ``sudo -Eu bob python`` is -E and user "bob", ``srun -N 2 python`` runs python, and in
+    ``sudo -u bob python -E`` the -E is python's.
+    """
+    options: list[tuple[str, str | None]] = []
+    assignments: list[str] = []
+    index = 0
+    while index < len(words):
+        word = words[index]
+        index += 1
+        if word == "--":
             break
-        options.append(word)
-        if not word.startswith("--") and word[-1] in with_value:
-            next(arguments, None)
-    return options
-
-
-def _env_options(words: list[str]) -> tuple[bool, list[str]]:
-    """Whether ``env`` clears the environment, and the ``NAME=VALUE`` it sets before its command."""
-    clears = False
-    assignments = []
-    arguments = iter(words)
-    for word in arguments:
-        if word in ("-", "--ignore-environment"):
-            clears = True
-        elif word.startswith("--"):
-            continue
-        elif word.startswith("-") and len(word) > 1:
-            letters = word[1:]
-            for index, letter in enumerate(letters):
-                if letter == "i":
-                    clears = True
-                if letter in "uCS":  # takes a value: the rest of the word, or the next one
-                    if index == len(letters) - 1:
-                        next(arguments, None)
+        if word.startswith("--"):
+            name, equals, value = word[2:].partition("=")
+            if equals or name in syntax.long_without_value or index == len(words):
+                options.append((name, value if equals else None))
+            else:
+                options.append((name, words[index]))
+                index += 1
+        elif word == "-":
+            options.append(("-", None))
+        elif word.startswith("-"):
+            for position, letter in enumerate(word[1:], start=2):
+                if letter in syntax.short_with_value:
+                    value = word[position:]
+                    if not value and index < len(words):
+                        value, index = words[index], index + 1
+                    options.append((letter, value))
                     break
-        elif "=" in word:
+                options.append((letter, None))
+        elif syntax.assignments and _is_assignment(word):
             assignments.append(word)
         else:
+            index -= 1
             break
-    return clears, assignments
+    while syntax.assignments and index < len(words) and _is_assignment(words[index]):
+        assignments.append(words[index])  # env reads them after "--" too
+        index += 1
+    return options, assignments, words[index:]
 
 
-def _sudo_options(words: list[str]) -> tuple[bool, list[str]]:
-    """Whether ``sudo`` keeps the whole environment, and the names its ``--preserve-env=`` lists."""
-    keeps_all = False
-    preserved: list[str] = []
-    for option in _leading_options(words, with_value="ugCDhprtURT"):
-        if option == "--preserve-env":
-            keeps_all = True
-        elif option.startswith("--preserve-env="):
-            preserved += option.partition("=")[2].split(",")
-        elif not option.startswith("--") and "E" in option[1:]:
-            keeps_all = True
-    return keeps_all, preserved
+def _assign(reaching: frozenset[str], assignments: list[str]) -> frozenset[str]:
+    """``reaching`` after NAME=VALUE words. ``FSDP_SHIM=`` anything reaches (``=0`` switches the shim off
+    on purpose: nothing to warn about). ``PYTHONPATH=VALUE`` replaces fsdp-shim's, so it reaches only
+    with a bootstrap folder in VALUE, which a value typed on the command line does not have
+    (``PYTHONPATH=$PYTHONPATH`` is expanded by the shell before fsdp-shim run adds the folder)."""
+    result = set(reaching)
+    for assignment in assignments:
+        name, _, value = assignment.partition("=")
+        if name == SHIM_VARIABLE or (name == "PYTHONPATH" and bootstrap_on_pythonpath({"PYTHONPATH": value})):
+            result.add(name)
+        else:
+            result.discard(name)
+    return frozenset(result)
+
+
+def _slurm_export(program: str, options: list[tuple[str, str | None]], environ: Mapping[str, str]) -> str | None:
+    """Where the SLURM command's --export comes from and its value (``--export=NONE``,
+    ``SLURM_EXPORT_ENV=NONE``): its last --export option, else its variable; None means ALL."""
+    for name, value in reversed(options):
+        if name == "export" and value is not None:
+            return f"--export={value}"
+    for variable in _SLURM_EXPORT_VARIABLES[program]:
+        if variable in environ:
+            return f"{variable}={environ[variable]}"
+    return None
+
+
+def _through_slurm(
+    program: str, options: list[tuple[str, str | None]], environ: Mapping[str, str], reaching: frozenset[str]
+) -> tuple[frozenset[str], str]:
+    """What reaches the tasks of srun or sbatch, and the warning if that is nothing.
+
+    SLURM reads the list as srun's _build_user_env does: comma-separated, ending at a NONE ("User can
+    not specify explicit environment variables with NONE"); an ALL anywhere before it exports the
+    whole environment, which takes precedence over the values given; ALL and NONE in any case
+    (xstrcasecmp). Otherwise only the names listed and NAME=VALUE pairs reach the tasks.
+    """
+    source = _slurm_export(program, options, environ)
+    if source is None:
+        return reaching, ""
+    tokens = source.partition("=")[2].split(",")
+    keywords = [token.upper() for token in tokens]
+    if "NONE" in keywords:
+        tokens = tokens[: keywords.index("NONE")]
+    if any(token.upper() == "ALL" for token in tokens):
+        return reaching | _assign(frozenset(), tokens), ""
+    passed = _assign(reaching & frozenset(tokens), [token for token in tokens if "=" in token])
+    inside = "`srun ... fsdp-shim run python ...`" if program == "srun" else "in its job script's steps"
+    return passed, (
+        f"`{program}` with {source} passes neither {SHIM_VARIABLE} nor fsdp-shim's PYTHONPATH to its tasks, so no "
+        f"rank will have the shim. Put fsdp-shim run inside it ({inside}), use --export=ALL,..., or name "
+        f"{SHIM_VARIABLE} (--export={SHIM_VARIABLE}=1,...) with fsdp-shim installed on every node."
+    )
+
+
+def _through_env(
+    options: list[tuple[str, str | None]], assignments: list[str], reaching: frozenset[str]
+) -> tuple[frozenset[str], str]:
+    """What ``env`` passes on: everything, unless -i (``-``, ``--ignore-environment``) empties the
+    environment; then its NAME=VALUE words in both cases. (``-u NAME`` is not followed: unsetting one
+    of the shim's variables by name is a choice, not an accident to warn about.)"""
+    clears = any(name in ("i", "-", "ignore-environment") for name, _ in options)
+    how = " -i" if clears else ""
+    return _assign(frozenset() if clears else reaching, assignments), (
+        f"`env{how}` starts its command without {SHIM_VARIABLE} or fsdp-shim's PYTHONPATH, so it gets no shim. "
+        f"Put fsdp-shim run after it (`env{how} ... fsdp-shim run python ...`) or pass {SHIM_VARIABLE}=1 "
+        f"(`env{how} {SHIM_VARIABLE}=1 ...`) with fsdp-shim installed there."
+    )
+
+
+def _through_sudo(
+    options: list[tuple[str, str | None]], assignments: list[str], command: list[str], reaching: frozenset[str]
+) -> tuple[frozenset[str], str]:
+    """What reaches the command ``sudo`` runs, as sudo 1.9 with the default sudoers policy passes it.
+
+    * Without -E: env_reset, so neither variable.
+    * ``-E`` / ``--preserve-env`` (where sudoers allows it) keeps the environment but deletes
+      PYTHONPATH all the same (it is in sudo's built-in list of unsafe variables), and sets PATH to
+      secure_path, where sudo also looks the command up. So only FSDP_SHIM reaches, which arms the shim
+      only in an interpreter with fsdp-shim installed; without PYTHONPATH's bootstrap, one without it
+      runs unpatched and says nothing. For a command named by its path that interpreter is the one the
+      user chose, and FSDP_SHIM counts. For a bare name (``sudo -E python``) sudo picks it from
+      secure_path, typically the system's Python rather than the environment the user meant, so this
+      counts as not reaching, and the warning says how to name it.
+    * ``--preserve-env=LIST`` passes the listed variables as they are (the caller's PYTHONPATH, with
+      the bootstrap): what it lists reaches, whatever Python sudo picks.
+    * ``NAME=VALUE`` before the command sets it for the command.
+    """
+    keeps_all = any(name in ("E", "preserve-env") and value is None for name, value in options)
+    listed = {name for option, value in options if option == "preserve-env" and value for name in value.split(",")}
+    by_path = bool(command) and "/" in command[0]
+    passed = reaching & frozenset(listed)
+    if keeps_all and by_path:
+        passed |= reaching & {SHIM_VARIABLE}
+    passed = _assign(passed, assignments)
+    keep_both = f"`sudo --preserve-env=PYTHONPATH,{SHIM_VARIABLE} ...`"
+    if keeps_all and by_path:
+        return passed, (
+            f"`sudo -E` deletes PYTHONPATH (as unsafe), and {SHIM_VARIABLE} did not reach sudo: use {keep_both}."
+        )
+    if keeps_all:
+        program = command[0] if command else "python"
+        return passed, (
+            f"`sudo -E` passes {SHIM_VARIABLE} but not PYTHONPATH (sudo deletes it as unsafe), and looks `{program}` "
+            "up on its secure_path, not your PATH: a Python started that way without fsdp-shim installed runs "
+            f"without the shim and says nothing. Name it by its full path (`sudo -E /path/to/bin/{program} ...`), or "
+            f"keep PYTHONPATH too ({keep_both}), so that any Python arms the shim or says why it cannot."
+        )
+    return passed, (
+        f"`sudo` resets the environment, so its command gets neither {SHIM_VARIABLE} nor PYTHONPATH, and no shim. "
+        f"Keep both with {keep_both}, or run fsdp-shim inside it (`sudo ... /path/to/bin/fsdp-shim run python ...`). "
+        f"`sudo -E` keeps {SHIM_VARIABLE} but not PYTHONPATH (sudo deletes it as unsafe): enough only for a Python "
+        "named by its full path that has fsdp-shim installed."
+    )
 
 
 def environment_warnings(command: list[str], environ: Mapping[str, str]) -> list[str]:
-    """One warning per launcher in ``command`` that starts its command without this environment.
+    """A warning naming the launcher in ``command`` at which the shim is lost, if it is: no Python the
+    command starts would then get it, and every rank trains unpatched with exit code 0, worth saying
+    before the job starts. An empty list otherwise.
 
-    Such a launcher drops ``PYTHONPATH`` and ``FSDP_SHIM`` both, so no Python it starts gets the shim,
-    and every rank trains unpatched with exit code 0: worth saying before the job starts.
+    Only the launcher chain at the start of the command counts, each launcher's options and then its
+    command, which may be a launcher again (``srun ... env ... sudo ... python``). Each passes on some
+    of what reached it (FSDP_SHIM, fsdp-shim's PYTHONPATH); the chain ends at the first program that is
+    not a launcher (python, torchrun, mpirun, a script: the rest are its own arguments, so
+    ``python train.py --name sudo`` is no sudo), after sbatch (its operand is a job script), or at
+    ``fsdp-shim run``, which gives its command both again and checks that command itself. Shell syntax
+    (``&&``, ``;``) means nothing here: there is no shell between fsdp-shim run and its command, so a
+    ``&&`` is an argument of the program before it.
     """
-    warnings = []
-    for index, word in enumerate(command):
-        program = os.path.basename(word)
-        rest = command[index + 1 :]
-        if program in _SLURM_COMMANDS:
-            value = _slurm_export(rest, program, environ)
-            if value is None or value == "ALL" or value.startswith("ALL,"):
-                continue
-            names = [] if value == "NONE" else value.split(",")
-            if not _passes_the_shim(names):
-                warnings.append(
-                    f"`{program} --export={value}` passes neither PYTHONPATH nor {SHIM_VARIABLE} to its tasks, so no "
-                    f"rank will have the shim. Put fsdp-shim run inside it (`{program} ... fsdp-shim run python ...`), "
-                    f"use --export=ALL,..., or export {SHIM_VARIABLE}=1 (--export={SHIM_VARIABLE}=1,...) with "
-                    "fsdp-shim installed on every node."
-                )
+    reaching = _SHIM_VARIABLES
+    warning = ""
+    words = command
+    while words:
+        program = os.path.basename(words[0])
+        if program == "fsdp-shim" and words[1:2] == ["run"]:
+            return []
+        if program not in _LAUNCHERS:
+            break
+        options, assignments, words = _leading_options(words[1:], _LAUNCHERS[program])
+        arriving, message = reaching, ""
+        if program in _SLURM_EXPORT_VARIABLES:
+            reaching, message = _through_slurm(program, options, environ, reaching)
         elif program == "env":
-            clears, assignments = _env_options(rest)
-            if clears and not _passes_the_shim(assignments):
-                warnings.append(
-                    "`env -i` starts its command with an empty environment, so it gets no shim. Put fsdp-shim run "
-                    f"after it (`env -i ... fsdp-shim run python ...`) or pass {SHIM_VARIABLE}=1 "
-                    f"(`env -i {SHIM_VARIABLE}=1 ...`) with fsdp-shim installed there."
-                )
+            reaching, message = _through_env(options, assignments, reaching)
         elif program == "sudo":
-            keeps_all, preserved = _sudo_options(rest)
-            if not (keeps_all or _passes_the_shim(preserved)):
-                warnings.append(
-                    "`sudo` resets the environment, so its command gets no shim. Use `sudo -E`, "
-                    f"`sudo --preserve-env=PYTHONPATH,{SHIM_VARIABLE}`, or `sudo ... fsdp-shim run python ...`."
-                )
-    return warnings
+            reaching, message = _through_sudo(options, assignments, words, reaching)
+        if arriving and not reaching:
+            warning = message
+        if program == "sbatch":
+            break
+    return [] if reaching else [warning]
 
 
 def run(command: list[str]) -> int:
