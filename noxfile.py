@@ -256,11 +256,13 @@ def docs_tools(session: nox.Session, python: str) -> None:
 @nox.session
 @timed
 def docs(session: nox.Session) -> None:
-    """Build the docs with warnings as errors, then read every page in headless Chromium at 1280 px.
+    """Build the docs with warnings as errors, then read every page in headless Chromium at 1280 px,
+    served and opened from disk (file://).
 
     scripts/check_docs_in_browser.py first proves it can fail (``--self-test``: a copy of the docs with an
     over-wide table and code block, broken links, a console error and a request to another host must
-    fail), then checks the real site and writes a screenshot of every page to build/docs-screenshots.
+    fail, served and from disk, and from disk so must a copy built without Material's offline plugin),
+    then checks the real site and writes a screenshot of every page to build/docs-screenshots.
     """
     python = sys.executable
     docs_tools(session, python)

@@ -14,10 +14,16 @@ A page fails when, at that window width:
 * the browser console has an error (a script error, a resource that failed to load);
 * an internal link, anchor or asset is broken (HTTP status other than 200, a ``#fragment`` that is not
   an ``id`` on its page);
-* the page loads anything from another host: the docs must work offline and on air-gapped clusters.
+* the page loads anything from another host: the docs must work offline and on air-gapped clusters;
+* opened from disk (``file://``, the site as a downloaded folder), the page does not load, the console
+  has an error, a link or asset names a file that is missing or a folder (which a browser shows as a
+  file listing, not as the page), or, on the home page, search finds nothing. Browsers block
+  fetch and XHR on ``file://``, so this is where a site built without Material's ``offline`` plugin
+  fails: its search cannot load its index.
 
 The site is served on 127.0.0.1 under the path of ``site_url`` (as GitHub Pages serves it), and a missing
-path gets ``404.html`` with status 404, so the 404 page is checked where readers meet it: at a deep URL.
+path gets ``404.html`` with status 404, so the 404 page is checked where readers meet it: at a deep URL
+(and not from disk, where no server shows it: its links are absolute under ``site_url``'s path).
 Chromium is Debian's ``chromium`` and ``chromium-driver``, driven by selenium with explicit paths, so
 selenium never looks for (or downloads) a browser of its own.
 """
@@ -132,6 +138,8 @@ class Report:
 
     failures: list[str] = field(default_factory=list)
     pages: list[dict] = field(default_factory=list)
+    from_disk: list[str] = field(default_factory=list)
+    """The pages opened from disk (file://), besides `pages`, which the server showed."""
 
     def fail(self, page: str, message: str) -> None:
         self.failures.append(f"{page}: {message}")
@@ -292,6 +300,10 @@ def screenshot(driver: object, path: Path, width: int, height: int) -> None:
 
 # --- the checks --------------------------------------------------------------------------------------------
 
+SEARCH_SECONDS = 10.0
+"""How long search from disk may take to show results: about 1 s here (Material's worker builds its
+index in the shim's iframe); a search that never gets its index shows "Initializing search" forever."""
+
 
 def check_page(
     report: Report,
@@ -372,6 +384,112 @@ def check_links(report: Report, base: str, refs: dict[str, list[dict]], ids: dic
                 report.fail(page, f"broken {ref['tag']} to {url}: no id '{urllib.parse.unquote(fragment)}' there")
 
 
+def page_file(site_dir: Path, page: str) -> Path:
+    """The file a page name of `site_pages` stands for: a folder's page is its index.html."""
+    return site_dir / (page + "index.html" if page == "" or page.endswith("/") else page)
+
+
+def search_word(site_dir: Path) -> str | None:
+    """A word that search must find: the longest word of the home page's title, from the search index."""
+    index = site_dir / "search" / "search_index.json"
+    if not index.exists():
+        return None
+    docs = json.loads(index.read_text()).get("docs") or [{}]
+    words = re.findall(r"[A-Za-z]{4,}", re.sub(r"<[^>]+>", " ", docs[0].get("title", "")))
+    return max(words, key=len) if words else None
+
+
+def check_search(report: Report, driver: object, name: str, word: str, seconds: float = SEARCH_SECONDS) -> None:
+    """Type `word` into the page's search box; fail unless results show within `seconds`.
+
+    Search can fail from disk without a console error: the index never arrives and "Initializing
+    search" stays up. Only a search that finds something proves that it works.
+    """
+    from selenium.common.exceptions import TimeoutException, WebDriverException
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    try:
+        box = driver.find_element(By.CSS_SELECTOR, "input[data-md-component=search-query]")
+        if not box.is_displayed():  # narrow windows: the box opens from the header's search button
+            driver.find_element(By.CSS_SELECTOR, "label.md-header__button[for=__search]").click()
+        box.send_keys(word)
+    except WebDriverException as error:
+        report.fail(name, f"search box cannot be used: {error.msg.splitlines()[0]}")
+        return
+    try:
+        WebDriverWait(driver, seconds).until(lambda d: d.find_elements(By.CSS_SELECTOR, ".md-search-result__item"))
+    except TimeoutException:
+        meta = driver.execute_script("return (document.querySelector('.md-search-result__meta') || {}).innerText")
+        shown = f" (it shows '{' '.join(meta.split())}')" if meta else ""
+        report.fail(name, f"search finds nothing for '{word}' within {seconds:.0f} s{shown}")
+    for entry in driver.get_log("browser"):
+        if entry.get("level") == "SEVERE":
+            report.fail(name, f"console error while searching: {entry.get('message', '')}")
+
+
+def check_from_disk(
+    report: Report, driver: object, site_dir: Path, pages: list[str], search_seconds: float = SEARCH_SECONDS
+) -> None:
+    """Open every page through file://, as a reader does who downloaded the site, and fail on what breaks.
+
+    Browsers allow a page on file:// no fetch or XHR and no Web Worker, so a site that works served can
+    still log errors on every page from disk (Material's search index); and with directory URLs its
+    links name folders, which open as file listings. Every file:// link and asset must be a file in the
+    site, and every #fragment an id on its page; links elsewhere are the server check's business.
+    """
+    site_dir = site_dir.resolve()
+    word = search_word(site_dir)
+    home = next((page for page in pages if page in ("", "index.html")), pages[0] if pages else None)
+    refs: dict[str, list[dict]] = {}
+    ids: dict[str, set[str]] = {}
+    for page in pages:
+        url = page_file(site_dir, page).as_uri()
+        name = f"{page or 'index.html'} from disk"
+        measured, console, events = load(driver, url)
+        report.from_disk.append(page)
+        if measured["url"].split("#")[0] != url:
+            report.fail(name, f"does not load: the browser shows {measured['url']}")
+            continue
+        for entry in console:
+            if entry.get("level") == "SEVERE":
+                report.fail(name, f"console error: {entry.get('message', '')}")
+        requested = {}
+        for event in events:
+            params = event["params"]
+            if event["method"] == "Network.requestWillBeSent":
+                requested[params["requestId"]] = params["request"]["url"]
+                if urllib.parse.urlsplit(loaded := params["request"]["url"]).scheme in ("http", "https", "ws", "wss"):
+                    report.fail(name, f"loads {loaded} from another host (the docs must work offline)")
+            elif event["method"] == "Network.loadingFailed" and not params.get("canceled"):
+                failed = requested.get(params["requestId"], params["requestId"])
+                report.fail(name, f"{failed} failed to load: {params.get('errorText')}")
+        refs[name] = measured["refs"]
+        ids[url] = set(measured["ids"])
+        if word and page == home:
+            check_search(report, driver, name, word, search_seconds)
+        errors = sum(entry.get("level") == "SEVERE" for entry in console)
+        print(f"  {name:<34} {errors} console errors, {len(measured['refs'])} links and assets", flush=True)
+    for name, page_refs in refs.items():
+        seen = set()
+        for ref in page_refs:
+            if not ref["url"].startswith("file:") or ref["url"] in seen:
+                continue
+            seen.add(ref["url"])
+            target, _, fragment = ref["url"].partition("#")
+            path = Path(urllib.request.url2pathname(urllib.parse.urlsplit(target).path))
+            if not path.is_relative_to(site_dir):
+                report.fail(name, f"{ref['tag']} to {ref['url']} leaves the site's folder")
+                continue
+            shown = path.relative_to(site_dir).as_posix()
+            if path.is_dir():
+                report.fail(name, f"{ref['tag']} to {shown}/ opens a folder (a file listing, not its page)")
+            elif not path.is_file():
+                report.fail(name, f"broken {ref['tag']} to {shown}: no such file")
+            elif fragment and target in ids and urllib.parse.unquote(fragment) not in ids[target]:
+                report.fail(name, f"broken {ref['tag']} to {shown}#{fragment}: no such id there")
+
+
 def check_markdown(report: Report, files: list[Path], max_columns: int) -> None:
     """Fenced code blocks in Markdown files that are not pages of the site (the README) fit `max_columns`."""
     for path in files:
@@ -418,6 +536,17 @@ def check_site(
                 flush=True,
             )
         check_links(report, base, refs, ids)
+        check_from_disk(report, driver, site_dir, pages)
+    return report
+
+
+def check_site_from_disk(
+    site_dir: Path, width: int = 1280, pages: list[str] | None = None, search_seconds: float = SEARCH_SECONDS
+) -> Report:
+    """Only the file:// half of `check_site`: for a site that a server need not show (the self-test's)."""
+    report = Report()
+    with chromium(width) as driver:
+        check_from_disk(report, driver, site_dir, site_pages(site_dir) if pages is None else pages, search_seconds)
     return report
 
 
@@ -447,8 +576,8 @@ DEFECTS = """
 <img alt="from another host" src="https://example.invalid/pixel.png">
 """
 
-# Each injected defect, and the words of the failure that must report it.
-EXPECTED = {
+# Each injected defect, and the words of the failure that must report it (all of them, where a tuple).
+EXPECTED: dict[str, str | tuple[str, ...]] = {
     "over-wide table": "table under 'Self-test defects' is wider than the content column",
     "over-wide code block": "code block under 'Self-test defects' is wider than the content column",
     "code line over 100 columns": "-column line (at most 100)",
@@ -458,7 +587,23 @@ EXPECTED = {
     "broken asset": "no-such-image.png answered HTTP 404",
     "console error": "docs self-test: a console error",
     "request to another host": "example.invalid/pixel.png from another host",
+    "console error from disk": ("from disk: console error:", "docs self-test: a console error"),
+    "broken link from disk": "from disk: broken a to no-such-page.md: no such file",
+    "broken anchor from disk": "from disk: broken a to activation.html#no-such-anchor: no such id",
+    "request to another host from disk": "from disk: loads https://example.invalid/pixel.png from another host",
 }
+
+WITHOUT_OFFLINE = "offline"
+"""The plugin left out of the self-test's second copy: Material's, which makes the site work from disk."""
+
+# What the site built without it must fail with, opened from disk, and one page that is not there.
+EXPECTED_WITHOUT_OFFLINE: dict[str, str | tuple[str, ...]] = {
+    "console error: no search index": ("from disk: console error:", "search_index.js"),
+    "search that finds nothing": "from disk: search ",
+    "link to a folder (directory URLs)": ("from disk: a to ", "opens a folder"),
+    "page that does not load": "no-such-page.html from disk: does not load",
+}
+MISSING_PAGE = "no-such-page.html"
 
 
 def build(config: Path, site_dir: Path, strict: bool) -> None:
@@ -467,50 +612,84 @@ def build(config: Path, site_dir: Path, strict: bool) -> None:
     subprocess.run([*command, *(["--strict"] if strict else [])], check=True, env=env)
 
 
+def build_copy(tmp: Path, name: str, append_to_index: str = "", leave_out: str | None = None) -> Path:
+    """Build a copy of the docs in `tmp`/`name`, `append_to_index` added to its home page and the plugin
+    `leave_out` left out of mkdocs.yml; return the site. Not strict: the defects would stop a strict build."""
+    import yaml  # mkdocs depends on PyYAML
+
+    docs = tmp / name / "docs"
+    shutil.copytree(ROOT / "docs", docs)
+    with (docs / "index.md").open("a") as page:
+        page.write(append_to_index)
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    config["docs_dir"] = str(docs)
+    if custom_dir := config.get("theme", {}).get("custom_dir"):
+        config["theme"]["custom_dir"] = str(ROOT / custom_dir)
+    plugins = config.get("plugins", [])
+    if leave_out is not None:
+        if leave_out not in plugins:
+            raise SystemExit(f"check_docs_in_browser: the self-test leaves out {leave_out!r}: not in mkdocs.yml")
+        plugins.remove(leave_out)
+    for plugin in plugins:
+        if isinstance(plugin, dict) and "mkdocstrings" in plugin:
+            handler = plugin["mkdocstrings"]["handlers"]["python"]
+            handler["paths"] = [str(ROOT / p) for p in handler.get("paths", ["."])]
+    config_path = tmp / name / "mkdocs.yml"
+    config_path.write_text(yaml.safe_dump(config, sort_keys=False))
+    site = tmp / name / "site"
+    build(config_path, site, strict=False)
+    return site
+
+
 def home_and_activation(site_dir: Path) -> list[str]:
     """The self-test's pages: the home page (the defects) and activation (the anchor's target), named as
     `site_pages` names them, which depends on use_directory_urls (``activation/`` or ``activation.html``)."""
     return [page for page in site_pages(site_dir) if page.rstrip("/").removesuffix(".html") in ("", "activation")]
 
 
-def self_test(width: int) -> int:
-    """Build a copy of the docs with one page full of defects; the check must report every one of them."""
-    import yaml  # mkdocs depends on PyYAML
+def missed(expected: dict[str, str | tuple[str, ...]], report: Report) -> list[str]:
+    """The names in `expected` whose words no failure in `report` has."""
 
+    def reported(words: str | tuple[str, ...]) -> bool:
+        words = (words,) if isinstance(words, str) else words
+        return any(all(word in failure for word in words) for failure in report.failures)
+
+    return [name for name, words in expected.items() if not reported(words)]
+
+
+def self_test(width: int) -> int:
+    """Build two copies of the docs; the check must report every defect of each.
+
+    The first has one page full of defects, checked served and from disk. The second is the real docs
+    built without Material's offline plugin, checked from disk only (with one page that is not there):
+    it proves that the file:// check fails on what readers of a downloaded site hit without the plugin.
+    """
+    columns = 40
+    defects = DEFECTS.format(
+        header=" | ".join(f"column {i}" for i in range(columns)),
+        rule=" | ".join("---" for _ in range(columns)),
+        cells=" | ".join(f"`value_{i}`" for i in range(columns)),
+        long_line="x" * 160,
+    )
     with tempfile.TemporaryDirectory(prefix="docs-self-test-") as tmp:
-        docs = Path(tmp, "docs")
-        shutil.copytree(ROOT / "docs", docs)
-        columns = 40
-        with (docs / "index.md").open("a") as page:
-            page.write(
-                DEFECTS.format(
-                    header=" | ".join(f"column {i}" for i in range(columns)),
-                    rule=" | ".join("---" for _ in range(columns)),
-                    cells=" | ".join(f"`value_{i}`" for i in range(columns)),
-                    long_line="x" * 160,
-                )
-            )
-        config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
-        config["docs_dir"] = str(docs)
-        if custom_dir := config.get("theme", {}).get("custom_dir"):
-            config["theme"]["custom_dir"] = str(ROOT / custom_dir)
-        for plugin in config.get("plugins", []):
-            if isinstance(plugin, dict) and "mkdocstrings" in plugin:
-                handler = plugin["mkdocstrings"]["handlers"]["python"]
-                handler["paths"] = [str(ROOT / p) for p in handler.get("paths", ["."])]
-        config_path = Path(tmp, "mkdocs.yml")
-        config_path.write_text(yaml.safe_dump(config, sort_keys=False))
-        site = Path(tmp, "site")
-        build(config_path, site, strict=False)  # the broken link would stop a strict build
+        site = build_copy(Path(tmp), "defects", append_to_index=defects)
         report = check_site(site, width=width, pages=home_and_activation(site))
-    missed = [name for name, words in EXPECTED.items() if not any(words in failure for failure in report.failures)]
+        site = build_copy(Path(tmp), "without-offline", leave_out=WITHOUT_OFFLINE)
+        # Its search never works: waiting the real check's SEARCH_SECONDS for that would prove nothing more.
+        pages = [*home_and_activation(site), MISSING_PAGE]
+        offline_report = check_site_from_disk(site, width=width, pages=pages, search_seconds=2)
+    missing = missed(EXPECTED, report) + missed(EXPECTED_WITHOUT_OFFLINE, offline_report)
     print("self-test: the check reported")
     for failure in report.failures:
         print(f"  {failure}")
-    if missed:
-        print(f"self-test FAILED: the check did not report: {', '.join(missed)}")
+    print(f"self-test: from disk, the site built without the {WITHOUT_OFFLINE} plugin")
+    for failure in offline_report.failures:
+        print(f"  {failure}")
+    if missing:
+        print(f"self-test FAILED: the check did not report: {', '.join(missing)}")
         return 1
-    print(f"self-test passed: all {len(EXPECTED)} injected defects were reported")
+    total = len(EXPECTED) + len(EXPECTED_WITHOUT_OFFLINE)
+    print(f"self-test passed: all {total} injected defects were reported")
     return 0
 
 
@@ -537,11 +716,11 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(report.pages, indent=1))
     for failure in report.failures:
         print(f"FAIL {failure}")
-    pages = len(report.pages)
+    pages = f"{len(report.pages)} pages served and {len(report.from_disk)} from disk"
     if report.failures:
-        print(f"check_docs_in_browser: {len(report.failures)} problem(s) on {pages} pages")
+        print(f"check_docs_in_browser: {len(report.failures)} problem(s) on {pages}")
         return 1
-    print(f"check_docs_in_browser: {pages} pages, every table and code block fits, no console errors or broken links")
+    print(f"check_docs_in_browser: {pages}, every table and code block fits, no console errors or broken links")
     return 0
 
 
