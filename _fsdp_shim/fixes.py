@@ -68,6 +68,7 @@ model, from `Module.to` or from the backward propagate exactly as they would wit
 from __future__ import annotations
 
 import contextvars
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -106,15 +107,19 @@ def precision_class(namespace: str, version: str, kind: str = "fsdp") -> str:
 
 
 def cast_targets(namespace: str, version: str) -> tuple[Target, ...]:
-    """2.5.0's ``FSDPPrecision.convert_module``, and on 2.1.x the Trainer's conversion moved to setup."""
+    """2.5.0's ``FSDPPrecision.convert_module``; the strategy's FSDP wrap, which puts back the modules FSDP
+    keeps in full precision; and on 2.1.x the Trainer's conversion moved to setup."""
     convert = Target(
         "plugins.precision.fsdp", precision_class(namespace, version), "convert_module", True, convert_module_as_in_2_5
     )
-    if NAMESPACES[namespace] == "trainer" and converts_only_in_connect(version):
+    if NAMESPACES[namespace] == "fabric":
+        return (convert, Target("strategies.fsdp", "FSDPStrategy", "setup_module", False, keep_float32_where_fsdp_does))
+    wrap = Target("strategies.fsdp", "FSDPStrategy", "_setup_model", False, keep_float32_where_fsdp_does)
+    if converts_only_in_connect(version):
         connect = Target("strategies.fsdp", "FSDPStrategy", "connect", True, connect_without_early_conversion)
         setup = Target("strategies.fsdp", "FSDPStrategy", "setup", False, convert_before_setup)
-        return (convert, connect, setup)
-    return (convert,)
+        return (convert, wrap, connect, setup)
+    return (convert, wrap)
 
 
 def recompute_targets(namespace: str, version: str) -> tuple[Target, ...]:
@@ -150,6 +155,9 @@ def plan_of(fix: Fix) -> Callable[[str, str], tuple[Target, ...]]:
 
 
 # ----------------------------------------------------------------------------- the cast
+_was_float32: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+"""Modules whose own floating-point parameters were float32 before the cast (see ``keep_float32_where_fsdp_does``)."""
+
 _conversion_deferred: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "fsdp_shim_conversion_deferred", default=False
 )
@@ -199,9 +207,40 @@ def convert_module_as_in_2_5(
             "losses. Use precision='bf16-true', or eps >= 1e-4. See %s.",
             NUMERICS_PAGE,
         )
+    import torch  # imported already by Lightning; not at the top, so importing this module does not
+
+    for submodule in module.modules():
+        if {p.dtype for p in submodule.parameters(recurse=False) if p.is_floating_point()} == {torch.float32}:
+            _was_float32.add(submodule)
     module = module.to(dtype=dtype)
     rank_check.confirm_every_rank(namespace_of(instance), dtype)
     return module
+
+
+def keep_float32_where_fsdp_does(
+    wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """The strategy's FSDP wrap, after putting back to float32 the modules FSDP runs in full precision.
+
+    With an ``auto_wrap_policy``, FSDP wraps the classes its ``MixedPrecision`` ignores (``_BatchNorm``
+    by default) into units of their own, with mixed precision off and hooks that cast their inputs to
+    float32: their weights must be float32. Unpatched 2.1-2.4 kept them so; 2.5.0's cast makes them
+    bfloat16 and the first forward fails ("mixed dtype (CPU): expect parameter to have scalar type of
+    Float"; 2.5+ fails the same way). Without a policy they share the root's flat parameter and must
+    have its dtype, so the cast cannot decide this: the wrap, which knows the policy, does, and only for
+    modules that were float32 before the cast. A model that trained unpatched keeps training.
+    """
+    try:
+        module = args[0] if args else next(iter(kwargs.values()))
+        fsdp_kwargs = instance.kwargs if hasattr(instance, "kwargs") else instance._fsdp_kwargs
+        ignored = tuple(getattr(instance.mixed_precision_config, "_module_classes_to_ignore", ()))
+    except Exception as error:
+        raise GlueError(error) from error
+    if "auto_wrap_policy" in fsdp_kwargs and ignored:
+        for submodule in module.modules():
+            if isinstance(submodule, ignored) and submodule in _was_float32:
+                submodule.float()
+    return wrapped(*args, **kwargs)
 
 
 def connect_without_early_conversion(

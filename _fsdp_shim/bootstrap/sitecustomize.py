@@ -61,8 +61,7 @@ class _NotArmed:
         error, self.error = self.error, None
         message = (
             "fsdp-shim run: the shim could not be armed in %s (%s: %s), so Lightning runs without its fixes."
-            " Install fsdp-shim in this interpreter's environment."
-            % (sys.executable, type(error).__name__, error)
+            " Install fsdp-shim in this interpreter's environment." % (sys.executable, type(error).__name__, error)
         )
         strict = os.environ.get("FSDP_SHIM_STRICT", "").strip().lower()
         if strict and strict not in ("0", "false", "off", "no", "n", "disable", "disabled"):
