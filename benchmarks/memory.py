@@ -16,7 +16,7 @@ patched / unpatched. It needs the environment that ``pip install lightning==2.4.
 
     PYTHONPATH=.matrix/mixed-2.4.0 python benchmarks/memory.py
 
-The GPU guards are lifted in the benchmark's own processes with ``fsdp_shim.verify.cpu_guards``.
+The GPU guards are lifted in the benchmark's own processes with ``_fsdp_shim.verify.cpu_guards``.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from fsdp_shim.verify.measure import flat_parameters, nbytes, sharded_grad_bytes
-from fsdp_shim.verify.probe import leave_process_group
+from _fsdp_shim.verify.measure import flat_parameters, nbytes, sharded_grad_bytes
+from _fsdp_shim.verify.probe import leave_process_group
 
 WIDTH = 2048
 LAYERS = 12  # 12 x (2048 x 2048 + 2048) = 50.36M parameters
@@ -73,7 +73,7 @@ def child_lightning(namespace: str, steps: int, out: str) -> None:
     import torch
 
     import fsdp_shim  # noqa: F401  (FSDP_SHIM decides)
-    from fsdp_shim.verify import cpu_guards
+    from _fsdp_shim.verify import cpu_guards
 
     pl = importlib.import_module(namespace)
     cpu_guards.lift(namespace)

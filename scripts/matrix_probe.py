@@ -25,7 +25,7 @@ ROOT = os.path.dirname(HERE)
 def probe() -> dict[str, Any]:
     """Import fsdp_shim, then every Lightning package; the versions and the shim's per-namespace status."""
     import fsdp_shim
-    from _fsdp_shim_startup import LIGHTNING_PACKAGES
+    from _fsdp_shim.config import LIGHTNING_PACKAGES
 
     for name in LIGHTNING_PACKAGES:
         with contextlib.suppress(ImportError):

@@ -10,12 +10,15 @@ import random
 import socket
 import subprocess
 import sys
+import sysconfig
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from _fsdp_shim.config import NAMESPACES as NAMESPACE_KINDS
 
 pytest_plugins = ["process_cleanup"]
 
@@ -24,9 +27,15 @@ SCENARIO = ROOT / "tests" / "scenarios" / "fsdp_train.py"
 DTYPES = {"bf16-true": "torch.bfloat16", "16-true": "torch.float16", "32-true": "torch.float32"}
 BYTE_KEYS = ("flat_param_bytes", "grad_bytes", "optimizer_state_bytes")
 NAMESPACES = {
-    "lightning": ("lightning.pytorch", "lightning.fabric"),
-    "standalone": ("pytorch_lightning", "lightning_fabric"),
+    layout: tuple(
+        name
+        for kind in ("trainer", "fabric")
+        for name, k in NAMESPACE_KINDS.items()
+        if k == kind and (name.startswith("lightning.") == (layout == "lightning"))
+    )
+    for layout in ("lightning", "standalone")
 }
+"""Per layout, its (Trainer, Fabric) namespaces, from the package's one table."""
 
 
 PORT_RANGE = range(20000, 32000)
@@ -148,22 +157,23 @@ def last_json(proc: subprocess.CompletedProcess[str]) -> Any:
 
 
 MATRIX_SCOPE = os.environ.get("FSDP_SHIM_TEST_SCOPE", "all")
+"""``all`` (every test) or ``release`` (the ``per_release`` tests only): see the module's docstring."""
 
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
-        "release_independent: checks the shim's own logic (toggles, logging, error isolation), not a "
-        "Lightning release; the matrix runs it once, in the default session",
+        "per_release: what it checks differs between Lightning releases; the matrix runs it in every "
+        "release session (every other test runs once, in the default session)",
     )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if MATRIX_SCOPE != "release":
         return
-    skip = pytest.mark.skip(reason="release-independent; runs in the matrix's default session")
+    skip = pytest.mark.skip(reason="the same on every release; runs in the matrix's default session")
     for item in items:
-        if item.get_closest_marker("release_independent"):
+        if not item.get_closest_marker("per_release"):
             item.add_marker(skip)
 
 
@@ -187,11 +197,10 @@ def layouts() -> dict[str, Layout]:
 
 
 def is_fixed_release(version: str) -> bool:
-    """Whether a Lightning release already contains the fix (2.5.0rc0 on)."""
-    from fsdp_shim.backport import FIRST_FIXED, base_release
+    """Whether a Lightning release already contains the cast (2.5.0rc0 on)."""
+    from _fsdp_shim.config import CAST
 
-    release = base_release(version)
-    return release is not None and release >= FIRST_FIXED
+    return CAST.built_in(version)
 
 
 @pytest.fixture
@@ -268,8 +277,7 @@ def run_scenario(
     def attempt(retry: bool) -> tuple[list[str], dict[str, str]]:  # every attempt draws its ports anew
         command = [sys.executable, str(SCENARIO), *arguments]
         if launcher is not None:
-            torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(launcher[1])]
-            command = [*torchrun, "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *command[1:]]
+            command = [*torchrun(launcher[1]), *command[1:]]
         return command, clean_env(PYTHONWARNINGS="ignore", **(env or {}))
 
     proc, command = run_on_a_free_port(attempt, timeout)
@@ -313,34 +321,69 @@ def trainer_versions(layouts: dict[str, Layout]) -> dict[str, str]:
     return {TRAINER[package]: layout.trainer_version for package, layout in layouts.items()}
 
 
-def an_affected_namespace(layouts: dict[str, Layout], kind: str = "any") -> tuple[str, str]:
-    """An installed namespace (of ``kind``: "trainer", "fabric" or "any") that needs the fix, and its
+def an_affected_namespace(layouts: dict[str, Layout], kind: str = "any", fix: str = "cast") -> tuple[str, str]:
+    """An installed namespace (of ``kind``: "trainer", "fabric" or "any") that lacks ``fix``, and its
     release; the test is skipped where there is none."""
-    from fsdp_shim.backport import is_affected_release
+    from _fsdp_shim.config import FIXES
 
+    affects = next(f for f in FIXES if f.name == fix).affects
     for namespace, version in installed_versions(layouts).items():
         trainer = namespace in TRAINER.values()
-        if is_affected_release(version) and (kind == "any" or trainer == (kind == "trainer")):
+        if affects(version) and (kind == "any" or trainer == (kind == "trainer")):
             return namespace, version
-    pytest.skip(f"no affected Lightning ({kind}) is installed in this environment")
+    pytest.skip(f"no Lightning ({kind}) that lacks the {fix} fix is installed in this environment")
 
 
-def affected_layout(layouts: dict[str, Layout], package: str | None = None) -> Layout:
+def affected_layout(layouts: dict[str, Layout], package: str | None = None, fix: str = "cast") -> Layout:
     """An installed layout (``package``: "lightning" or "standalone", or either) whose Trainer and
-    Fabric need the fix; the test is skipped where there is none."""
-    from fsdp_shim.backport import is_affected_release
+    Fabric lack ``fix``; the test is skipped where there is none."""
+    from _fsdp_shim.config import FIXES
 
+    affects = next(f for f in FIXES if f.name == fix).affects
     for layout in layouts.values():
-        if package in (None, layout.package) and is_affected_release(layout.trainer_version):
+        if package in (None, layout.package) and affects(layout.trainer_version):
             return layout
-    pytest.skip(f"needs an affected {package or 'Lightning'} release")
+    pytest.skip(f"needs a {package or 'Lightning'} release that lacks the {fix} fix")
+
+
+FSDP_SHIM = str(Path(sys.executable).with_name("fsdp-shim"))
+"""The console script next to this interpreter, as users run it."""
+
+
+def fsdp_shim(
+    *args: str,
+    env: dict[str, str] | None = None,
+    cwd: Path = ROOT,
+    python: str | None = None,
+    prefix: tuple[str, ...] = (),
+    timeout: float = 900,
+) -> subprocess.CompletedProcess[str]:
+    """``fsdp-shim ARGS`` in a fresh process: the console script, or ``PYTHON -m fsdp_shim`` for another
+    interpreter; ``prefix`` goes in front (``setpriv ...``)."""
+    command = [FSDP_SHIM] if python is None else [python, "-m", "fsdp_shim"]
+    return run_command([*prefix, *command, *args], env=env or clean_env(), cwd=cwd, timeout=timeout)
 
 
 def verify(*args: str, env: dict[str, str] | None = None, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
     """``fsdp-shim verify ARGS`` in a fresh interpreter."""
-    return run_command(
-        [sys.executable, "-m", "fsdp_shim", "verify", *args], env=env or clean_env(), cwd=cwd, timeout=900
-    )
+    return fsdp_shim("verify", *args, env=env, cwd=cwd)
+
+
+def torchrun(ranks: int, *, nodes: int = 1, node_rank: int = 0, port: int | None = None) -> list[str]:
+    """torchrun's command line for ``ranks`` ranks per node on 127.0.0.1, up to the program to run."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
+    if nodes > 1:
+        command += ["--nnodes", str(nodes), "--node-rank", str(node_rank)]
+    return [*command, "--master-addr", "127.0.0.1", "--master-port", str(port or free_port())]
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not ended (a zombie has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
 
 
 # ----------------------------------------------------------------------------- a virtual environment of its own
@@ -363,13 +406,52 @@ class Venv:
         return run_command([self.python, *args], env=env or clean_env(), cwd=cwd, check=check)
 
 
-def make_venv(root: Path, paths: list[str]) -> Venv:
+def site_packages_of(python: str) -> Path:
+    code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    return Path(subprocess.check_output([python, "-c", code], text=True).strip())
+
+
+def make_venv(root: Path, paths: list[str] | None = None) -> Venv:
+    """A venv without pip that sees ``paths`` (default: this checkout and this environment's packages)."""
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
-    purelib = Path(
-        subprocess.check_output(
-            [str(root / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True
-        ).strip()
-    )
+    purelib = site_packages_of(str(root / "bin" / "python"))
+    paths = [str(ROOT), sysconfig.get_paths()["purelib"]] if paths is None else paths
     paths_file = purelib / "aa_outer_environment.pth"
     paths_file.write_text("".join(f"{path}\n" for path in paths))
     return Venv(root, purelib, paths_file)
+
+
+@pytest.fixture(scope="session")
+def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A wheel of this checkout, built from a copy (a build writes build/ and *.egg-info where it runs)."""
+    work = tmp_path_factory.mktemp("wheel")
+    source = work / "source"
+    listing = ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"]
+    files = subprocess.run(listing, cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
+    for name in filter(None, files):
+        path = ROOT / os.fsdecode(name)
+        if path.is_file():
+            target = source / os.fsdecode(name)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(path.read_bytes())
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(work), str(source)], check=True)
+    return next(work.glob("fsdp_shim-*.whl"))
+
+
+class PipVenv(Venv):
+    """A virtual environment with pip and the wheel installed, as users get fsdp-shim; torch, wrapt and
+    Lightning come from this environment through a plain path file (no start-up code of theirs runs)."""
+
+    def __init__(self, root: Path, wheel: Path) -> None:
+        subprocess.run([sys.executable, "-m", "venv", str(root)], check=True)
+        purelib = site_packages_of(str(root / "bin" / "python"))
+        super().__init__(root, purelib, purelib / "aa_outer_environment.pth")
+        paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+        outer = [str(ROOT / p) for p in paths] + [sysconfig.get_paths()["purelib"]]
+        self.paths_file.write_text("".join(f"{p}\n" for p in outer))
+        self.before = sorted(p.name for p in self.site_packages.iterdir())
+        self.pip("install", "--no-deps", "--no-index", str(wheel))
+
+    def pip(self, *args: str) -> None:
+        subprocess.run([self.python, "-m", "pip", "--disable-pip-version-check", "-q", *args], check=True)

@@ -68,12 +68,11 @@ def train(argv: list[str]) -> None:
     if args.shim == "before":
         import fsdp_shim  # noqa: F401
     import fsdp_train
-    from cpu_fsdp_harness import lift_gpu_guards
 
     trainer_ns, fabric_ns = fsdp_train.namespaces("lightning")
     pl = importlib.import_module(trainer_ns)
     fabric_module = importlib.import_module(fabric_ns)
-    lift_gpu_guards(trainer_ns, fabric_ns)
+    fsdp_train.cpu_guards.lift(trainer_ns, fabric_ns)
     strategy_cls = importlib.import_module(f"{trainer_ns}.strategies").FSDPStrategy
     trainer = fsdp_train.run_trainer_case(
         pl, strategy_cls, CASE, args.precision, args.devices, None, num_nodes=args.num_nodes

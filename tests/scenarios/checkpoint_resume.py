@@ -64,10 +64,9 @@ def main(argv: list[str]) -> None:
         import fsdp_shim  # noqa: F401
     namespace = trainer_namespace(args.package)
     pl = importlib.import_module(namespace)
-    sys.path.insert(0, str(Path(__file__).parent))
-    from cpu_fsdp_harness import lift_gpu_guards
+    from _fsdp_shim.verify import cpu_guards  # activates nothing
 
-    lift_gpu_guards(namespace)
+    cpu_guards.lift(namespace)
     from torch.utils.data import DataLoader, TensorDataset
 
     class Model(pl.LightningModule):

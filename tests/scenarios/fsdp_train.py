@@ -27,6 +27,12 @@ import torch.nn.functional as F
 from scenario_exit import leave_process_group
 from torch import nn
 
+from _fsdp_shim.verify import cpu_guards, measure  # importing _fsdp_shim activates nothing
+
+flat_parameters = measure.flat_parameters
+grad_bytes = measure.sharded_grad_bytes
+optimizer_state_bytes = measure.optimizer_state_bytes
+
 SEQ = 8
 VOCAB = 64
 FEATURES = 16
@@ -92,33 +98,12 @@ def namespaces(package: str) -> tuple[str, str]:
     )
 
 
-def load_measuring_code() -> Any:
-    """The shim's own byte counting (``fsdp_shim/verify/measure.py``), loaded by its path: importing it
-    by name would import fsdp_shim, and so activate the shim, in runs that must not have it."""
-    import importlib.util
-
-    package = importlib.util.find_spec("fsdp_shim")  # finds the package without running its __init__
-    assert package is not None and package.submodule_search_locations, "fsdp_shim is not installed"
-    path = Path(package.submodule_search_locations[0]) / "verify" / "measure.py"
-    spec = importlib.util.spec_from_file_location("fsdp_shim_measuring_code", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-MEASURE = load_measuring_code()
-flat_parameters = MEASURE.flat_parameters
-grad_bytes = MEASURE.sharded_grad_bytes
-optimizer_state_bytes = MEASURE.optimizer_state_bytes
-
-
-def measure(fsdp_root: nn.Module, optimizer: torch.optim.Optimizer, grads: int) -> dict[str, Any]:
+def figures(fsdp_root: nn.Module, optimizer: torch.optim.Optimizer, grads: int) -> dict[str, Any]:
     flat = flat_parameters(fsdp_root)
     return {
         "flat_param_dtypes": sorted({str(p.dtype) for p in flat}),
         "flat_param_numel": sum(p.numel() for p in flat),
-        "flat_param_bytes": MEASURE.nbytes(flat),
+        "flat_param_bytes": measure.nbytes(flat),
         "grad_bytes": grads,
         "optimizer_state_bytes": optimizer_state_bytes(optimizer),
         "param_dtypes": sorted({str(p.dtype) for p in fsdp_root.parameters()}),
@@ -127,7 +112,7 @@ def measure(fsdp_root: nn.Module, optimizer: torch.optim.Optimizer, grads: int) 
 
 def shim_facts(trainer_ns: str, fabric_ns: str) -> dict[str, Any]:
     """What the shim did to the classes this process used (read from the classes, not the shim)."""
-    from fsdp_shim.patching import is_shim_wrapper
+    from _fsdp_shim.wrappers import is_shim_wrapper
 
     def wrapped(module: str, cls: str, attr: str) -> bool:
         owner = getattr(importlib.import_module(module), cls, None)
@@ -235,7 +220,7 @@ def run_trainer_case(
     trainer = pl.Trainer(strategy=strategy_cls(), max_steps=2, enable_checkpointing=False, **common)
     trainer.fit(model, loader)
     result = {"module_dtype": str(model.dtype), "global_step": trainer.global_step}
-    result.update(measure(trainer.strategy.model, trainer.optimizers[0], model.grad_bytes))
+    result.update(figures(trainer.strategy.model, trainer.optimizers[0], model.grad_bytes))
     if ckpt_dir is not None:
         path = os.path.join(ckpt_dir, "probe.ckpt")
         trainer.save_checkpoint(path)
@@ -243,7 +228,7 @@ def run_trainer_case(
         resumed = pl.Trainer(strategy=strategy_cls(), max_steps=4, enable_checkpointing=False, **common)
         resumed.fit(resumed_model, loader, ckpt_path=path)
         result["resumed"] = {"module_dtype": str(resumed_model.dtype), "global_step": resumed.global_step}
-        result["resumed"].update(measure(resumed.strategy.model, resumed.optimizers[0], resumed_model.grad_bytes))
+        result["resumed"].update(figures(resumed.strategy.model, resumed.optimizers[0], resumed_model.grad_bytes))
     return result
 
 
@@ -301,7 +286,7 @@ def run_fabric_case(fabric: Any, kind: str, precision: str, delay: str | None = 
     # 2.0.x gives FSDP with "32-true" a plain Precision, which has no _desired_input_dtype.
     input_dtype = getattr(fabric._precision, "_desired_input_dtype", torch.float32)
     grads = train_plain(fsdp_root, optimizer, fabric.backward, input_dtype)
-    return measure(fsdp_root, optimizer, grads)
+    return figures(fsdp_root, optimizer, grads)
 
 
 # ----------------------------------------------------------------------------- plain PyTorch
@@ -336,7 +321,7 @@ def run_torch_case(trainer_ns: str, kind: str, precision: str) -> dict[str, Any]
             torch.set_default_dtype(previous)
     else:
         grads = train_plain(fsdp, optimizer, lambda loss: loss.backward(), dtype)
-    return measure(fsdp, optimizer, grads)
+    return figures(fsdp, optimizer, grads)
 
 
 class _null_context:
@@ -380,10 +365,7 @@ def main(argv: list[str]) -> None:
         fabric_module = importlib.import_module(fabric_ns)
         if args.shim == "after":
             import fsdp_shim  # noqa: F401
-        sys.path.insert(0, str(Path(__file__).parent))
-        from cpu_fsdp_harness import lift_gpu_guards
-
-        lift_gpu_guards(trainer_ns, fabric_ns)
+        cpu_guards.lift(trainer_ns, fabric_ns)
         if args.api == "trainer":
             strategy_cls = importlib.import_module(f"{trainer_ns}.strategies").FSDPStrategy
             for kind, precision in cases:
@@ -413,7 +395,8 @@ def main(argv: list[str]) -> None:
                 result = run_fabric_case(fabric, kind, precision, args.delay_rank)
                 results.append({"case": f"{kind}:{precision}", **result})
                 rank = fabric.global_rank
-        results.append({"case": "_shim", **(shim_facts(trainer_ns, fabric_ns) if "fsdp_shim" in sys.modules else {})})
+        active = "_fsdp_shim.activation" in sys.modules
+        results.append({"case": "_shim", **(shim_facts(trainer_ns, fabric_ns) if active else {})})
         results.append({"case": "_versions", "trainer": pl.__version__, "fabric": fabric_module.__version__})
     Path(f"{args.out}.rank{rank}.json").write_text(json.dumps(results, indent=1))
     leave_process_group()

@@ -20,7 +20,7 @@ def leave_process_group() -> None:
     that needs the GIL then aborts the process ("terminate called without an active exception"),
     intermittently, after a run whose results were complete (seen in CI in 3 of 15 matrix
     sessions with the barrier and destroy_process_group already in place, and in a one-process
-    Trainer child on Lightning 2.1.4). It mirrors ``fsdp_shim.verify.probe.leave_process_group``,
+    Trainer child on Lightning 2.1.4). It mirrors ``_fsdp_shim.verify.probe.leave_process_group``,
     which the package's probes use, because these programs must run without importing fsdp_shim.
     """
     import torch.distributed as dist
