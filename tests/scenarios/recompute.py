@@ -1,0 +1,285 @@
+"""Train one small model per case, with and without activation checkpointing, and record per rank what
+must match bit for bit: the loss of every step and a hash of the final (sharded) parameters.
+
+Run as a script (Lightning's launcher re-runs ``sys.argv`` on every rank)::
+
+    python recompute.py --api trainer --strategy fsdp --devices 2 --precision bf16-true \
+        --cases ones:none,ones:policy,mask:nonreentrant --out /tmp/result
+
+A case is ``BLOCK:MODE``. Every block makes a tensor without an explicit dtype in its forward, which
+is the precision's dtype in the forward (Lightning's "true" precisions set the default dtype there)
+and float32 in a recompute that runs outside that context:
+
+* ``ones``: ``h * torch.ones(16)``;  ``scalar``: ``h * (1 + torch.tensor(0.25))``;
+* ``mask``: a causal mask from ``torch.full(..., -inf).triu(1)`` added to attention scores;
+* ``castback``: ``(h.float() * torch.tensor(0.1)).to(h.dtype)``: the result's dtype does not change,
+  only its values (reentrant checkpointing, which checks nothing, then trains differently);
+* ``probe``: an identity whose backward records the default dtype it runs under;
+* ``llama``: a tiny Hugging Face ``LlamaForCausalLM`` (its decoder layers are the blocks).
+
+Modes: ``none`` (no checkpointing), ``policy`` (Lightning's ``activation_checkpointing_policy``, FSDP
+only), ``nonreentrant`` and ``reentrant`` (``torch.utils.checkpoint`` in the model's own forward).
+APIs: ``trainer``, ``manual`` (the Trainer with manual optimization and ``manual_backward``), ``fabric``
+(``fabric.backward``). Strategies: ``fsdp`` (``FSDPPrecision``), ``ddp`` and ``single`` (one device;
+both ``HalfPrecision``).
+
+Each rank writes ``<out>.rank<N>.json``, one row per case as ``fsdp_train.py`` does: ``losses``,
+``params`` (a SHA-256 of this rank's parameters), ``backward_dtypes`` (the probe block's) and
+``error`` (``"Type: message"`` when training raised), then the rows ``_lightning`` and ``_shim``. On one rank a case that raised is recorded and the next one runs; on more, the run stops
+there (the ranks could no longer agree on their collectives). ``--shim on`` imports fsdp_shim before
+Lightning; ``off`` never does. Nothing here knows what the answer should be: the tests compare runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+from scenario_exit import leave_process_group
+from torch import nn
+
+FEATURES = 16
+SEQ = 8
+BATCH = 4
+STEPS = 3
+BACKWARD_DTYPES: list[str] = []
+"""What the ``probe`` block's backward saw as the default dtype, in order."""
+
+
+class _RecordDefaultDtype(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        BACKWARD_DTYPES.append(str(torch.get_default_dtype()))
+        return grad
+
+
+class Block(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.lin = nn.Linear(FEATURES, FEATURES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.lin(x))
+        if self.kind == "ones":
+            return h * torch.ones(FEATURES)
+        if self.kind == "scalar":
+            return h * (1 + torch.tensor(0.25))
+        if self.kind == "mask":
+            scores = h @ h.transpose(-1, -2) + torch.full((SEQ, SEQ), float("-inf")).triu(1)
+            return torch.softmax(scores, dim=-1) @ h
+        if self.kind == "castback":
+            return (h.float() * torch.tensor(0.1)).to(h.dtype)
+        if self.kind == "probe":
+            return _RecordDefaultDtype.apply(h)
+        raise ValueError(self.kind)
+
+
+class Net(nn.Module):
+    """An input layer, two blocks (checkpointed in the ``*reentrant`` modes) and an output layer."""
+
+    def __init__(self, kind: str, mode: str) -> None:
+        super().__init__()
+        self.mode = mode
+        self.inp = nn.Linear(FEATURES, FEATURES)
+        self.blocks = nn.ModuleList([Block(kind), Block(kind)])
+        self.out = nn.Linear(FEATURES, FEATURES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            if self.mode in ("reentrant", "nonreentrant"):
+                h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=self.mode == "reentrant")
+            else:
+                h = block(h)
+        return self.out(h)
+
+
+def llama(mode: str) -> tuple[nn.Module, type]:
+    """A tiny Llama and its decoder-layer class; ``*reentrant`` modes use Hugging Face's own switch."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    config = LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=SEQ, attn_implementation="eager",
+    )  # fmt: skip
+    model = LlamaForCausalLM(config)
+    if mode in ("reentrant", "nonreentrant"):
+        model.gradient_checkpointing_enable({"use_reentrant": mode == "reentrant"})
+    return model, LlamaDecoderLayer
+
+
+def build(kind: str, mode: str) -> tuple[nn.Module, set[type]]:
+    torch.manual_seed(0)
+    if kind == "llama":
+        model, layer = llama(mode)
+        return model, {layer}
+    return Net(kind, mode), {Block}
+
+
+def batches(kind: str, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    if kind == "llama":
+        tokens = torch.randint(0, 64, (count, BATCH, SEQ + 1), generator=generator)
+        return [(t[:, :-1], t[:, 1:]) for t in tokens]
+    x = torch.randn(count, BATCH, SEQ, FEATURES, generator=generator)
+    return list(zip(x, torch.randn(count, BATCH, SEQ, FEATURES, generator=generator)))
+
+
+def loss_of(model: nn.Module, kind: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    if kind == "llama":
+        logits = model(input_ids=x, use_cache=False).logits  # a cache would grow again in each recompute
+        return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+    return ((model(x).float() - y.float()) ** 2).mean()
+
+
+def parameters_hash(module: nn.Module) -> str:
+    """SHA-256 of this rank's parameters, in order: FSDP's flat (sharded) parameters where there are."""
+    from _fsdp_shim.verify import measure  # activates nothing
+
+    tensors = measure.flat_parameters(module) or list(module.parameters())
+    digest = hashlib.sha256()
+    for tensor in tensors:
+        digest.update(str(tensor.dtype).encode())
+        digest.update(tensor.detach().float().cpu().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def strategy_for(args: argparse.Namespace, namespace: str, mode: str, layers: set[type]) -> Any:
+    if args.strategy != "fsdp":
+        return "ddp" if args.strategy == "ddp" else "auto"
+    fsdp = importlib.import_module(f"{namespace}.strategies").FSDPStrategy
+    return fsdp(auto_wrap_policy=layers, activation_checkpointing_policy=layers if mode == "policy" else None)
+
+
+def run_trainer(args: argparse.Namespace, namespace: str, kind: str, mode: str) -> tuple[list[float], str, int]:
+    pl = importlib.import_module(namespace)
+    net, layers = build(kind, mode)
+    data = batches(kind, STEPS * args.devices)
+    manual = args.api == "manual"
+
+    class Model(pl.LightningModule):  # type: ignore[misc, name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net
+            self.losses: list[float] = []
+            self.automatic_optimization = not manual
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            loss = loss_of(self.net, kind, *batch)
+            self.losses.append(loss.item())
+            if not manual:
+                return loss
+            optimizer = self.optimizers()
+            self.manual_backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            return None
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.trainer.model.parameters(), lr=0.05)
+
+    model = Model()
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=args.devices, strategy=strategy_for(args, namespace, mode, layers),
+        precision=args.precision, max_steps=STEPS, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+    )  # fmt: skip
+    loader = torch.utils.data.DataLoader(data, batch_size=None)
+    trainer.fit(model, loader)
+    return model.losses, parameters_hash(trainer.strategy.model), trainer.global_rank
+
+
+def run_fabric(args: argparse.Namespace, namespace: str, kind: str, mode: str) -> tuple[list[float], str, int]:
+    fabric = importlib.import_module(namespace).Fabric(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=strategy_for(args, namespace, mode, build(kind, mode)[1]),
+        precision=args.precision,
+    )
+    fabric.launch()
+    net, _ = build(kind, mode)
+    model = fabric.setup_module(net)
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.05))
+    losses = []
+    for x, y in batches(kind, STEPS * args.devices)[fabric.global_rank :: args.devices]:
+        loss = loss_of(model, kind, x, y)
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, parameters_hash(model._forward_module), fabric.global_rank
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--api", choices=("trainer", "manual", "fabric"), required=True)
+    parser.add_argument("--strategy", choices=("fsdp", "ddp", "single"), default="fsdp")
+    parser.add_argument("--package", choices=("lightning", "standalone"), default="lightning")
+    parser.add_argument("--shim", choices=("off", "on"), default="on")
+    parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--precision", default="bf16-true")
+    parser.add_argument("--cases", required=True, help="comma-separated BLOCK:MODE")
+    parser.add_argument("--out", required=True)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str]) -> None:
+    args = parse_args(argv)
+    if args.shim == "on":
+        import fsdp_shim  # noqa: F401
+    trainer_ns, fabric_ns = (
+        ("lightning.pytorch", "lightning.fabric")
+        if args.package == "lightning"
+        else ("pytorch_lightning", "lightning_fabric")
+    )
+    namespace = fabric_ns if args.api == "fabric" else trainer_ns
+    importlib.import_module(namespace)
+    if args.strategy == "fsdp":
+        from _fsdp_shim.verify import cpu_guards  # activates nothing
+
+        cpu_guards.lift(namespace)
+    run = run_fabric if args.api == "fabric" else run_trainer
+    results: dict[str, Any] = {}
+    rank = int(os.environ.get("LOCAL_RANK", "0"))
+    for case in args.cases.split(","):
+        kind, mode = case.split(":")
+        BACKWARD_DTYPES.clear()
+        try:
+            losses, params, rank = run(args, namespace, kind, mode)
+            results[case] = {
+                "losses": losses,
+                "params": params,
+                "backward_dtypes": list(BACKWARD_DTYPES),
+                "error": None,
+            }
+        except Exception as error:
+            message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            results[case] = {"error": f"{type(error).__name__}: {message}", "traceback": traceback.format_exc()[-2000:]}
+            if args.devices > 1:
+                break
+    results["_lightning"] = {"version": importlib.import_module(namespace).__version__, "namespace": namespace}
+    results["_shim"] = {"active": "_fsdp_shim.activation" in sys.modules}
+    rows = [{"case": case, **row} for case, row in results.items()]
+    Path(f"{args.out}.rank{rank}.json").write_text(json.dumps(rows, indent=1))
+    if any(case.get("error") for case in results.values()) and args.devices > 1:
+        sys.stdout.flush()
+        os._exit(0)  # no barrier: after an error the ranks may no longer meet
+    leave_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
