@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from conftest import ROOT, Layout, clean_env, is_fixed_release
 
-from fsdp_shim.backport import is_affected_release
+from _fsdp_shim.config import CAST
 
 SCENARIO = ROOT / "tests" / "scenarios" / "checkpoint_resume.py"
 TENSORS = ("params", "exp_avg", "exp_avg_sq")
@@ -30,7 +30,7 @@ STATE_DICT_TYPES = ["full", "sharded"]
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory, layouts: dict[str, Layout]) -> Path:
     lightning, standalone = layouts.get("lightning"), layouts.get("standalone")
-    if not (lightning and standalone and is_affected_release(lightning.trainer_version)):
+    if not (lightning and standalone and CAST.affects(lightning.trainer_version)):
         pytest.skip("needs an affected `lightning` next to a fixed `pytorch_lightning`")
     if not is_fixed_release(standalone.trainer_version):
         pytest.skip("needs a fixed `pytorch_lightning`")

@@ -1,23 +1,35 @@
-"""Real FSDP (gloo, CPU) through Lightning's own Trainer and Fabric, 1 and 2 processes.
+"""The cast fix, with real FSDP (gloo, CPU) through Lightning's own Trainer and Fabric, 1 and 2 processes.
 
 Every expectation is derived from another run of the same program: the shim switched off, plain
 PyTorch FSDP on the same layers cast to the precision's dtype, or a Lightning that has the fix. On
 an affected release the shim must match plain PyTorch (which is what 2.5.0+ gives, checked on the
 fixed layouts by the same assertions) and halve the unpatched run's bytes for "bf16-true" and
-"16-true"; on any other release it must change nothing at all.
+"16-true"; on any other release the cast must change nothing at all. Then Lightning 2.5.0's own
+``convert_module`` tests, and two model shapes: #20239 (bfloat16 and float32 layers in one model),
+which the cast fixes, and BatchNorm under an auto-wrap policy, which it must not break.
 """
 
 from __future__ import annotations
 
 import pytest
-from conftest import BYTE_KEYS, DTYPES, Layout, Scenarios, is_fixed_release, layout_or_skip
-
-from fsdp_shim.backport import (
-    FIRST_AFFECTED,
-    base_release,
-    converts_only_in_connect,
-    is_affected_release,
+from conftest import (
+    BYTE_KEYS,
+    DTYPES,
+    NAMESPACES,
+    Layout,
+    Scenarios,
+    child_json,
+    installed_versions,
+    is_fixed_release,
+    layout_or_skip,
 )
+
+from _fsdp_shim.config import CAST, base_release
+from _fsdp_shim.fixes import converts_only_in_connect
+
+FIRST_AFFECTED = CAST.first_affected
+is_affected_release = CAST.affects
+pytestmark = pytest.mark.per_release
 
 TRAINER_CASES = [
     "init:bf16-true",
@@ -202,3 +214,94 @@ def test_patched_release_equals_the_fixed_release_next_to_it(
     for case in cases:
         assert measurements(patched[case]) == measurements(upstream[case]), case
         assert patched[case].get("module_dtype") == upstream[case].get("module_dtype"), case
+
+
+# ----------------------------------------------------------------------------- Lightning's own tests
+CONVERT_CASES = [
+    ("32-true", "torch.float32"),
+    ("bf16-mixed", "torch.float32"),
+    ("16-mixed", "torch.float32"),
+    ("bf16-true", "torch.bfloat16"),
+    ("16-true", "torch.float16"),
+]
+
+
+@pytest.fixture(scope="module")
+def converted(layouts: dict[str, Layout]) -> dict[str, dict[str, list[str]]]:
+    namespaces = [
+        ns
+        for package, layout in layouts.items()
+        for ns, version in zip(NAMESPACES[package], (layout.trainer_version, layout.fabric_version))
+        if base_release(version) >= FIRST_AFFECTED
+    ]
+    return child_json(
+        "convert_module:convert_all",
+        {"namespaces": namespaces, "precisions": [p for p, _ in CONVERT_CASES]},
+        python_args=("-W", "ignore"),
+    )
+
+
+@pytest.mark.parametrize(("precision", "expected_dtype"), CONVERT_CASES)
+@pytest.mark.parametrize(
+    "namespace", ["lightning.pytorch", "lightning.fabric", "pytorch_lightning", "lightning_fabric"]
+)
+def test_lightning_2_5_convert_module(namespace: str, precision: str, expected_dtype: str, converted: dict) -> None:
+    """Lightning 2.5.0's own ``test_convert_module`` cases, rewritten as ours: with the shim active they
+    hold on every release from 2.1.0 on, affected ones included (2.1.0's Trainer class is
+    ``FSDPPrecisionPlugin``)."""
+    if namespace not in converted:
+        pytest.skip(f"{namespace} (2.1 or later) is not installed")
+    weight_before, bias_before, weight_after, bias_after, same_object = converted[namespace][precision]
+    assert weight_before == bias_before == "torch.float32"
+    assert weight_after == bias_after == expected_dtype
+    assert same_object is True  # Module.to converts in place, as in 2.5.0
+
+
+# ----------------------------------------------------------------------------- model shapes
+def shape_runs(layouts: dict[str, Layout], shape: str, auto_wrap: bool) -> dict[str, dict[str, dict]]:
+    """Per installed namespace from 2.1.0 on: the run without the shim and the run with it."""
+    runs = {}
+    for namespace, version in installed_versions(layouts).items():
+        if base_release(version) >= FIRST_AFFECTED:
+            runs[namespace] = {
+                shim: child_json(
+                    "cast:fit",
+                    {"namespace": namespace, "shape": shape, "auto_wrap": auto_wrap, "import_shim": shim == "on"},
+                    python_args=("-W", "ignore"),
+                )
+                for shim in ("off", "on")
+            }
+    if not runs:
+        pytest.skip("needs Lightning 2.1 or later")
+    return runs
+
+
+def test_a_model_holding_bfloat16_and_float32_layers_trains(layouts: dict[str, Layout]) -> None:
+    """Lightning #20239: FSDP refuses a flat parameter of mixed dtypes ("Must flatten tensors with
+    uniform dtype"). The cast gives every layer the precision's dtype first, as 2.5.0 does, so such a
+    model trains with the shim on every release it casts, and on a fixed release as it is."""
+    for namespace, runs in shape_runs(layouts, "mixed", auto_wrap=False).items():
+        version = installed_versions(layouts)[namespace]
+        if is_affected_release(version):
+            assert "Must flatten tensors with uniform dtype" in (runs["off"]["error"] or ""), (namespace, runs["off"])
+        assert runs["on"]["error"] is None, (namespace, runs["on"])
+        assert runs["on"]["dtypes"] == ["torch.bfloat16"], namespace
+
+
+@pytest.mark.parametrize("auto_wrap", [True, False], ids=["auto-wrap-policy", "one-unit"])
+def test_batchnorm_trains_where_it_trained_before(auto_wrap: bool, layouts: dict[str, Layout]) -> None:
+    """Under an auto-wrap policy FSDP runs BatchNorm in a unit of its own in float32: the shim leaves
+    its weights float32 there (unpatched 2.1-2.4 trained so; 2.5+ casts them and fails, which the
+    fixed releases show as they are). Without a policy it shares the root's flat parameter: bfloat16,
+    as on 2.5+."""
+    for namespace, runs in shape_runs(layouts, "batchnorm", auto_wrap).items():
+        version = installed_versions(layouts)[namespace]
+        if is_affected_release(version):
+            assert runs["off"]["error"] is None, (namespace, runs["off"])
+            assert runs["on"]["error"] is None, (namespace, runs["on"])
+            expected = ["torch.float32"] if auto_wrap else ["torch.bfloat16"]
+            assert runs["on"]["batchnorm"] == expected, (namespace, runs["on"])
+            assert runs["on"]["dtypes"] == sorted({"torch.bfloat16", *expected}), (namespace, runs["on"])
+        elif auto_wrap:  # Lightning 2.5+ as shipped, shim or not (the shim does not cast there)
+            for shim in ("off", "on"):
+                assert "expect parameter to have scalar type of Float" in (runs[shim]["error"] or ""), runs[shim]

@@ -1,0 +1,393 @@
+"""The project itself: the package's import graph, the compatibility table's generator, the tests'
+hang protection, and the demo-Transformer benchmark at its CPU size."""
+
+from __future__ import annotations
+
+import ast
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, alive, run_command
+
+SCRIPTS = ROOT / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+import compat_table  # noqa: E402  (scripts/ is not a package)
+
+# ----------------------------------------------------------------------------- the import graph
+PACKAGES = ("_fsdp_shim", "fsdp_shim")
+MODULES = {
+    ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): path
+    for package in PACKAGES
+    for path in (ROOT / package).rglob("*.py")
+}
+
+
+def _under_type_checking(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
+    while node in parents:
+        node = parents[node]
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            return True
+    return False
+
+
+def imports_in(source: str) -> set[str]:
+    """Every module ``source`` imports at run time, wherever in the file (not under TYPE_CHECKING), and
+    every package whose ``__init__`` such an import runs first: ``from a.b import c`` imports ``a``,
+    ``a.b``, and ``a.b.c`` where that is a module here."""
+    tree = ast.parse(source)
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    found = set()
+    for node in ast.walk(tree):
+        if _under_type_checking(node, parents):
+            continue
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        for name in names:
+            parts = name.split(".")
+            found.update(".".join(parts[:index]) for index in range(1, len(parts) + 1))
+    return {name for name in found if name in MODULES}
+
+
+def import_graph() -> dict[str, set[str]]:
+    return {name: imports_in(path.read_text()) - {name} for name, path in MODULES.items()}
+
+
+def cycles_in(graph: dict[str, set[str]]) -> list[str]:
+    """Every import cycle of ``graph`` (module -> the modules it imports), as "a -> b -> a"."""
+    cycles = set()
+
+    def visit(name: str, path: list[str]) -> None:
+        for imported in sorted(graph.get(name, ())):
+            if imported in path:
+                cycles.add(" -> ".join([*path[path.index(imported) :], imported]))
+            else:
+                visit(imported, [*path, imported])
+
+    for name in sorted(graph):
+        visit(name, [name])
+    return sorted(cycles)
+
+
+def test_the_package_has_no_import_cycle() -> None:
+    """No whitelisted edge: the start-up module hands over to the package by name, at run time, so
+    nothing it imports imports it back."""
+    graph = import_graph()
+    assert sum(len(edges) for edges in graph.values()) > 40  # the walk sees the package's imports at all
+    assert graph["_fsdp_shim"] == set(), "the start-up module imports nothing of the package"
+    assert not cycles_in(graph), "\n".join(cycles_in(graph))
+
+
+def test_only_fsdp_shim_itself_activates() -> None:
+    """Only the public package activates, and nothing in the implementation imports it but verify's
+    probe, which exists to train with the shim: the CLI, the start-up module and every other module
+    import without activating."""
+    importers = [name for name, edges in import_graph().items() if "fsdp_shim" in edges]
+    assert [name for name in importers if name.startswith("_fsdp_shim")] == ["_fsdp_shim.verify.probe"], importers
+
+
+def test_the_cycle_search_finds_a_cycle() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles_in(graph) == ["a -> b -> c -> a", "b -> c -> a -> b", "c -> a -> b -> c"]
+    assert cycles_in({"a": {"b"}, "b": set()}) == []
+
+
+def test_the_package_uses_no_relative_imports() -> None:
+    """The walk above reads absolute imports only; a relative one would hide an edge from it."""
+    relative = [
+        f"{name}:{node.lineno}"
+        for name, path in MODULES.items()
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.level
+    ]
+    assert relative == []
+
+
+def test_the_walk_sees_imports_inside_functions_parent_packages_and_skips_type_checking() -> None:
+    """What hid the old cycles: imports inside functions, and a package __init__ that an import runs."""
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from _fsdp_shim import wrappers\n"
+        "def f():\n    from _fsdp_shim import activation\n    import _fsdp_shim.fixes\n"
+    )
+    found = imports_in(source)
+    assert {"_fsdp_shim", "_fsdp_shim.activation", "_fsdp_shim.fixes"} <= found
+    assert "_fsdp_shim.wrappers" not in found
+
+
+# ----------------------------------------------------------------------------- the compatibility table
+def namespace(name: str, version: str, cast: tuple[str, ...] | bool = (), recompute: tuple[str, ...] = ()) -> dict:
+    """One entry of a matrix record, as ``fsdp_shim.status().namespaces[i].as_dict()`` gives it;
+    ``cast=True``: the release lacks the cast and the shim did not apply it."""
+    fixes = [
+        {
+            "fix": fix,
+            "affected": bool(targets),
+            "patched": bool(targets) and targets is not True,
+            "reason": "",
+            "targets": [] if targets is True else [f"{name}.plugins.precision.fsdp.{t}" for t in targets],
+        }
+        for fix, targets in (("cast", cast), ("recompute", recompute))
+    ]
+    return {
+        "namespace": name,
+        "imported": True,
+        "version": version,
+        "affected": any(fix["affected"] for fix in fixes),
+        "patched": any(fix["patched"] for fix in fixes),
+        "reason": "",
+        "targets": [target for fix in fixes for target in fix["targets"]],
+        "activated_after_import": False,
+        "fixes": fixes,
+    }
+
+
+def record(
+    session: str, namespaces: list[dict], torch: str = "2.13.0+cpu", wrapt: str = "2.5.2", **counts: int
+) -> dict:
+    tally = {"tests": 10, "failures": 0, "errors": 0, "skipped": 2, **counts}
+    tally["passed"] = tally["tests"] - tally["failures"] - tally["errors"] - tally["skipped"]
+    return {"session": session, "wrapt": wrapt, "torch": torch, "namespaces": namespaces, "counts": tally}
+
+
+def generate(tmp_path: Path, records: list[dict]) -> str:
+    results = tmp_path / "results"
+    results.mkdir(exist_ok=True)
+    for rec in records:
+        (results / f"{rec['session']}.json").write_text(json.dumps(rec))
+    out = tmp_path / "compatibility.md"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPTS / "compat_table.py"), str(results), str(out), *(r["session"] for r in records)],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return out.read_text()
+
+
+def table_rows(markdown: str) -> list[list[str]]:
+    """The cells of the main table's rows (the first table after the header line)."""
+    lines = markdown.split("| Session |", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    return [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in lines]
+
+
+BACKWARD = ("FSDPPrecision.backward", "HalfPrecision.backward")
+RECOMPUTE = "recompute: `FSDPPrecision.backward`, `HalfPrecision.backward`"
+MIXED = record(
+    "mixed-2.4.0",
+    [
+        namespace("lightning.fabric", "2.4.0", ("FSDPPrecision.convert_module",), BACKWARD),
+        namespace("lightning.pytorch", "2.4.0", ("FSDPPrecision.convert_module",), BACKWARD),
+        namespace("lightning_fabric", "2.6.6", recompute=BACKWARD),
+        namespace("pytorch_lightning", "2.6.6", recompute=BACKWARD),
+    ],
+    tests=228,
+    skipped=2,
+)
+
+
+def test_one_row_per_release_and_layout_with_each_fix_and_torch_and_wrapt_below(tmp_path: Path) -> None:
+    records = [
+        MIXED,
+        record(
+            "lightning-2.1.0",
+            [
+                namespace("lightning.fabric", "2.1.0", ("FSDPPrecision.convert_module",), BACKWARD),
+                namespace(
+                    "lightning.pytorch",
+                    "2.1.0",
+                    ("FSDPPrecisionPlugin.convert_module", "FSDPStrategy.connect", "FSDPStrategy.setup"),
+                    ("FSDPPrecisionPlugin.backward",),
+                ),
+            ],
+            wrapt="1.17.3",
+        ),
+        record(
+            "lightning-2.4.0-torch-2.4.1",
+            [namespace("pytorch_lightning", "2.4.0", ("FSDPPrecision.convert_module",), BACKWARD)],
+            torch="2.4.1",
+        ),
+        record("lightning-2.0.9", [namespace("lightning.pytorch", "2.0.9"), namespace("lightning.fabric", "2.0.9")]),
+        record("no-lightning", []),
+    ]
+    markdown = generate(tmp_path, records)
+    cast = f"cast: `FSDPPrecision.convert_module`; {RECOMPUTE}"
+    assert table_rows(markdown) == [
+        ["mixed-2.4.0", "`lightning` 2.4.0", cast, cast, "226 / 2 / 0: pass"],
+        ["mixed-2.4.0", "`pytorch_lightning`, `lightning_fabric` 2.6.6", RECOMPUTE, RECOMPUTE, "226 / 2 / 0: pass"],
+        [
+            "lightning-2.1.0",
+            "`lightning` 2.1.0",
+            "cast: `FSDPPrecisionPlugin.convert_module`, `FSDPStrategy.connect`, `FSDPStrategy.setup`; "
+            "recompute: `FSDPPrecisionPlugin.backward`",
+            cast,
+            "8 / 2 / 0: pass",
+        ],
+        # Only the Trainer namespace of that layout imported: the Fabric cell says so.
+        [
+            "lightning-2.4.0-torch-2.4.1",
+            "`pytorch_lightning`, `lightning_fabric` 2.4.0",
+            cast,
+            "not installed",
+            "8 / 2 / 0: pass",
+        ],
+        ["lightning-2.0.9", "`lightning` 2.0.9", "untouched", "untouched", "8 / 2 / 0: pass"],
+        ["no-lightning", "(no Lightning)", "-", "-", "8 / 2 / 0: pass"],
+    ]
+    header = markdown.split("| Session |", 1)[1].splitlines()[0]
+    assert "torch" not in header and "wrapt" not in header
+    assert (
+        "**Versions.** Every session ran on torch 2.13.0+cpu and wrapt 2.5.2, except `lightning-2.1.0`: wrapt 1.17.3; "
+        "`lightning-2.4.0-torch-2.4.1`: torch 2.4.1." in markdown
+    )
+
+
+def test_failures_are_loud(tmp_path: Path) -> None:
+    records = [
+        record("lightning-2.2.5", [namespace("lightning.pytorch", "2.2.5", cast=True, recompute=BACKWARD)], failures=1),
+        {"session": "broken", "error": "Traceback ...", "counts": record("x", [])["counts"]},
+    ]
+    rows = table_rows(generate(tmp_path, records))
+    assert rows == [
+        [
+            "lightning-2.2.5",
+            "`lightning` 2.2.5",
+            f"cast: **affected, not patched**; {RECOMPUTE}",
+            "not installed",
+            "7 / 2 / 1: **FAIL**",
+        ],
+        ["broken", "probe failed", "-", "-", "8 / 2 / 0: **FAIL**"],
+    ]
+
+
+def test_the_committed_table_has_the_generators_format() -> None:
+    """docs/compatibility.md is written by the generator: its prose and footer are the generator's, and
+    every row has the generator's five cells, so the next matrix run changes figures, not the layout."""
+    committed = (ROOT / "docs" / "compatibility.md").read_text()
+    assert committed.startswith(compat_table.HEADER)
+    assert committed.endswith(compat_table.FOOTER)
+    rows = table_rows(committed)
+    assert rows and all(len(row) == 5 for row in rows)
+    sessions = {row[0] for row in rows}
+    assert {"mixed-2.4.0", "no-lightning"} <= sessions
+    assert "**Versions.** Every session ran on torch " in committed
+
+
+def test_a_record_that_matrix_status_writes_here(tmp_path: Path) -> None:
+    """The real probe of this environment, through the generator: one row per installed layout, with the
+    versions and targets the shim reports."""
+    junit = tmp_path / "junit.xml"
+    junit.write_text('<testsuite tests="3" failures="0" errors="0" skipped="1"></testsuite>')
+    results = tmp_path / "results"
+    results.mkdir()
+    subprocess.run(
+        [sys.executable, str(SCRIPTS / "matrix_status.py"), "here", str(results / "here.json"), str(junit)], check=True
+    )
+    rec = json.loads((results / "here.json").read_text())
+    assert "error" not in rec, rec.get("error")
+    rows = table_rows(generate(tmp_path, [rec]))
+    imported = [n for n in rec["namespaces"] if n["imported"]]
+    if not imported:
+        assert rows == [["here", "(no Lightning)", "-", "-", "2 / 1 / 0: pass"]]
+        return
+    cells = " ".join(" ".join(row) for row in rows)
+    for status in imported:
+        assert status["version"] in cells
+        for fix in status["fixes"]:
+            for target in fix["targets"]:
+                assert ".".join(target.rsplit(".", 2)[-2:]) in cells
+
+
+# ----------------------------------------------------------------------------- hang protection
+HANGING_TEST = """
+import subprocess, sys, time
+from pathlib import Path
+
+def test_waits_for_a_peer_that_died(tmp_path):
+    child = (
+        "import subprocess, sys, time; "
+        "g = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)']); "
+        "open(sys.argv[1], 'w').write(str(g.pid)); time.sleep(600)"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", child, PIDS])
+    proc.wait()
+"""
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="the cleanup reads /proc")
+def test_a_hanging_test_fails_by_name_and_its_processes_are_killed(tmp_path: Path) -> None:
+    pids = tmp_path / "grandchild.pid"
+    (tmp_path / "test_hang.py").write_text(f"PIDS = {str(pids)!r}\n" + HANGING_TEST)
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "process_cleanup", "--timeout", "5"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT / "tests")},
+        timeout=120,
+    )
+    took = time.monotonic() - start
+    assert proc.returncode == 1, proc.stdout[-2000:]
+    assert "FAILED test_hang.py::test_waits_for_a_peer_that_died" in proc.stdout
+    assert "Timeout" in proc.stdout
+    assert took < 60, took
+    grandchild = int(pids.read_text())
+    deadline = time.monotonic() + 5
+    while alive(grandchild) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(grandchild), f"grandchild {grandchild} outlived the timed-out test"
+
+
+# ----------------------------------------------------------------------------- the demo-Transformer benchmark
+SCRIPT = ROOT / "benchmarks" / "demo_transformer.py"
+FOLDERS = {"2.4": ROOT / ".matrix" / "mixed-2.4.0", "2.6": ROOT / ".matrix" / "lightning-2.6.6"}
+BYTES = ("param_bytes", "grad_bytes", "optimizer_state_bytes")
+STEPS = 3
+
+
+def lightning_folder(line: str) -> Path:
+    folder = FOLDERS[line]
+    if not list(folder.glob(f"lightning-{line}.*.dist-info")):
+        pytest.skip(f"needs lightning {line}.x installed in {folder} (pip install --no-deps --target {folder} ...)")
+    return folder
+
+
+def test_demo_transformer_small(tmp_path: Path) -> None:
+    folders = {line: lightning_folder(line) for line in FOLDERS}
+    out = tmp_path / "demo.json"
+    command = [sys.executable, str(SCRIPT), "--size", "small", "--steps", str(STEPS), "--json", str(out)]
+    command += ["--lightning-2.4", str(folders["2.4"]), "--lightning-2.6", str(folders["2.6"])]
+    run_command(command, check=True)
+    runs = {key: run["ranks"][0] for key, run in json.loads(out.read_text())["runs"].items()}
+
+    for suffix in ("", "-ckpt"):
+        off, on, fixed = runs[f"2.4-off{suffix}"], runs[f"2.4-on{suffix}"], runs[f"2.6-off{suffix}"]
+        assert off["lightning"].startswith("2.4.") and on["lightning"] == off["lightning"]
+        assert fixed["lightning"].startswith("2.6.")
+        # 2.4.0 without the shim keeps the float32 model: twice the bytes of the shim's run.
+        assert off["flat_param_dtypes"] == ["torch.float32"]
+        for key in BYTES:
+            assert off[key] == 2 * on[key] > 0, key
+        # The shim gives what Lightning's own fix gives.
+        for key in ("flat_param_dtypes", "module_dtype", *BYTES):
+            assert on[key] == fixed[key], key
+        assert not off["shim"]["imported"] and not fixed["shim"]["imported"]
+        assert on["shim"]["patched"]
+
+    for run in ("2.4-off", "2.4-on", "2.6-off"):
+        plain, checkpointed = runs[run], runs[f"{run}-ckpt"]
+        assert checkpointed["checkpointed_layers"] > 0 == plain["checkpointed_layers"], run
+        for key in ("flat_param_dtypes", "module_dtype", *BYTES, "losses"):
+            assert checkpointed[key] == plain[key], (run, key)  # the demo's blocks give every tensor a dtype
+
+    for key, result in runs.items():
+        assert len(result["losses"]) == STEPS and all(math.isfinite(loss) for loss in result["losses"]), key
