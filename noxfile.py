@@ -80,7 +80,7 @@ MATRIX: dict[str, list[str]] = {
     "lightning-2.1.4": ["lightning==2.1.4", "pytorch-lightning==2.1.4", "lightning-fabric==2.1.4"],
     "lightning-2.2.5": ["lightning==2.2.5"],
     "lightning-2.3.3": ["lightning==2.3.3"],
-    "lightning-2.4.0": ["lightning==2.4.0", "pytorch-lightning==2.4.0", "lightning-fabric==2.4.0"],
+    # Lightning 2.4.0: `lightning` in the default session below, both layouts on torch 2.4.1 (OTHER_TORCH).
     "lightning-2.5.0": ["lightning==2.5.0"],
     "lightning-2.6.6": ["lightning==2.6.6", "pytorch-lightning==2.6.6", "lightning-fabric==2.6.6"],
     # What `pip install lightning==2.4.0` creates: an affected lightning.* next to the newest,
@@ -99,20 +99,15 @@ OTHER_TORCH: dict[str, str] = {
     "lightning-2.4.0-torch-2.4.1": "2.4.1",
 }
 MATRIX["lightning-2.4.0-torch-2.4.1"] = ["lightning==2.4.0", "pytorch-lightning==2.4.0"]
-TORCH_DEPENDENT_TESTS = [
-    "tests/test_real_fsdp.py",
-    "tests/test_checkpoints.py",
-    "tests/test_lightning_convert_module.py",
-    "tests/test_verify.py",
-    "tests/test_verify_model.py",
-]
-"""What the sessions in OTHER_TORCH run: the tests that train with FSDP (dtypes, exact bytes,
-checkpoints, Lightning's own tests, verify). What decides imports, gates and wrappers is the same on
-every torch, and its torch's CUDA build costs seconds per interpreter, so those run on one torch only."""
+TORCH_DEPENDENT_TESTS = ["tests/test_cast.py", "tests/test_recompute.py", "tests/test_verify.py"]
+"""What the sessions in OTHER_TORCH run (their per_release tests): what the fixes change in training
+(dtypes, exact bytes, Lightning's own tests, recomputes, verify). What decides imports, gates and
+wrappers is the same on every torch, and its torch's CUDA build costs seconds per interpreter, so
+those run on one torch only."""
 
 DEFAULT_SESSION = "mixed-2.4.0"
-"""Runs the release-independent tests too (toggles, logging, error isolation); the other sessions
-run everything that depends on the Lightning release."""
+"""Runs every test; the other sessions run the tests marked per_release (tests/conftest.py), whose
+outcome differs between Lightning releases."""
 
 
 def uv_install(session: nox.Session, python: str, *arguments: str) -> None:
