@@ -13,6 +13,8 @@
    what any start-up file that runs code costs before its code does anything (the floor of row 1); and
    one whose ``.pth`` imports an empty module from site-packages, what any start-up file that imports a
    module pays before that module runs (the floor of row 3's own share).
+6. The anchor for row 1: setuptools' ``distutils-precedence.pth`` (its exact text) made dormant with
+   ``SETUPTOOLS_USE_DISTUTILS=stdlib``, the same kind of line (read a variable, arm nothing), against none.
 
 Both environments get the shim the way users do, from a wheel installed into site-packages (pip
 writes the .pyc files), and see this environment's wrapt through a plain path entry.
@@ -58,6 +60,11 @@ def make_venv(folder: Path, wheel: Path | None) -> str:
 
 
 UNSET = {key: value for key, value in os.environ.items() if not key.startswith("FSDP_SHIM")}
+SETUPTOOLS_LINE = (
+    "import os; var = 'SETUPTOOLS_USE_DISTUTILS'; enabled = os.environ.get(var, 'local') == 'local'; "
+    "enabled and __import__('_distutils_hack').add_shim(); \n"
+)
+"""setuptools' ``distutils-precedence.pth``, as setuptools 65-80 install it (``install_with_pth._pth_contents``)."""
 SET = {**UNSET, "FSDP_SHIM": "1"}
 
 
@@ -114,6 +121,11 @@ def main() -> None:
         (Path(import_floor_site) / "empty_module.py").write_text("")
         subprocess.run([import_floor, "-m", "compileall", "-q", import_floor_site], check=True)
         (Path(import_floor_site) / "floor.pth").write_text("import empty_module\n")
+        anchor = make_venv(Path(tmp) / "setuptools-anchor", None)
+        anchor_site = subprocess.check_output(
+            [anchor, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True
+        ).strip()
+        (Path(anchor_site) / "distutils-precedence.pth").write_text(SETUPTOOLS_LINE)
         results = {
             "pass: installed, FSDP_SHIM unset / none": paired([bare, "-c", "pass"], [plain, "-c", "pass"], args.pairs),
             "pass: FSDP_SHIM=1 / unset": paired([plain, "-c", "pass"], [plain, "-c", "pass"], args.pairs, SET),
@@ -130,6 +142,12 @@ def main() -> None:
             "pass: a .pth holding `import os` / none": paired([bare, "-c", "pass"], [floor, "-c", "pass"], args.pairs),
             "pass: a .pth importing an empty module / none": paired(
                 [bare, "-c", "pass"], [import_floor, "-c", "pass"], args.pairs
+            ),
+            "pass: setuptools' .pth, dormant / none": paired(
+                [bare, "-c", "pass"],
+                [anchor, "-c", "pass"],
+                args.pairs,
+                {**UNSET, "SETUPTOOLS_USE_DISTUTILS": "stdlib"},
             ),
         }
     import wrapt
