@@ -93,8 +93,7 @@ def arm(source=ENVIRONMENT_SOURCE):
         ARMED_BY.append(source)
     if not [finder for finder in sys.meta_path if getattr(finder, "__name__", None) == "fsdp_shim_finder"]:
         sys.meta_path.insert(0, fsdp_shim_finder)
-    for name in not_handed_over():
-        _hand_over(sys.modules[name], ALREADY_IMPORTED)
+    _hand_over_all(not_handed_over(), ALREADY_IMPORTED)
 
 
 def fsdp_shim_finder(name, path=None, target=None):
@@ -131,8 +130,7 @@ def _observe(loader, name):
         real(module)
         if name in NAMESPACES:
             _hand_over(module, None)
-        for missed in not_handed_over():
-            _hand_over(sys.modules[missed], name)
+        _hand_over_all(not_handed_over(), name)
         return None
 
     try:  # noqa: SIM105 - not contextlib.suppress: this module imports nothing but sys
@@ -152,6 +150,16 @@ def not_handed_over():
         and _handed.get(name) is not modules[name]
         and getattr(getattr(modules[name], "__spec__", None), "_initializing", True) is False
     ]
+
+
+def _hand_over_all(names, noticed_at):
+    """Hand several namespaces over, each claimed before the first goes: a hand-over imports the shim
+    through this finder, and an import it makes must not hand the others over half-way."""
+    modules = [sys.modules[name] for name in names]
+    for module in modules:
+        _handed[module.__name__] = module
+    for module in modules:
+        _hand_over(module, noticed_at)
 
 
 def _hand_over(module, noticed_at):

@@ -103,7 +103,9 @@ def warn(message: str) -> None:
         frame.f_lineno,
         module=module_globals.get("__name__", "<unknown>"),
         registry=module_globals.setdefault("__warningregistry__", {}),
-        module_globals=module_globals,
+        # Only a module with a file: linecache asks the globals' loader for the source otherwise, and
+        # the loader of `python -c`'s __main__ raises ImportError instead of answering None.
+        module_globals=module_globals if module_globals.get("__file__") else None,
     )
 
 

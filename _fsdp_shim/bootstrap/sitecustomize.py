@@ -31,43 +31,52 @@ def _arm_shim():
 
         _fsdp_shim.arm("fsdp-shim run")
     except Exception as error:  # never stop an interpreter from starting; say so at Lightning's import
-        sys.meta_path.insert(0, _NotArmed(error, _lightning_packages()))
+        sys.meta_path.insert(0, _NotArmed(error, _startup_module()))
 
 
-def _lightning_packages():
-    """The top-level packages of the namespace table in the start-up module next to this folder, read
-    from its source: it cannot be imported here, which is why arming failed."""
-    import ast
-
+def _startup_module():
+    """The start-up module next to this folder (``_fsdp_shim/__init__.py``), loaded by its path under
+    another name: it cannot be imported here, which is why arming failed, and it holds the one table of
+    Lightning namespaces and the one parser of the switches. Standard library only; loading it under
+    that name runs nothing. ``None`` where it cannot be read either."""
     try:
-        with open(os.path.join(os.path.dirname(_HERE), "__init__.py")) as source:
-            tree = ast.parse(source.read())
-        table = next(n.value for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "NAMESPACES")
-        return {name.partition(".")[0] for name in ast.literal_eval(table)}
-    except Exception:  # not readable either: the next import of anything reports it
+        import importlib.util
+
+        path = os.path.join(os.path.dirname(_HERE), "__init__.py")
+        spec = importlib.util.spec_from_file_location("_fsdp_shim_bootstrap_startup", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+    except Exception:
         return None
 
 
 class _NotArmed:
-    """Finder that reports, once, at the first Lightning import, that the shim could not be armed."""
+    """Finder that reports, once, at the first Lightning import, that the shim could not be armed (at
+    the next import of anything where the start-up module cannot be read either)."""
 
-    def __init__(self, error, packages):
+    def __init__(self, error, startup):
         self.error = error
-        self.packages = packages
+        self.startup = startup
 
     def find_spec(self, name, path=None, target=None):
-        if self.error is None or (self.packages is not None and name not in self.packages):
+        startup = self.startup
+        if self.error is None or (startup is not None and name.partition(".")[0] not in _packages(startup)):
             return None
         error, self.error = self.error, None
         message = (
             "fsdp-shim run: the shim could not be armed in %s (%s: %s), so Lightning runs without its fixes."
             " Install fsdp-shim in this interpreter's environment." % (sys.executable, type(error).__name__, error)
         )
-        strict = os.environ.get("FSDP_SHIM_STRICT", "").strip().lower()
-        if strict and strict not in ("0", "false", "off", "no", "n", "disable", "disabled"):
+        strict = startup.switch_state(os.environ.get(startup.STRICT_VARIABLE)) if startup is not None else "off"
+        if strict in ("on", "invalid"):
             raise ImportError(message + " FSDP_SHIM_STRICT is on, so this import fails instead.")
         sys.stderr.write(message + "\n")
         return None
+
+
+def _packages(startup):
+    return set(namespace.partition(".")[0] for namespace in startup.NAMESPACES)
 
 
 def _run_shadowed_sitecustomize():
