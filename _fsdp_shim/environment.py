@@ -133,7 +133,7 @@ def _check_environment_file(report: EnvironmentReport) -> None:
     found = next((path for path in read if path.is_file()), None)
     report.environment_file = {
         "path": str(found or OWN_ENVIRONMENT_FILE),
-        "exists": found is not None or OWN_ENVIRONMENT_FILE.is_file(),
+        "exists": found is not None or _installed_by_pip(),
         "read": found is not None,
     }
     if found is None and shim_state() == "on" and not (report.startup_files or report.bootstrap_on_pythonpath):
@@ -144,8 +144,15 @@ def _check_environment_file(report: EnvironmentReport) -> None:
         )
 
 
+def _installed_by_pip() -> bool:
+    """Whether pip put this installation's ``fsdp_shim_env.pth`` next to the package (its record lies
+    there too): a clone's root holds the file as well, as source that no ``site`` reads."""
+    folder = OWN_ENVIRONMENT_FILE.parent
+    return OWN_ENVIRONMENT_FILE.is_file() and any(folder.glob("fsdp_shim-*.dist-info"))
+
+
 def _why_not_read() -> str:
-    if not OWN_ENVIRONMENT_FILE.is_file():
+    if not _installed_by_pip():
         return "this fsdp-shim was not installed by pip (a clone on PYTHONPATH?)"
     return (
         f"this fsdp-shim's is in {OWN_ENVIRONMENT_FILE.parent}, which Python imports from but does not read "
@@ -261,9 +268,7 @@ def render(report: EnvironmentReport) -> str:
     if env.get("read"):
         lines.append(f"  FSDP_SHIM=1    {env['path']}  (arms every interpreter where {SHIM_VARIABLE} is set)")
     else:
-        lines.append(
-            f"  FSDP_SHIM=1    arms nothing here: {_why_not_read() if env.get('exists') else 'no fsdp_shim_env.pth'}"
-        )
+        lines.append(f"  FSDP_SHIM=1    arms nothing here: {_why_not_read()}")
     if report.startup_files:
         lines += [
             f"  start-up file  {f['path']}" + ("" if f["current"] else "  (not this version's)")

@@ -1,5 +1,8 @@
-"""``fsdp-shim install`` / ``uninstall``: refuse to write where it would change nothing, and fail in
-one line, with nothing half-written, where it cannot write."""
+"""``fsdp-shim install`` / ``uninstall`` / ``status`` for the start-up files, and what ``pip`` and
+``uv`` install and remove: refuse to write where it would change nothing, fail in one line with
+nothing half-written where it cannot write, never write through a link, recognise fsdp-shim's files
+(this version's, an earlier version's, an edited one) by their marker line, and remove all of them or
+none, so that no interpreter is left printing an error at start-up."""
 
 from __future__ import annotations
 
@@ -7,17 +10,23 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-import packaging
 import pytest
-from conftest import ROOT, child_json, clean_env, run_command
+from conftest import ROOT, PipVenv, Venv, child_json, clean_env, fsdp_shim, make_venv, run_command, site_packages_of
 
-from fsdp_shim.startup_files import COPY_MODULE, FILES, PTH_TEXT, START_TEXT
+import _fsdp_shim as startup
+from _fsdp_shim.startup_files import COPY_FILE, ENVIRONMENT_FILE, MARKER, PTH_NAME, START_NAME, file_texts
 
-pytestmark = pytest.mark.release_independent
+FILES = file_texts()
+"""What this version writes, by name."""
+FINDER = "fsdp_shim_finder"
+EARLIER_FINDER = "fsdp_shim_watcher"
+"""The name of the finder that earlier versions' start-up files armed."""
+UV = shutil.which("uv", path=os.path.dirname(sys.executable)) or shutil.which("uv")
 
 # Root writes anywhere: without these capabilities, a folder's mode binds root as well.
 WITHOUT_DAC_OVERRIDE = (
@@ -30,7 +39,8 @@ WITHOUT_DAC_OVERRIDE = (
 def shim(
     *args: str, env: dict[str, str] | None = None, python: str = sys.executable, prefix: tuple[str, ...] = ()
 ) -> subprocess.CompletedProcess[str]:
-    return run_command([*prefix, python, "-m", "fsdp_shim", *args], env=env or clean_env(), timeout=120)
+    """``PYTHON -m fsdp_shim ARGS``: the command as the given interpreter runs it."""
+    return fsdp_shim(*args, env=env, python=python, prefix=prefix, timeout=300)
 
 
 def assert_one_line_failure(proc: subprocess.CompletedProcess[str], *fragments: str) -> None:
@@ -43,10 +53,40 @@ def assert_one_line_failure(proc: subprocess.CompletedProcess[str], *fragments: 
         assert fragment in lines[0], lines[0]
 
 
-def startup_files_in(directory: Path) -> list[str]:
+def files_in(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir()) if directory.exists() else []
 
 
+def compiled_copies(directory: Path) -> list[Path]:
+    return sorted((directory / "__pycache__").glob(f"{startup.COPY_NAME}.*.pyc"))
+
+
+def finders(python: str, env: dict[str, str] | None = None) -> list[str]:
+    """The finders a fresh interpreter of ``python`` has on ``sys.meta_path`` after start-up."""
+    _, found = child_json("startup:modules_and_finders", python=python, env=env or clean_env())
+    return found
+
+
+@pytest.fixture
+def venv(tmp_path: Path) -> Venv:
+    """A new virtual environment (its site-packages is a folder it reads start-up files from) that
+    imports this checkout and this environment's packages through a plain path file."""
+    return make_venv(tmp_path / "venv")
+
+
+def uv_venv(root: Path) -> Venv:
+    """The same, made by uv (whose ``lib64`` is a link to ``lib``)."""
+    if UV is None:
+        pytest.skip("needs uv")
+    subprocess.run([UV, "venv", "-q", "--no-cache", "--python", sys.executable, str(root)], check=True)
+    assert (root / "lib64").is_symlink()
+    purelib = site_packages_of(str(root / "bin" / "python"))
+    paths_file = purelib / "aa_outer_environment.pth"
+    paths_file.write_text(f"{ROOT}\n{sysconfig.get_paths()['purelib']}\n")
+    return Venv(root, purelib, paths_file)
+
+
+# ----------------------------------------------------------------------------- where install refuses or fails
 def test_a_target_this_python_does_not_read_is_refused_and_not_created(tmp_path: Path) -> None:
     typo = tmp_path / "site-pakages"
     proc = shim("install", "--target", str(typo))
@@ -54,10 +94,9 @@ def test_a_target_this_python_does_not_read_is_refused_and_not_created(tmp_path:
     assert not typo.exists()
     forced = shim("install", "--target", str(typo), "--force")
     assert forced.returncode == 0, forced.stderr
-    assert (typo / "fsdp_shim.pth").read_text() == PTH_TEXT
-    assert (typo / "fsdp_shim.start").read_text() == START_TEXT
+    assert {name: (typo / name).read_text() for name in FILES} == FILES
     assert shim("uninstall", "--target", str(typo)).returncode == 0
-    assert startup_files_in(typo) == []
+    assert files_in(typo) == []  # the copy's .pyc and its __pycache__ went too
 
 
 def test_user_site_inside_a_virtual_environment_is_refused(tmp_path: Path) -> None:
@@ -68,9 +107,9 @@ def test_user_site_inside_a_virtual_environment_is_refused(tmp_path: Path) -> No
     assert not (tmp_path / "userbase").exists()
     forced = shim("install", "--user", "--force", env=env)
     assert forced.returncode == 0, forced.stderr
-    assert len(list((tmp_path / "userbase").rglob("fsdp_shim.pth"))) == 1
+    assert len(list((tmp_path / "userbase").rglob(PTH_NAME))) == 1
     assert shim("uninstall", "--user", env=env).returncode == 0
-    assert list((tmp_path / "userbase").rglob("fsdp_shim.*")) == []
+    assert list((tmp_path / "userbase").rglob("*fsdp_shim*")) == []
 
 
 def test_a_target_that_is_a_file(tmp_path: Path) -> None:
@@ -115,113 +154,175 @@ def test_a_read_only_folder(readonly_folder: tuple[Path, tuple[str, ...]]) -> No
     folder, prefix = readonly_folder
     proc = shim("install", "--target", str(folder), "--force", prefix=prefix)
     assert_one_line_failure(proc, f"cannot write to {folder}", "Permission denied", "nothing was written")
-    assert startup_files_in(folder) == []  # no temporary file either
+    assert files_in(folder) == []  # no temporary file either
 
 
-def test_a_read_only_site_packages(readonly_folder: tuple[Path, tuple[str, ...]], tmp_path: Path) -> None:
+def test_a_read_only_site_packages(readonly_folder: tuple[Path, tuple[str, ...]], venv: Venv) -> None:
     """A virtual environment whose site-packages the user running the command cannot write."""
     _, prefix = readonly_folder
-    environment = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(environment)], check=True)
-    python = str(environment / "bin" / "python")
-    site_packages = Path(
-        subprocess.check_output(
-            [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True
-        ).strip()
-    )
-    (site_packages / "aa_outer_environment.pth").write_text(f"{ROOT}\n")
-    os.chmod(site_packages, 0o555)
+    before = files_in(venv.site_packages)
+    os.chmod(venv.site_packages, 0o555)
     try:
-        proc = shim("install", python=python, prefix=prefix)
+        proc = shim("install", python=venv.python, prefix=prefix)
     finally:
-        os.chmod(site_packages, 0o755)
-    assert_one_line_failure(proc, f"cannot write to {site_packages}", "nothing was written. Use --target DIR")
-    assert startup_files_in(site_packages) == ["aa_outer_environment.pth"]
+        os.chmod(venv.site_packages, 0o755)
+    assert_one_line_failure(proc, f"cannot write to {venv.site_packages}", "nothing was written. Use --target DIR")
+    assert files_in(venv.site_packages) == before
 
 
-# ---------------------------------------------------------------- links, foreign files, both or neither
-@pytest.fixture
-def site_packages(tmp_path: Path) -> tuple[str, Path]:
-    """A new virtual environment's python and site-packages (a folder it reads start-up files from)."""
-    environment = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(environment)], check=True)
-    python = str(environment / "bin" / "python")
-    folder = Path(
-        subprocess.check_output(
-            [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True
-        ).strip()
-    )
-    (folder / "aa_outer_environment.pth").write_text(f"{ROOT}\n")
-    return python, folder
+def test_a_directory_at_one_of_the_names_writes_no_file(tmp_path: Path) -> None:
+    """Every file or none, and no temporary file left behind."""
+    folder = tmp_path / "site-packages"
+    (folder / START_NAME).mkdir(parents=True)
+    proc = shim("install", "--target", str(folder), "--force")
+    assert_one_line_failure(proc, f"{START_NAME} exists and it is a directory", "nothing was written")
+    assert files_in(folder) == [START_NAME]
 
 
+def test_an_install_without_the_startup_modules_source_says_so_and_every_other_command_works(
+    tmp_path: Path,
+) -> None:
+    """``install`` writes a copy of the start-up module's source; an install that holds only its
+    ``.pyc`` cannot, and says so in one line instead of a traceback in every command."""
+    import py_compile
+
+    copy = tmp_path / "sourceless"
+    for package in ("_fsdp_shim", "fsdp_shim"):
+        shutil.copytree(ROOT / package, copy / package, ignore=shutil.ignore_patterns("__pycache__"))
+    init = copy / "_fsdp_shim" / "__init__.py"
+    py_compile.compile(str(init), cfile=str(init.with_suffix(".pyc")), doraise=True)  # a sourceless module
+    init.unlink()
+    env = clean_env(PYTHONPATH=str(copy))
+
+    def command(*args: str) -> subprocess.CompletedProcess[str]:  # not from the checkout (-m puts cwd first)
+        return run_command([sys.executable, "-m", "fsdp_shim", *args], env=env, cwd=tmp_path, timeout=300)
+
+    loaded_from = [sys.executable, "-c", "import _fsdp_shim; print(_fsdp_shim.__file__)"]
+    assert run_command(loaded_from, env=env, cwd=tmp_path).stdout.strip() == str(init.with_suffix(".pyc"))
+    proc = command("install", "--target", str(tmp_path / "site"), "--force")
+    assert_one_line_failure(proc, "no usable source for _fsdp_shim/__init__.py", "reinstall fsdp-shim")
+    assert not (tmp_path / "site" / PTH_NAME).exists()
+    assert command("--version").returncode == 0
+    assert command("status").returncode in (0, 1)
+
+
+# ----------------------------------------------------------------------------- links and files that are not ours
 def test_a_link_planted_at_the_old_temporary_name_or_the_final_name_is_never_written_through(
-    site_packages: tuple[str, Path], tmp_path: Path
+    venv: Venv, tmp_path: Path
 ) -> None:
     """A symlink in a shared site-packages must not make install overwrite its target."""
-    python, folder = site_packages
+    folder = venv.site_packages
     victim = tmp_path / "victim"
     victim.write_text("precious\n")
-    (folder / ".fsdp_shim.pth.tmp").symlink_to(victim)  # the fixed temporary name 0.2.0 used
+    (folder / ".fsdp_shim.pth.tmp").symlink_to(victim)  # the fixed temporary names 0.2.0 used
     (folder / ".fsdp_shim.start.tmp").symlink_to(victim)
-    proc = shim("install", python=python)
+    before = files_in(folder)
+    proc = shim("install", python=venv.python)
     assert proc.returncode == 0, proc.stderr
     assert victim.read_text() == "precious\n"
     for name, text in FILES.items():
         assert not (folder / name).is_symlink()
         assert (folder / name).read_text() == text
-    assert startup_files_in(folder) == [
-        ".fsdp_shim.pth.tmp",
-        ".fsdp_shim.start.tmp",
-        "__pycache__",
-        f"{COPY_MODULE}.py",
-        "aa_outer_environment.pth",
-        "fsdp_shim.pth",
-        "fsdp_shim.start",
-    ]
+    assert files_in(folder) == sorted({*before, "__pycache__", *FILES})
 
-    shim("uninstall", python=python)
-    (folder / "fsdp_shim.pth").symlink_to(victim)  # a link at the final name: refused, then replaced, not followed
-    refused = shim("install", python=python)
-    assert_one_line_failure(refused, "refusing", "fsdp_shim.pth", "symbolic link", "nothing was written", "--force")
-    assert (folder / "fsdp_shim.pth").is_symlink() and not (folder / "fsdp_shim.start").exists()
-    forced = shim("install", "--force", python=python)
+    shim("uninstall", python=venv.python)
+    (folder / PTH_NAME).symlink_to(victim)  # a link at the final name: refused, then replaced, not followed
+    refused = shim("install", python=venv.python)
+    assert_one_line_failure(refused, "refusing", PTH_NAME, "symbolic link", "nothing was written", "--force")
+    assert (folder / PTH_NAME).is_symlink() and not (folder / START_NAME).exists() and not (folder / COPY_FILE).exists()
+    forced = shim("install", "--force", python=venv.python)
     assert forced.returncode == 0, forced.stderr
     assert "replaced" in forced.stderr and "symbolic link" in forced.stderr
     assert victim.read_text() == "precious\n"
-    assert not (folder / "fsdp_shim.pth").is_symlink() and (folder / "fsdp_shim.pth").read_text() == PTH_TEXT
+    assert not (folder / PTH_NAME).is_symlink() and (folder / PTH_NAME).read_text() == FILES[PTH_NAME]
 
 
-def test_a_foreign_startup_file_is_not_replaced_without_force_and_an_edited_one_not_removed(
-    site_packages: tuple[str, Path],
+@pytest.mark.parametrize("name", list(FILES))
+def test_a_file_that_is_not_fsdp_shims_is_not_replaced_and_makes_uninstall_remove_nothing(
+    name: str, venv: Venv
 ) -> None:
-    """Fsdp-shim replaces or removes only what it wrote, whole content compared."""
-    python, folder = site_packages
-    foreign = "# another tool's file that happens to be called fsdp_shim.pth\n"
-    (folder / "fsdp_shim.pth").write_text(foreign)
-    refused = shim("install", python=python)
-    assert_one_line_failure(refused, "refusing", "fsdp_shim.pth", "not what fsdp-shim wrote", "--force")
-    assert (folder / "fsdp_shim.pth").read_text() == foreign and not (folder / "fsdp_shim.start").exists()
+    """A file at one of the names without the marker line is someone else's: install does not replace
+    it without ``--force``, and uninstall removes nothing at all (removing the copy and leaving a
+    ``.pth`` that imports it would print a traceback at every interpreter start), exits 1 and names
+    it (issue 26, item 4)."""
+    folder = venv.site_packages
+    foreign = f"# another tool's file that happens to be called {name}\n"
+    (folder / name).write_text(foreign)
+    refused = shim("install", python=venv.python)
+    assert_one_line_failure(refused, "refusing", name, "fsdp-shim did not write it", "marker", "--force")
+    assert [other for other in FILES if (folder / other).exists()] == [name]
 
-    assert shim("uninstall", python=python).returncode == 1  # not ours: left, and said so
-    assert (folder / "fsdp_shim.pth").read_text() == foreign
+    assert shim("install", "--force", python=venv.python).returncode == 0
+    (folder / name).write_text(foreign)
+    installed = {other: (folder / other).read_bytes() for other in FILES}
+    pyc = compiled_copies(folder)
+    proc = shim("uninstall", python=venv.python)
+    assert proc.returncode == 1 and "removed" not in proc.stdout
+    assert f"left {folder / name}: its first line is not fsdp-shim's marker" in proc.stderr
+    assert {other: (folder / other).read_bytes() for other in FILES} == installed
+    assert compiled_copies(folder) == pyc
+    if name != COPY_FILE:  # the .pth still finds its copy: interpreters start as before
+        quiet = venv.run("-c", "pass")
+        assert quiet.stdout == "" and quiet.stderr == ""
 
-    (folder / "fsdp_shim.pth").unlink()
-    assert shim("install", python=python).returncode == 0
-    edited = PTH_TEXT + "# my own note\n"  # first line still fsdp-shim's marker
-    (folder / "fsdp_shim.pth").write_text(edited)
-    proc = shim("uninstall", python=python)
-    assert proc.returncode == 1
-    assert f"removed {folder / 'fsdp_shim.start'}" in proc.stdout
-    assert f"left {folder / 'fsdp_shim.pth'}" in proc.stderr and "not what fsdp-shim wrote" in proc.stderr
-    assert (folder / "fsdp_shim.pth").read_text() == edited
+
+@pytest.mark.parametrize("kind", ["venv", "uv venv"])
+def test_an_edited_startup_file_is_still_fsdp_shims_and_uninstall_removes_every_file(kind: str, tmp_path: Path) -> None:
+    """Configuration management appends a comment to ``fsdp_shim.pth``. Its first line is still the
+    marker: ``status`` calls it "not what this version writes", ``install`` rewrites it without
+    ``--force``, and ``uninstall`` removes it with every other file of install's and the copy's
+    ``.pyc``. The next ``python``, ``pip`` and ``fsdp-shim`` then print nothing of fsdp-shim's, and
+    ``status`` and ``install`` agree with what uninstall did (issue 26, item 4). In a venv that uv made
+    too (its ``lib64`` is a link to ``lib``); site reads a venv's start-up files twice in both."""
+    venv = make_venv(tmp_path / "venv") if kind == "venv" else uv_venv(tmp_path / "uv")
+    pth = venv.site_packages / PTH_NAME
+    assert shim("install", python=venv.python).returncode == 0
+    assert compiled_copies(venv.site_packages)
+    edited = FILES[PTH_NAME] + "# managed by configuration management\n"
+    pth.write_text(edited)
+
+    status = shim("status", python=venv.python)
+    assert status.returncode == 1
+    assert f"PROBLEM: {pth} is fsdp-shim's but not what this version writes" in status.stdout
+    reinstalled = shim("install", python=venv.python)
+    assert reinstalled.returncode == 0, reinstalled.stderr
+    assert reinstalled.stdout.splitlines() == [
+        f"wrote {pth}",
+        *(f"already installed: {venv.site_packages / name}" for name in FILES if name != PTH_NAME),
+    ]
+    assert pth.read_text() == FILES[PTH_NAME]
+    assert finders(venv.python).count(FINDER) == 1
+
+    pth.write_text(edited)
+    removed = shim("uninstall", python=venv.python)
+    assert removed.returncode == 0, removed.stderr
+    assert sorted(removed.stdout.splitlines()) == sorted(f"removed {venv.site_packages / name}" for name in FILES)
+    assert [name for name in FILES if (venv.site_packages / name).exists()] == []
+    assert compiled_copies(venv.site_packages) == []
+    for command in (["-c", "pass"], ["-m", "pip", "--version"], ["-m", "fsdp_shim", "--version"]):
+        proc = venv.run(*command, check=False)
+        assert proc.returncode == 0 and proc.stderr == "", (command, proc.stderr)
+        assert "fsdp" not in proc.stdout.lower() or command[1] == "fsdp_shim", proc.stdout
+    assert FINDER not in finders(venv.python)
+
+    report = shim("status", "--json", python=venv.python)
+    assert report.returncode == 0, report.stdout
+    assert '"startup_files": []' in report.stdout
+    again = shim("install", python=venv.python)
+    assert again.stdout.splitlines() == [f"wrote {venv.site_packages / name}" for name in FILES]
 
 
+# ----------------------------------------------------------------------------- earlier versions' files
 EARLIER_FILES = {
-    "0.2.0": {"fsdp_shim.pth": "fsdp_shim-0.2.0-earlier.pth"},
+    "0.2.0": {PTH_NAME: "fsdp_shim-0.2.0-earlier.pth"},
     "unreleased, the .pth called arm()": {
-        "fsdp_shim.pth": "fsdp_shim-unreleased-arm-call.pth",
-        f"{COPY_MODULE}.py": "_fsdp_shim_startup_file-unreleased.py.txt",
+        PTH_NAME: "fsdp_shim-unreleased-arm-call.pth",
+        COPY_FILE: "_fsdp_shim_startup_file-unreleased.py.txt",
+    },
+    "5f37aee, a copy of _fsdp_shim_trampoline": {
+        PTH_NAME: "fsdp_shim-5f37aee.pth",
+        COPY_FILE: "_fsdp_shim_startup_file-5f37aee.py.txt",
+        START_NAME: "fsdp_shim-5f37aee.start",
     },
 }
 """Start-up files that earlier versions of fsdp-shim wrote, by the name each had in a site directory."""
@@ -231,68 +332,50 @@ def earlier_files(version: str) -> dict[str, str]:
     return {name: (ROOT / "tests" / "data" / data).read_text() for name, data in EARLIER_FILES[version].items()}
 
 
-def watchers_armed(python: str, env: dict[str, str]) -> int:
-    """How many of the start-up file's finders a fresh interpreter has on ``sys.meta_path``."""
-    _, finders = child_json("startup:modules_and_finders", python=python, env=env)
-    return finders.count("fsdp_shim_watcher")
-
-
 @pytest.mark.parametrize("version", list(EARLIER_FILES))
-def test_a_file_from_an_earlier_version_is_upgraded_and_removed_without_force(
-    version: str, site_packages: tuple[str, Path]
-) -> None:
-    """Start-up files an earlier fsdp-shim wrote are ours to replace and remove: no ``--force``."""
-    python, folder = site_packages
+def test_a_file_from_an_earlier_version_is_upgraded_and_removed_without_force(version: str, venv: Venv) -> None:
+    """Start-up files an earlier fsdp-shim wrote start with the marker line: they are ours to replace
+    and remove, no ``--force``, and after the upgrade only this version's one finder is armed."""
+    folder = venv.site_packages
     earlier = earlier_files(version)
     for name, text in earlier.items():
-        assert text != FILES[name]
+        assert text != FILES[name] and text.startswith(MARKER)
         (folder / name).write_text(text)
-    assert watchers_armed(python, clean_env()) >= 1, "the earlier files must arm the shim"  # 0.2.0's: once a pass
-    proc = shim("install", python=python)
+    assert EARLIER_FINDER in finders(venv.python), "the earlier files must arm their finder"
+    proc = shim("install", python=venv.python)
     assert proc.returncode == 0 and "replaced" not in proc.stderr, proc.stderr
     assert {name: (folder / name).read_text() for name in FILES} == FILES
-    assert watchers_armed(python, clean_env()) == 1
-    for name, text in earlier.items():
+    armed = finders(venv.python)
+    assert armed.count(FINDER) == 1 and EARLIER_FINDER not in armed
+    for name, text in earlier.items():  # next to this version's files: a half-done upgrade
         (folder / name).write_text(text)
-    assert shim("uninstall", python=python).returncode == 0
-    assert startup_files_in(folder) == ["aa_outer_environment.pth"]
+    assert shim("uninstall", python=venv.python).returncode == 0
+    assert [name for name in FILES if (folder / name).exists()] == [] and compiled_copies(folder) == []
 
 
-def test_status_names_a_module_the_startup_file_imports_in_place_of_its_copy(
-    site_packages: tuple[str, Path], tmp_path: Path
-) -> None:
+def test_status_names_a_module_the_startup_file_imports_in_place_of_its_copy(venv: Venv, tmp_path: Path) -> None:
     """``fsdp_shim.pth`` imports its copy by name: an earlier copy first on ``sys.path`` runs instead
     and arms nothing. No interpreter says so at start-up; ``fsdp-shim status`` names the file."""
-    python, folder = site_packages
-    (folder / "zz_status_needs.pth").write_text(f"{Path(packaging.__file__).parent.parent}\n")  # packaging
-    assert shim("install", python=python).returncode == 0
-    assert shim("status", python=python).returncode == 0
+    folder = venv.site_packages
+    assert shim("install", python=venv.python).returncode == 0
+    assert shim("status", python=venv.python).returncode == 0
     shadow = tmp_path / "on-pythonpath"
     shadow.mkdir()
-    shadow_copy = shadow / f"{COPY_MODULE}.py"
-    shadow_copy.write_text(earlier_files("unreleased, the .pth called arm()")[f"{COPY_MODULE}.py"])
-    env = {**clean_env(), "PYTHONPATH": str(shadow)}
-    assert watchers_armed(python, env) == 0, "the shadowing copy must disarm the start-up file"
-    proc = shim("status", python=python, env=env)
+    shadow_copy = shadow / COPY_FILE
+    shadow_copy.write_text(earlier_files("unreleased, the .pth called arm()")[COPY_FILE])
+    env = {**clean_env(), "PYTHONPATH": os.pathsep.join([str(shadow), clean_env().get("PYTHONPATH", "")])}
+    assert FINDER not in finders(venv.python, env), "the shadowing copy must disarm the start-up file"
+    proc = shim("status", python=venv.python, env=env)
     assert proc.returncode == 1
-    assert f"{folder / 'fsdp_shim.pth'} imports {COPY_MODULE} by name and finds {shadow_copy}" in proc.stdout
-    shadow_copy.write_text(FILES[f"{COPY_MODULE}.py"])  # a current copy there arms the shim just the same
-    assert watchers_armed(python, env) == 1
-    assert shim("status", python=python, env=env).returncode == 0
+    assert f"{folder / PTH_NAME} imports {startup.COPY_NAME} by name and finds {shadow_copy}" in proc.stdout
+    shadow_copy.write_text(FILES[COPY_FILE])  # a current copy there arms the shim just the same
+    assert finders(venv.python, env).count(FINDER) == 1
+    assert shim("status", python=venv.python, env=env).returncode == 0
     shadow_copy.unlink()
-    (folder / f"{COPY_MODULE}.py").unlink()
-    proc = shim("status", python=python, env=env)
+    (folder / COPY_FILE).unlink()
+    proc = shim("status", python=venv.python, env=env)
     assert proc.returncode == 1
-    assert f"imports {COPY_MODULE}, which is missing ({folder / f'{COPY_MODULE}.py'})" in proc.stdout
-
-
-def test_a_directory_at_one_of_the_names_writes_no_file(tmp_path: Path) -> None:
-    """Every file or none, and no temporary file left behind."""
-    folder = tmp_path / "site-packages"
-    (folder / "fsdp_shim.start").mkdir(parents=True)
-    proc = shim("install", "--target", str(folder), "--force")
-    assert_one_line_failure(proc, "fsdp_shim.start exists and it is a directory", "nothing was written")
-    assert startup_files_in(folder) == ["fsdp_shim.start"]
+    assert f"imports {startup.COPY_NAME}, which is missing ({folder / COPY_FILE})" in proc.stdout
 
 
 def test_concurrent_installs_into_one_folder_all_succeed(tmp_path: Path) -> None:
@@ -301,63 +384,92 @@ def test_concurrent_installs_into_one_folder_all_succeed(tmp_path: Path) -> None
     folder.mkdir()
     script = (
         "import contextlib, pathlib, sys\n"
-        "from fsdp_shim.startup_files import install\n"
+        "from _fsdp_shim.startup_files import write_files\n"
         "folder = pathlib.Path(sys.argv[1])\n"
         "for _ in range(30):\n"
-        "    install(folder)\n"
-        "    for name in ('fsdp_shim.pth', 'fsdp_shim.start'):\n"
+        "    write_files(folder)\n"
+        f"    for name in ({PTH_NAME!r}, {START_NAME!r}):\n"
         "        with contextlib.suppress(FileNotFoundError):\n"
         "            (folder / name).unlink()\n"
-        "install(folder)\n"
+        "write_files(folder)\n"
     )
     command = [sys.executable, "-c", script, str(folder)]
     procs = [subprocess.Popen(command, stderr=subprocess.PIPE, text=True, env=clean_env()) for _ in range(6)]
     errors = [proc.communicate(timeout=120)[1] for proc in procs]
     assert [proc.returncode for proc in procs] == [0] * 6, errors
-    assert startup_files_in(folder) == ["__pycache__", f"{COPY_MODULE}.py", "fsdp_shim.pth", "fsdp_shim.start"]
-    assert (folder / "fsdp_shim.pth").read_text() == PTH_TEXT
+    assert files_in(folder) == sorted(["__pycache__", *FILES])
+    assert {name: (folder / name).read_text() for name in FILES} == FILES
 
 
-def test_a_user_site_install_is_not_read_under_python_s_as_the_docs_say(tmp_path: Path) -> None:
-    """`install --user`, then `python -s` or PYTHONNOUSERSITE=1: not armed, so the
-    "cannot reach" table in docs/activation.md lists it, with what to do instead."""
+def test_a_user_site_install_is_not_read_under_python_s_or_i_as_the_docs_say(tmp_path: Path) -> None:
+    """`install --user`, then `python -s`, PYTHONNOUSERSITE=1 or `python -I` (which implies -s): not
+    armed, so the "cannot reach" table in docs/activation.md lists it, with what to do instead."""
     base_python = getattr(sys, "_base_executable", sys.executable)
     env = clean_env(PYTHONUSERBASE=str(tmp_path / "userbase"), PYTHONPATH=str(ROOT))
     installed = shim("install", "--user", env=env, python=base_python)
     if installed.returncode != 0:
         pytest.skip(f"this base interpreter does not read a user site: {installed.stderr}")
-    armed = "import sys; print(any(getattr(f, '__name__', '') == 'fsdp_shim_watcher' for f in sys.meta_path))"
+    armed = f"import sys; print([getattr(f, '__name__', '') for f in sys.meta_path].count({FINDER!r}))"
     runs = {
         "plain": ([base_python, "-c", armed], env),
         "-s": ([base_python, "-s", "-c", armed], env),
         "PYTHONNOUSERSITE": ([base_python, "-c", armed], {**env, "PYTHONNOUSERSITE": "1"}),
+        "-I": ([base_python, "-I", "-c", armed], env),
     }
-    seen = {name: subprocess.check_output(cmd, env=e, text=True).strip() for name, (cmd, e) in runs.items()}
-    assert seen == {"plain": "True", "-s": "False", "PYTHONNOUSERSITE": "False"}
-    row = next(
-        line for line in (ROOT / "docs" / "activation.md").read_text().splitlines() if "PYTHONNOUSERSITE" in line
-    )
-    assert "`python -s`" in row and "not active if installed with" in row and "`install --user`" in row
+    seen = {name: run_command(cmd, env=e, check=True).stdout.strip() for name, (cmd, e) in runs.items()}
+    assert seen == {"plain": "1", "-s": "0", "PYTHONNOUSERSITE": "0", "-I": "0"}
+    rows = [
+        line for line in (ROOT / "docs" / "activation.md").read_text().splitlines() if line.startswith("| `python -")
+    ]
+    no_user_site = next(row for row in rows if "PYTHONNOUSERSITE" in row)
+    assert "`python -s`" in no_user_site and "not active if installed with" in no_user_site
+    assert "`install --user`" in no_user_site
+    isolated = next(row for row in rows if row.startswith("| `python -I`"))
+    assert "not active if installed with" in isolated and "`install --user`" in isolated
     assert shim("uninstall", "--user", env=env, python=base_python).returncode == 0
 
 
-def test_an_install_without_the_trampolines_source_says_so_and_every_other_command_works(tmp_path: Path) -> None:
-    """The start-up file imports a copy of ``_fsdp_shim_trampoline``'s source; an install holding only
-    its ``.pyc`` cannot write the copy, and says so in one line instead of a traceback in every command."""
-    import py_compile
-    import shutil
+# ----------------------------------------------------------------------------- what pip and uv install and remove
+def test_the_wheel_ships_the_start_up_file_and_pip_uninstall_removes_everything(tmp_path: Path, wheel: Path) -> None:
+    installed = PipVenv(tmp_path / "venv", wheel)
+    text = (installed.site_packages / ENVIRONMENT_FILE).read_text()
+    assert text == (ROOT / ENVIRONMENT_FILE).read_text()
+    for child in ("verify_probe.py", "python_check.py"):  # children run these files by path
+        assert (installed.site_packages / "_fsdp_shim" / "children" / child).is_file()
+    assert (installed.site_packages / "_fsdp_shim" / "bootstrap" / "sitecustomize.py").is_file()
+    installed.pip("uninstall", "-y", "fsdp-shim")
+    assert files_in(installed.site_packages) == installed.before
 
-    copy = tmp_path / "sourceless"
-    shutil.copytree(ROOT / "fsdp_shim", copy / "fsdp_shim")
-    shutil.copy(ROOT / "_fsdp_shim_startup.py", copy)
-    py_compile.compile(str(ROOT / "_fsdp_shim_trampoline.py"), cfile=str(copy / "_fsdp_shim_trampoline.pyc"))
-    env = clean_env(PYTHONPATH=str(copy))
 
-    def command(*args: str) -> subprocess.CompletedProcess[str]:  # not from the checkout (-m puts cwd first)
-        return run_command([sys.executable, "-m", "fsdp_shim", *args], env=env, cwd=tmp_path, timeout=120)
-
-    proc = command("install", "--target", str(tmp_path / "site"), "--force")
-    assert_one_line_failure(proc, "no usable source for _fsdp_shim_trampoline", "reinstall fsdp-shim")
-    assert not (tmp_path / "site" / "fsdp_shim.pth").exists()
-    assert command("--version").returncode == 0
-    assert command("status").returncode in (0, 1)
+def test_uv_pip_uninstall_leaves_no_file_of_fsdp_shims(tmp_path: Path, wheel: Path) -> None:
+    """uv installs the wheel and removes it again; in between, every module of both packages was
+    imported with bytecode writing on (and ``python -m fsdp_shim``, and ``fsdp-shim run``'s bootstrap
+    as the ``sitecustomize`` it is), so every ``__pycache__`` of theirs exists. uv removes what the
+    wheel's record lists and the ``__pycache__`` folders of the packages it removes; it used to leave
+    the top-level start-up modules' ``.pyc`` in site-packages' own ``__pycache__`` (issue 26, item 8)."""
+    venv = uv_venv(tmp_path / "uv")
+    venv.paths_file.write_text(f"{sysconfig.get_paths()['purelib']}\n")  # not the checkout: the wheel's files
+    before = files_in(venv.site_packages)
+    uv_pip = [UV, "pip", "--no-cache"]
+    subprocess.run(
+        [*uv_pip, "install", "-q", "--python", venv.python, "--no-deps", "--no-index", str(wheel)], check=True
+    )
+    env = clean_env(PYTHONDONTWRITEBYTECODE=None, FSDP_SHIM="1")
+    every_module = (
+        "import importlib, pkgutil, _fsdp_shim, fsdp_shim\n"
+        "for package in (_fsdp_shim, fsdp_shim):\n"
+        "    for module in pkgutil.walk_packages(package.__path__, package.__name__ + '.'):\n"
+        "        if not module.name.endswith('__main__'):\n"
+        "            importlib.import_module(module.name)\n"
+    )
+    venv.run("-c", every_module, env=env, cwd=tmp_path)
+    venv.run("-m", "fsdp_shim", "--version", env=env, cwd=tmp_path)
+    console_script = str(Path(venv.python).parent / "fsdp-shim")
+    run_command([console_script, "run", venv.python, "-c", "pass"], env=env, cwd=tmp_path, check=True)
+    compiled = [path for path in venv.site_packages.rglob("*.pyc") if "fsdp_shim" in str(path)]
+    assert any(path.name.startswith("sitecustomize.") for path in compiled)
+    assert any(path.name.startswith("__main__.") for path in compiled)
+    assert any("children" in path.parts for path in compiled)
+    subprocess.run([*uv_pip, "uninstall", "-q", "--python", venv.python, "fsdp-shim"], check=True)
+    assert files_in(venv.site_packages) == before
+    assert [path for path in venv.site_packages.rglob("*") if "fsdp" in path.name] == []
