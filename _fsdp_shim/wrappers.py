@@ -90,7 +90,9 @@ class WrapperState:
     owner: type
     attribute: str
     original: Any
-    """What the class dict held before: Lightning's function, another library's object, or MISSING."""
+    """What the class dict held before: Lightning's function or another library's object; ``None``
+    where the class held nothing (it inherited the method), and ``inherited`` says so."""
+    inherited: bool
     composed_with: str | None = None
     """Set when ``original`` is another library's object where Lightning ships none."""
     on: bool = True
@@ -159,7 +161,7 @@ def remove(wrapper: Any) -> Placement:
     state = wrapper.shim_state
     where = placement(wrapper)
     if where == "on top":
-        if state.original is MISSING:
+        if state.inherited:  # a flag, not a sentinel: a reloaded copy of this module has a new sentinel
             delattr(state.owner, state.attribute)
         else:
             setattr(state.owner, state.attribute, state.original)
@@ -338,7 +340,13 @@ def _install_all(module: Any, fix: Fix, version: str, steps: list[_Step]) -> _Re
                 done.append(step.reuse)
             else:
                 state = WrapperState(
-                    fix.name, step.label, step.owner, step.target.attribute, step.original, step.composed_with
+                    fix.name,
+                    step.label,
+                    step.owner,
+                    step.target.attribute,
+                    None if step.original is MISSING else step.original,
+                    step.original is MISSING,
+                    step.composed_with,
                 )
                 done.append(_install(step.owner, step.target, step.function, state))
     except Exception as error:  # setattr on a class can fail (slots, metaclasses): undo what was done
