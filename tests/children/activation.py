@@ -1,156 +1,38 @@
-"""Activation, gates, failure isolation and messages, each run in a fresh interpreter."""
+"""Activation, gates, toggles, failure isolation and messages, each run in a fresh interpreter: every
+function decides its own import order (nothing here imports Lightning or fsdp_shim at module level)."""
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import importlib
+import json
 import logging
 import os
+import pkgutil
 import sys
 import warnings
 from typing import Any
 
-from children.classes import changed, import_all, precision_class, shim_warnings, snapshot, statuses, wrappers
+from children.classes import (
+    as_shipped,
+    backward_dtype,
+    changed,
+    converted_dtype,
+    import_all,
+    layers,
+    precision_class,
+    shim_warnings,
+    snapshot,
+    statuses,
+    wrappers,
+)
 
-
-def import_needs_neither_torch_nor_lightning() -> dict[str, Any]:
-    class Block:
-        def find_spec(self, name: str, path: object = None, target: object = None) -> None:
-            if name.partition(".")[0] in ("torch", "lightning", "pytorch_lightning", "lightning_fabric"):
-                raise ImportError(f"blocked: {name}")
-
-    sys.meta_path.insert(0, Block())
-    import fsdp_shim
-
-    # The patching code (wrapt, packaging, logging) waits for Lightning's import.
-    heavy = ("torch", "lightning", "wrapt", "packaging", "fsdp_shim.integration")
-    loaded = sorted(m for m in heavy if m in sys.modules)
-    status = fsdp_shim.status()
-    return {
-        "loaded": loaded,
-        "active": status.active,
-        "version": fsdp_shim.__version__,
-        "after_status": sorted(m for m in ("torch", "lightning") if m in sys.modules),
-    }
-
-
-def activate_many_times() -> dict[str, Any]:
-    import fsdp_shim
-    from fsdp_shim.patching import is_shim_wrapper, wrapper_chain
-
-    import_all()
-    first = snapshot()
-    for _ in range(5):
-        fsdp_shim.activate()
-    after = snapshot()
-    layers = {key: sum(is_shim_wrapper(layer) for layer in wrapper_chain(obj)) for key, obj in after.items()}
-    return {"changed": changed(first, after), "layers": layers, "wrappers": wrappers()}
-
-
-def deactivate_restores_identity() -> dict[str, Any]:
-    import_all()
-    pristine = snapshot()
-    import fsdp_shim
-
-    patched = changed(pristine, snapshot())
-    fsdp_shim.deactivate()
-    restored = changed(pristine, snapshot())
-    fsdp_shim.activate()
-    repatched = changed(pristine, snapshot())
-    fsdp_shim.deactivate()
-    return {
-        "patched": patched,
-        "restored": restored,
-        "repatched": repatched,
-        "final": changed(pristine, snapshot()),
-        "inherits": inherits_convert_module(),
-        "status": statuses(),
-    }
-
-
-def inherits_convert_module() -> dict[str, bool]:
-    """Per Trainer namespace: does the precision class get ``convert_module`` exactly as shipped?"""
-    from fsdp_shim.patching import is_shim_wrapper
-
-    out = {}
-    for namespace in ("lightning.pytorch", "pytorch_lightning"):
-        if namespace not in sys.modules:
-            continue
-        module = importlib.import_module(f"{namespace}.plugins.precision.fsdp")
-        cls = getattr(module, "FSDPPrecision", None) or getattr(module, "FSDPPrecisionPlugin", None)
-        if cls is None:  # 2.0.x: no true-precision FSDP plugin at all
-            continue
-        if "convert_module" in cls.__dict__:  # fixed upstream: its own method, never the shim's
-            out[namespace] = not is_shim_wrapper(cls.__dict__["convert_module"])
-            continue
-        base = next(b for b in cls.__mro__[1:] if "convert_module" in b.__dict__)
-        out[namespace] = cls.convert_module is base.__dict__["convert_module"]
-    return out
-
-
-def import_in_order(modules: list[str]) -> dict[str, Any]:
-    for name in modules:
-        importlib.import_module(name)
-    from children.classes import NAMESPACES
-
-    return {"wrappers": wrappers(), "imported": [n for n in NAMESPACES if n in sys.modules]}
-
-
-def shim_after_lightning() -> dict[str, Any]:
-    import_all()
-    pristine = snapshot()
-    import fsdp_shim  # noqa: F401
-
-    return {"changed": changed(pristine, snapshot()), "status": statuses()}
-
-
-def without_class(namespace: str, class_name: str) -> dict[str, Any]:
-    """A Lightning that renamed a class the shim needs: imported first, the class removed, then the
-    shim. Every other class, including the deprecated subclass of the same name family, stays."""
-    importlib.import_module(namespace)
-    module = importlib.import_module(f"{namespace}.plugins.precision.fsdp")
-    delattr(module, class_name)
-    pristine = snapshot()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            import fsdp_shim  # activates, and patches at once: Lightning is imported
-
-            fsdp_shim.activate()  # activating again neither retries nor warns again
-            fsdp_shim.activate()
-            error = None
-        except Exception as raised:  # the class is not imported before the shim is: it would activate it
-            if type(raised).__name__ != "FSDPShimError":
-                raise
-            error = str(raised)
-    out = {"warnings": shim_warnings(caught), "changed": changed(pristine, snapshot()), "error": error}
-    if error is None:
-        out["status"] = statuses()
-    return out
-
-
-def with_renamed_target(namespace: str) -> dict[str, Any]:
-    """The shim's target table names a class Lightning does not have; the hook fires at import."""
-    import fsdp_shim.backport as backport
-
-    original = backport.precision_convert_module
-    backport.precision_convert_module = lambda ns, version: dataclasses.replace(  # type: ignore[assignment]
-        original(ns, version), class_name="RenamedPrecision"
-    )
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        importlib.import_module(namespace)  # WARNING-LINE: the shim's warning must point here
-        import fsdp_shim
-
-        fsdp_shim.activate()
-    found = [w for w in caught if w.category.__name__ == "FSDPShimWarning"]
-    return {
-        "warnings": [str(w.message) for w in found],
-        "locations": [[w.filename, w.lineno] for w in found],
-        "expected_location": [__file__, _line_marked("WARNING-LINE")],
-        "wrappers": wrappers(),
-        "status": statuses(),
-    }
+HEAVY = ("torch", "lightning", "pytorch_lightning", "lightning_fabric", "wrapt", "packaging")
+PATCHING_CODE = ("_fsdp_shim.wrappers", "_fsdp_shim.fixes", "_fsdp_shim.rank_check")
+NOT_INERT = ("_fsdp_shim.bootstrap", "_fsdp_shim.children")
+"""Start-up and entry scripts, which exist to run when imported: ``fsdp-shim run``'s ``sitecustomize``
+arms the shim, and ``children/`` are run by path."""
 
 
 def _line_marked(marker: str) -> int:
@@ -161,29 +43,264 @@ def _line_marked(marker: str) -> int:
     raise LookupError(marker)
 
 
+def _finders() -> list[str]:
+    return [getattr(finder, "__name__", type(finder).__name__) for finder in sys.meta_path]
+
+
+def _caught(caught: list[Any]) -> tuple[list[str], list[list[Any]]]:
+    found = [w for w in caught if w.category.__name__ == "FSDPShimWarning"]
+    return [str(w.message) for w in found], [[w.filename, w.lineno] for w in found]
+
+
+# ----------------------------------------------------------------------------- what importing loads
+def import_cost() -> dict[str, Any]:
+    """``import fsdp_shim`` with torch, Lightning, wrapt and packaging unimportable: it must not need
+    them, nor load the patching code, and ``status()`` must work without them."""
+
+    class Block:
+        def find_spec(self, name: str, path: object = None, target: object = None) -> None:
+            if name.partition(".")[0] in HEAVY:
+                raise ImportError(f"blocked: {name}")
+
+    before = sorted(m for m in (*HEAVY, *PATCHING_CODE) if m in sys.modules)
+    sys.meta_path.insert(0, Block())
+    import _fsdp_shim
+    import _fsdp_shim.failures
+    import fsdp_shim
+    import fsdp_shim.errors
+
+    after_import = sorted(m for m in (*HEAVY, *PATCHING_CODE) if m in sys.modules)
+    status = fsdp_shim.status()
+    text = str(status)
+    return {
+        "before": before,
+        "after_import": after_import,
+        "after_status": sorted(m for m in (*HEAVY, *PATCHING_CODE) if m in sys.modules),
+        "active": status.active,
+        "sources": list(status.sources),
+        "first_finder": _finders()[0],  # arm() puts it in front of everything, Block included
+        "version": fsdp_shim.__version__,
+        "status_text": text,
+        "one_warning_class": fsdp_shim.FSDPShimWarning is _fsdp_shim.FSDPShimWarning,
+        "one_error_class": fsdp_shim.errors.FSDPShimError is _fsdp_shim.failures.FSDPShimError,
+        "warning_category": [c.__name__ for c in fsdp_shim.FSDPShimWarning.__mro__],
+    }
+
+
+def report_at_exit() -> None:
+    """For a ``sitecustomize`` put in front of a command: at exit, write to ``$CHILD_REPORT_FILE`` whether
+    the shim was imported, armed or activated in that process."""
+
+    def report() -> None:
+        startup = sys.modules.get("_fsdp_shim")
+        activation = sys.modules.get("_fsdp_shim.activation")
+        with open(os.environ["CHILD_REPORT_FILE"], "w") as out:
+            json.dump(
+                {
+                    "fsdp_shim_imported": "fsdp_shim" in sys.modules,
+                    "finders": _finders(),
+                    "armed_by": list(getattr(startup, "ARMED_BY", [])),
+                    "active": getattr(activation, "_active", None),
+                    "patching_code_loaded": [m for m in PATCHING_CODE if m in sys.modules],
+                },
+                out,
+            )
+
+    atexit.register(report)
+
+
+# ----------------------------------------------------------------------------- one process, whole lifecycle
+def _inert_modules() -> list[str]:
+    import _fsdp_shim
+
+    return [
+        module.name
+        for module in pkgutil.walk_packages(_fsdp_shim.__path__, "_fsdp_shim.")
+        if not module.name.startswith(NOT_INERT)
+    ]
+
+
+def lifecycle() -> dict[str, Any]:
+    """Every module of ``_fsdp_shim`` imported, then Lightning (nothing may be armed or patched), then
+    ``import fsdp_shim``, activate five more times, deactivate, activate, deactivate; then activate, a
+    reload of the patching code (Jupyter's autoreload), activate, deactivate: the classes read
+    directly after each step."""
+    from _fsdp_shim import activation
+
+    imported = _inert_modules()
+    for name in imported:
+        importlib.import_module(name)
+    import_all()
+    pristine = snapshot()
+    inert = {
+        "modules": imported,
+        "finders": _finders(),
+        "armed_by": list(sys.modules["_fsdp_shim"].ARMED_BY),
+        "wrappers": wrappers(),
+        "as_shipped": as_shipped(pristine),
+        "active": activation.status().active,
+    }
+    import fsdp_shim
+
+    patched = snapshot()
+    statuses_on = statuses()
+    text = str(fsdp_shim.status())
+    for _ in range(5):
+        fsdp_shim.activate()
+    again = snapshot()
+    layers_after_activations = layers()
+    fsdp_shim.deactivate()
+    restored = snapshot()
+    statuses_off = statuses()
+    fsdp_shim.activate()
+    repatched = snapshot()
+    fsdp_shim.deactivate()
+    final = snapshot()
+
+    import _fsdp_shim.fixes
+    import _fsdp_shim.wrappers
+
+    fsdp_shim.activate()
+    before_reload = snapshot()
+    importlib.reload(_fsdp_shim.wrappers)
+    importlib.reload(_fsdp_shim.fixes)
+    fsdp_shim.activate()
+    after_reload = snapshot()
+    layers_after_reload = layers()
+    statuses_after_reload = statuses()
+    fsdp_shim.deactivate()
+    final_after_reload = snapshot()
+    return {
+        "inert": inert,
+        "pristine_keys": sorted(pristine),
+        "patched": changed(pristine, patched),
+        "statuses_on": statuses_on,
+        "status_text": text,
+        "changed_by_activations": changed(patched, again),
+        "layers_after_activations": layers_after_activations,
+        "restored": changed(pristine, restored),
+        "statuses_off": statuses_off,
+        "repatched": changed(pristine, repatched),
+        "final": changed(pristine, final),
+        "final_as_shipped": as_shipped(final),
+        "patched_before_reload": changed(pristine, before_reload),
+        "changed_by_reload": changed(before_reload, after_reload),
+        "layers_after_reload": layers_after_reload,
+        "statuses_after_reload": statuses_after_reload,
+        "final_after_reload": changed(pristine, final_after_reload),
+        "final_after_reload_as_shipped": as_shipped(final_after_reload),
+    }
+
+
+def import_order(imports: list[str]) -> dict[str, Any]:
+    """Import these modules in this order (``fsdp_shim`` among them), then read the classes."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for name in imports:
+            importlib.import_module(name)
+    from children.classes import NAMESPACES
+
+    return {
+        "wrappers": wrappers(),
+        "imported": [n for n in NAMESPACES if n in sys.modules],
+        "warnings": shim_warnings(caught),
+    }
+
+
+# ----------------------------------------------------------------------------- gates and failures
+def without_class(namespace: str, class_name: str) -> dict[str, Any]:
+    """A Lightning that renamed a class the shim needs: imported first, the class removed, then the
+    shim, activated twice more (no retry, no second warning). Then strict mode and a later activation:
+    the error must surface as itself."""
+    importlib.import_module(namespace)
+    module = importlib.import_module(f"{namespace}.plugins.precision.fsdp")
+    delattr(module, class_name)
+    pristine = snapshot()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        import fsdp_shim  # activates, and patches at once: Lightning is imported
+
+        fsdp_shim.activate()
+        fsdp_shim.activate()
+    out: dict[str, Any] = {
+        "warnings": shim_warnings(caught),
+        "keys": sorted(pristine),
+        "changed": changed(pristine, snapshot()),
+        "status": statuses()[namespace],
+    }
+    os.environ["FSDP_SHIM_STRICT"] = "1"
+    fsdp_shim.deactivate()
+    try:
+        fsdp_shim.activate()
+        out["error"] = None
+    except fsdp_shim.FSDPShimError as error:
+        out["error"] = str(error)
+        out["error_type"] = f"{type(error).__module__}.{type(error).__qualname__}"
+    return out
+
+
+def _rename_the_cast_target() -> None:
+    """The cast's table names a class Lightning does not have (what a Lightning rename looks like)."""
+    from _fsdp_shim import fixes
+
+    original = fixes.PLANS["cast"]
+    fixes.PLANS["cast"] = lambda namespace, version: tuple(
+        dataclasses.replace(target, class_name="RenamedPrecision") if target.attribute == "convert_module" else target
+        for target in original(namespace, version)
+    )
+
+
+def with_renamed_target(namespace: str) -> dict[str, Any]:
+    import fsdp_shim
+
+    _rename_the_cast_target()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        importlib.import_module(namespace)  # WARNING-LINE: the shim's warning must point here
+        fsdp_shim.activate()
+    messages, locations = _caught(caught)
+    return {
+        "warnings": messages,
+        "locations": locations,
+        "expected_location": [__file__, _line_marked("WARNING-LINE")],
+        "wrappers": wrappers(),
+        "status": statuses()[namespace],
+    }
+
+
 def import_with_renamed_target(namespace: str) -> None:
     """As above, without catching anything: strict mode or ``-W error`` decide what escapes."""
-    import fsdp_shim.backport as backport
+    import fsdp_shim  # noqa: F401
 
-    original = backport.precision_convert_module
-    backport.precision_convert_module = lambda ns, version: dataclasses.replace(  # type: ignore[assignment]
-        original(ns, version), class_name="RenamedPrecision"
-    )
+    _rename_the_cast_target()
     importlib.import_module(namespace)
 
 
-def with_broken_patch(namespace: str) -> dict[str, Any]:
-    import fsdp_shim  # noqa: F401
-    import fsdp_shim.integration as integration
+def with_broken_patch(namespace: str, then: str | None) -> dict[str, Any]:
+    """A bug in the shim's patching code: the user's import of ``namespace`` must still work. Then
+    strict mode: the import of ``then`` (or, without one, the next activation) fails with an error
+    that says it is the shim's."""
+    import fsdp_shim
+    from _fsdp_shim import wrappers as patching
 
     def broken(*args: object, **kwargs: object) -> None:
         raise RuntimeError("simulated bug in the shim")
 
-    integration.patch = broken  # type: ignore[assignment]
+    patching.patch = broken  # type: ignore[assignment]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         importlib.import_module(namespace)
-    return {"warnings": shim_warnings(caught), "wrappers": wrappers()}
+    out: dict[str, Any] = {"warnings": shim_warnings(caught), "wrappers": wrappers()}
+    os.environ["FSDP_SHIM_STRICT"] = "true"
+    try:
+        if then is not None:
+            importlib.import_module(then)
+        else:
+            fsdp_shim.activate()
+        out["strict_error"] = None
+    except fsdp_shim.FSDPShimError as error:
+        out["strict_error"] = str(error)
+    return out
 
 
 def toggle(namespace: str, set_in_script: str | None) -> dict[str, Any]:
@@ -195,60 +312,148 @@ def toggle(namespace: str, set_in_script: str | None) -> dict[str, Any]:
             os.environ["FSDP_SHIM"] = set_in_script
         importlib.import_module(namespace)
         fsdp_shim.status()
-    found = [w for w in caught if w.category.__name__ == "FSDPShimWarning"]
+    messages, locations = _caught(caught)
     return {
         "wrappers": wrappers(),
-        "warnings": [str(w.message) for w in found],
-        "locations": [[w.filename, w.lineno] for w in found],
+        "warnings": messages,
+        "locations": locations,
         "expected_location": [__file__, _line_marked("TOGGLE-LINE")],
-        "status": statuses(),
+        "status": statuses()[namespace],
     }
 
 
-def log_lines() -> None:
+def disabled_fixes(settings: list[str]) -> list[dict[str, Any]]:
+    """Lightning imported, then ``import fsdp_shim`` under the first ``FSDP_SHIM_DISABLED_FIXES`` value
+    (from the environment); each further value is set in the script between ``deactivate()`` and
+    ``activate()``, which reads it again. The classes are read directly after each."""
+    import_all()
+    pristine = snapshot()
+    results = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        import fsdp_shim
+
+        for number, setting in enumerate(settings):
+            if number:
+                fsdp_shim.deactivate()
+                os.environ["FSDP_SHIM_DISABLED_FIXES"] = setting
+                fsdp_shim.activate()
+            assert os.environ["FSDP_SHIM_DISABLED_FIXES"] == setting
+            status = fsdp_shim.status()
+            results.append(
+                {
+                    "setting": setting,
+                    "changed": changed(pristine, snapshot()),
+                    "wrappers": wrappers(),
+                    "statuses": statuses(),
+                    "disabled_fixes": list(status.disabled_fixes),
+                    "status_text": str(status),
+                    "warnings": shim_warnings(caught),
+                }
+            )
+    return results
+
+
+# ----------------------------------------------------------------------------- logging
+def logs(namespace: str) -> None:
+    """The INFO and DEBUG records at import (logging configured, to stdout); then, with logging
+    unconfigured again (as in most scripts), conversions to bf16-true and 32-true, a marker on stderr,
+    and conversions to 16-true: the float16 notice must reach stderr by itself, once."""
     logging.basicConfig(level=logging.DEBUG, stream=sys.stdout, format="%(name)s %(levelname)s %(message)s")
     import fsdp_shim  # noqa: F401
 
     import_all()
+    sys.stdout.flush()
+    for handler in list(logging.root.handlers):
+        logging.root.removeHandler(handler)
+    logging.root.setLevel(logging.WARNING)
+    plugin_class = precision_class(namespace)
+    for precision in ("bf16-true", "32-true"):
+        for _ in range(2):
+            converted_dtype(plugin_class, precision)
+    sys.stderr.write("MARKER: 16-true from here\n")
+    sys.stderr.flush()
+    for _ in range(2):
+        converted_dtype(plugin_class, "16-true")
+
+
+# ----------------------------------------------------------------------------- glue that fails at call time
+def _raising_forward_context() -> Any:
+    raise RuntimeError("forward_context is gone (what a Lightning rename looks like)")
 
 
 def glue_fallback(namespace: str) -> dict[str, Any]:
-    """A plugin missing an attribute the shim reads (what a renamed Lightning attribute looks like)."""
-    import torch
-
+    """Plugins missing what the shim's wrappers read (what a renamed Lightning attribute looks like): a
+    cast whose plugin lost ``_desired_input_dtype``, a backward whose plugin's ``forward_context``
+    raises, and one whose plugin has no ``precision``. Each call falls back to Lightning's own method,
+    once said; healthy plugins keep the fixes. Then the same in strict mode: errors, and no claim of
+    falling back. Fabric's plugins: their ``backward`` needs no Trainer."""
     import fsdp_shim
-    from fsdp_shim.errors import FSDPShimError
 
     importlib.import_module(namespace)
-    plugin = precision_class(namespace)(precision="bf16-true")
-    del plugin._desired_input_dtype  # instance-only: `precision` has a class default
-    results, errors = [], []
+    fsdp_class, half_class = precision_class(namespace), precision_class(namespace, "half")
+
+    class WithoutPrecision(half_class):  # type: ignore[misc, valid-type]
+        @property
+        def precision(self) -> str:
+            raise AttributeError("'precision' is gone (what a Lightning rename looks like)")
+
+        @precision.setter
+        def precision(self, value: str) -> None:
+            pass
+
+    def broken_plugins() -> dict[str, Any]:
+        cast = fsdp_class(precision="bf16-true")
+        del cast._desired_input_dtype  # instance-only: `precision` has a class default
+        context = fsdp_class(precision="bf16-true")
+        context.forward_context = _raising_forward_context
+        return {"cast": cast, "forward_context": context, "precision": WithoutPrecision(precision="bf16-true")}
+
+    def call(name: str, plugin: Any) -> str:
+        import torch
+
+        if name == "cast":
+            return str(plugin.convert_module(torch.nn.Linear(2, 2)).weight.dtype)
+        return backward_dtype(plugin)
+
+    results: dict[str, list[str]] = {}
+    errors: dict[str, list[str]] = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for _ in range(2):
-            try:
-                results.append(str(plugin.convert_module(torch.nn.Linear(2, 2)).weight.dtype))
-            except FSDPShimError as error:
-                errors.append(str(error))
-    healthy = precision_class(namespace)(precision="bf16-true").convert_module(torch.nn.Linear(2, 2))
-    return {
-        "dtypes": results,
-        "errors": errors,
-        "warnings": shim_warnings(caught),
-        "status": fsdp_shim.status().namespace(namespace).as_dict(),
-        "healthy_plugin_dtype": str(healthy.weight.dtype),
+        for name, plugin in broken_plugins().items():
+            results[name] = [call(name, plugin) for _ in range(2)]
+    out: dict[str, Any] = {"dtypes": results, "warnings": shim_warnings(caught)}
+    status = fsdp_shim.status().namespace(namespace)
+    out["status"] = status.as_dict()
+    out["healthy"] = {
+        "cast": converted_dtype(fsdp_class),
+        "fsdp_backward": backward_dtype(fsdp_class(precision="bf16-true")),
+        "half_backward": backward_dtype(half_class(precision="bf16-true")),
     }
+    os.environ["FSDP_SHIM_STRICT"] = "1"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for name, plugin in broken_plugins().items():
+            errors[name] = []
+            for _ in range(2):
+                try:
+                    call(name, plugin)
+                except fsdp_shim.FSDPShimError as error:
+                    errors[name].append(str(error))
+    out.update(strict_errors=errors, strict_warnings=shim_warnings(caught))
+    return out
 
 
+# ----------------------------------------------------------------------------- real FSDP
 def late_activation(namespace: str) -> dict[str, Any]:
     """Activation after Lightning's import patches at once and says so; a model FSDP wrapped before
     keeps its dtype, and the user is told once."""
     import torch
 
-    from children.cpu import lift_gpu_guards
+    from _fsdp_shim.verify import cpu_guards
 
     pl = importlib.import_module(namespace)
-    lift_gpu_guards(namespace)
+    cpu_guards.lift(namespace)
 
     class Tiny(pl.LightningModule):
         def __init__(self) -> None:
@@ -278,7 +483,7 @@ def late_activation(namespace: str) -> dict[str, Any]:
         trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=4))
         return model, trainer
 
-    before, _trainer = fit()
+    before, _trainer = fit()  # kept alive: the shim counts the FSDP models that exist
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         import fsdp_shim
@@ -291,43 +496,3 @@ def late_activation(namespace: str) -> dict[str, Any]:
         "before": str(before.dtype),
         "after": str(after.dtype),
     }
-
-
-def reload_and_deactivate() -> dict[str, Any]:
-    """A reloaded copy of the shim's modules (Jupyter's autoreload) finds the wrappers the first copy
-    installed, takes them over instead of wrapping them again, and still restores Lightning exactly."""
-    import_all()
-    pristine = snapshot()
-    import fsdp_shim
-    import fsdp_shim.integration
-    import fsdp_shim.patching
-
-    patched = snapshot()
-    importlib.reload(fsdp_shim.patching)
-    importlib.reload(fsdp_shim.integration)
-    fsdp_shim.activate()
-    changed_by_reload = changed(patched, snapshot())
-    from fsdp_shim.patching import is_shim_wrapper, wrapper_chain
-
-    layers = {key: sum(is_shim_wrapper(layer) for layer in wrapper_chain(obj)) for key, obj in snapshot().items()}
-    status_after_reload = statuses()
-    fsdp_shim.deactivate()
-    return {
-        "changed_by_reload": changed_by_reload,
-        "layers": layers,
-        "patched_keys": changed(pristine, patched),
-        "status_after_reload": status_after_reload,
-        "final": changed(pristine, snapshot()),
-    }
-
-
-def convert_with(namespace: str, precisions: list[str]) -> None:
-    """Convert twice per precision; the shim's float16 notice goes to stderr through logging."""
-    import torch
-
-    import fsdp_shim  # noqa: F401
-
-    importlib.import_module(namespace)
-    for precision in precisions:
-        for _ in range(2):
-            precision_class(namespace)(precision=precision).convert_module(torch.nn.Linear(2, 2))

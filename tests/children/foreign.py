@@ -9,9 +9,7 @@ import sys
 import warnings
 from typing import Any
 
-from children.cpu import lift_gpu_guards
-
-PACKAGES = ("lightning", "lightning_fabric", "pytorch_lightning")
+from children.classes import PACKAGES
 
 
 class Instrumenter:
@@ -27,15 +25,19 @@ class Instrumenter:
 
 
 def fit(namespace: str, import_shim: bool) -> dict[str, Any]:
+    """``import_shim``: ``import fsdp_shim`` first; else a start-up file must have armed the shim."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         if import_shim:
             import fsdp_shim  # noqa: F401
         sys.meta_path.insert(0, Instrumenter())
         pl = importlib.import_module(namespace)
-        lift_gpu_guards(namespace)
         import torch
         from torch.utils.data import DataLoader, TensorDataset
+
+        from _fsdp_shim.verify import cpu_guards
+
+        cpu_guards.lift(namespace)
 
         class Model(pl.LightningModule):
             def __init__(self) -> None:
@@ -62,12 +64,13 @@ def fit(namespace: str, import_shim: bool) -> dict[str, Any]:
             enable_model_summary=False,
         )
         trainer.fit(model, DataLoader(TensorDataset(torch.randn(8, 8)), batch_size=4))
-    shim = sys.modules.get("fsdp_shim")
-    status = shim.status().namespace(namespace) if shim is not None else None
+    activation = sys.modules.get("_fsdp_shim.activation")
+    status = activation.status() if activation is not None else None
     return {
-        "loaded": shim is not None,
+        "loaded": activation is not None,
+        "sources": list(status.sources) if status else [],
         "param_dtypes": sorted({str(p.dtype) for p in trainer.strategy.model.parameters()}),
         "module_dtype": str(model.dtype),
-        "patched": status.patched if status else False,
+        "status": status.namespace(namespace).as_dict() if status else None,
         "warnings": [str(w.message) for w in caught if w.category.__name__ == "FSDPShimWarning"],
     }

@@ -7,16 +7,15 @@ import importlib
 import sys
 from typing import Any
 
-from children.classes import import_all, precision_class, statuses, wrappers
-
-PACKAGES = ("lightning", "lightning_fabric", "pytorch_lightning")
-
-
-def converted_dtype(namespace: str) -> str:
-    import torch
-
-    plugin = precision_class(namespace)(precision="bf16-true")
-    return str(plugin.convert_module(torch.nn.Linear(2, 2)).weight.dtype)
+from children.classes import (
+    PACKAGES,
+    backward_dtype,
+    converted_dtype,
+    import_all,
+    precision_class,
+    statuses,
+    wrappers,
+)
 
 
 def forget(prefix: str) -> None:
@@ -25,35 +24,37 @@ def forget(prefix: str) -> None:
             del sys.modules[name]
 
 
-def import_again(namespace: str) -> dict[str, Any]:
-    import fsdp_shim  # noqa: F401
-
-    import_all()
-    first = precision_class(namespace)
-    for package in PACKAGES:
-        forget(package)
-    import_all()
+def _facts(namespace: str) -> dict[str, Any]:
+    """What a bf16-true plugin of the classes in ``sys.modules`` now does, and what status says."""
+    plugin_class = precision_class(namespace)
     return {
-        "new_class": precision_class(namespace) is not first,
-        "dtype": converted_dtype(namespace),
-        "wrappers": wrappers(),
+        "convert_dtype": converted_dtype(plugin_class),
+        "backward_dtype": backward_dtype(plugin_class(precision="bf16-true")),
         "status": statuses()[namespace],
     }
 
 
-def import_one_module_again(namespace: str) -> dict[str, Any]:
-    """Only the module holding the patched class is imported again: its namespace does not execute,
-    so nothing patches the new class until ``activate()``; ``status()`` must say so meanwhile."""
+def import_again(namespace: str) -> dict[str, Any]:
+    """Every Lightning package imported, forgotten and imported again (new classes); then only the
+    module that holds the FSDP precision class: its namespace does not execute again, so nothing
+    patches the new class until ``activate()``, and ``status()`` must say so meanwhile."""
     import fsdp_shim
 
     import_all()
-    before = statuses()[namespace]
+    first = precision_class(namespace)
+    first_wrappers = wrappers()
+    for package in PACKAGES:
+        forget(package)
+    import_all()
+    out: dict[str, Any] = {
+        "new_class": precision_class(namespace) is not first,
+        "first_wrappers": first_wrappers,
+        "wrappers": wrappers(),
+        **_facts(namespace),
+    }
     forget(f"{namespace}.plugins.precision.fsdp")
     importlib.import_module(f"{namespace}.plugins.precision.fsdp")
-    stale = {"status": statuses()[namespace], "dtype": converted_dtype(namespace)}
+    out["one_module"] = {"new_class": precision_class(namespace) is not first, **_facts(namespace)}
     fsdp_shim.activate()
-    return {
-        "before": before,
-        "stale": stale,
-        "after": {"status": statuses()[namespace], "dtype": converted_dtype(namespace)},
-    }
+    out["after_activate"] = {"wrappers": wrappers(), **_facts(namespace)}
+    return out

@@ -24,6 +24,15 @@ LIGHTNING_NAMES = [
     "lightning_fabric.plugins.precision.fsdp",
     "lightning.pytorch.strategies",
 ]
+WATCHED = "slowparent.child"
+
+CALLS: list[list[Any]] = []
+"""What the shim's finder handed over here (``_fsdp_shim.HAND_OVER`` points at this module)."""
+
+
+def namespace_executed(module: Any, noticed_at: str | None = None) -> None:
+    """Stands in for ``_fsdp_shim.activation.namespace_executed`` (the finder resolves it by name)."""
+    CALLS.append([module.__name__, noticed_at, getattr(module, "VALUE", None)])
 
 
 def _finish(result: dict[str, Any]) -> None:
@@ -52,38 +61,51 @@ def _run_threads(targets: list[tuple[float, str]], timeout: float) -> tuple[bool
 
 def parent_and_child_at_once(folder: str, hook: str, timeout: float) -> None:
     """Thread A imports a package whose ``__init__`` is slow and then imports its child; thread B
-    imports that child meanwhile, with a post-import hook registered on it. A finder that imports the
-    parent while the import system holds its global lock deadlocks here."""
+    imports that child meanwhile, with an import hook watching it. A finder that imports the parent
+    while the import system holds its global lock deadlocks here.
+
+    ``hook="fsdp-shim"``: the shim's real finder, told to watch the child as if it were a Lightning
+    namespace and to hand it over to this module; ``hook="wrapt"``: wrapt's post-import hook."""
     package = Path(folder) / "slowparent"
     package.mkdir()
     (package / "__init__.py").write_text("import time\ntime.sleep(1.0)\nfrom slowparent import child\n")
     (package / "child.py").write_text("VALUE = 1\n")
     sys.path.insert(0, folder)
-    calls: list[str] = []
+    wrapt_calls: list[list[Any]] = []
     if hook == "fsdp-shim":
-        import _fsdp_shim_startup
+        import _fsdp_shim
 
-        _fsdp_shim_startup.when_imported("slowparent.child", lambda module: calls.append(module.__name__))
+        _fsdp_shim.NAMESPACES[WATCHED] = "trainer"
+        _fsdp_shim.HAND_OVER = __name__
+        _fsdp_shim.arm("test")
     else:
         import wrapt
 
-        wrapt.register_post_import_hook(lambda module: calls.append(module.__name__), "slowparent.child")
-    finished, errors = _run_threads([(0.0, "slowparent"), (0.3, "slowparent.child")], timeout)
-    _finish({"finished": finished, "errors": errors, "hook_calls": calls})
+        wrapt.register_post_import_hook(lambda module: wrapt_calls.append([module.__name__]), WATCHED)
+    finished, errors = _run_threads([(0.0, "slowparent"), (0.3, WATCHED)], timeout)
+    _finish({"finished": finished, "errors": errors, "hook_calls": CALLS + wrapt_calls})
 
 
 def lightning_in_threads(shim: str, timeout: float) -> None:
-    """Ten threads importing a mix of Lightning names at once, then the same names again in order."""
+    """Ten threads importing a mix of Lightning names at once."""
     if shim == "import":
         import fsdp_shim  # noqa: F401
     elif shim == "arm":
-        import _fsdp_shim_startup
+        import _fsdp_shim
 
-        _fsdp_shim_startup.arm("fsdp-shim run")
+        _fsdp_shim.arm("fsdp-shim run")
     start = time.monotonic()
     finished, errors = _run_threads([(0.0, name) for name in LIGHTNING_NAMES], timeout)
     result: dict[str, Any] = {"finished": finished, "seconds": round(time.monotonic() - start, 1), "errors": errors}
-    shim_module = sys.modules.get("fsdp_shim")
-    if shim_module is not None:
-        result["status"] = {s.namespace: s.as_dict() for s in shim_module.status().namespaces}
+    import _fsdp_shim  # the start-up module: activates nothing
+
+    result["executed"] = [  # the namespaces that finished executing (the others failed in a thread)
+        name
+        for name in _fsdp_shim.NAMESPACES
+        if getattr(getattr(sys.modules.get(name), "__spec__", None), "_initializing", True) is False
+    ]
+    activation = sys.modules.get("_fsdp_shim.activation")
+    result["shim_loaded"] = activation is not None
+    if activation is not None:
+        result["status"] = {s.namespace: s.as_dict() for s in activation.status().namespaces}
     _finish(result)
