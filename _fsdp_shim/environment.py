@@ -54,6 +54,8 @@ class EnvironmentReport:
     """Where ``fsdp_shim_env.pth`` is, and whether this interpreter reads it (``FSDP_SHIM=1`` arms)."""
     startup_files: list[dict[str, Any]] = field(default_factory=list)
     bootstrap_on_pythonpath: list[str] = field(default_factory=list)
+    fixes: list[dict[str, Any]] = field(default_factory=list)
+    """Each fix: its name, the releases it applies to, what it changes, and whether it is switched off."""
     lightning: list[dict[str, Any]] = field(default_factory=list)
     child: dict[str, Any] | None = None
     problems: list[str] = field(default_factory=list)
@@ -244,6 +246,11 @@ def collect(python_check: bool = False) -> EnvironmentReport:
     _check_toggles(report)
     _check_activations(report)
     _check_environment_file(report)
+    skipped, _ = disabled_fixes()
+    report.fixes = [
+        {"name": fix.name, "releases": fix.releases(), "changes": fix.changes, "switched_off": fix.name in skipped}
+        for fix in FIXES
+    ]
     report.lightning = _installed_lightning()
     if python_check:
         _check_child(report)
@@ -280,6 +287,10 @@ def render(report: EnvironmentReport) -> str:
         lines += [f"  fsdp-shim run  bootstrap on PYTHONPATH: {entry}" for entry in report.bootstrap_on_pythonpath]
     else:
         lines.append("  fsdp-shim run  not active in this shell")
+    lines += ["", f"Fixes (switch one off with {DISABLED_FIXES_VARIABLE}=NAME):"]
+    for fix in report.fixes:
+        off = "  [switched off]" if fix["switched_off"] else ""
+        lines += [f"  {fix['name']:<10} Lightning {fix['releases']}{off}", f"  {'':<10} {fix['changes']}"]
     lines += ["", "Lightning (from package metadata):"]
     if not report.lightning:
         lines.append("  none installed")

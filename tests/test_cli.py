@@ -323,3 +323,20 @@ def test_run_prints_the_warning_once_before_the_command_starts(tmp_path: Path) -
     assert proc.returncode == 0 and proc.stdout.strip() == "ran"
     lines = [line for line in proc.stderr.splitlines() if line.startswith("fsdp-shim run: warning")]
     assert len(lines) == 1 and "`env -i` starts its command without FSDP_SHIM" in lines[0], proc.stderr
+
+
+def test_status_names_each_fix_its_releases_what_it_changes_and_the_switch() -> None:
+    """Issue 25, item 3: ``status`` (text and ``--json``) names every fix, from the package's own table."""
+    from _fsdp_shim.config import FIXES
+
+    env = clean_env(FSDP_SHIM_DISABLED_FIXES="cast")
+    report = json.loads(cli("status", "--json", env=env).stdout)
+    assert report["fixes"] == [
+        {"name": fix.name, "releases": fix.releases(), "changes": fix.changes, "switched_off": fix.name == "cast"}
+        for fix in FIXES
+    ]
+    text = cli("status", env=env).stdout
+    assert "Fixes (switch one off with FSDP_SHIM_DISABLED_FIXES=NAME):" in text
+    for fix in FIXES:
+        assert f"{fix.name:<10} Lightning {fix.releases()}" in text and fix.changes in text
+    assert text.count("[switched off]") == 1
