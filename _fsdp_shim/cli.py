@@ -11,7 +11,7 @@ from typing import Any
 
 from _fsdp_shim import startup_files
 from _fsdp_shim._version import __version__
-from _fsdp_shim.verify.options import PROBE_TIMEOUT, Options
+from _fsdp_shim.verify.records import PROBE_TIMEOUT, Options
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
@@ -50,7 +50,8 @@ DESCRIPTIONS = {
     ),
     "verify": (
         "Train a model for a few steps with FSDP, with the shim off and on, in fresh processes, and compare\n"
-        "dtypes and exact byte counts: a verdict per installed Lightning (fixed, not needed, FAILED).\n"
+        "dtypes and exact byte counts: a verdict per installed Lightning and fix (fixed, not needed, FAILED);\n"
+        "with --activation-checkpointing also each run with and without checkpointing, bit for bit.\n"
         "Exit codes: 0 fixed or not needed; 1 FAILED, your model raised, or a step ran past --timeout;\n"
         "2 verify could not run; 130 interrupted.",
         "fsdp-shim verify --model my_project.model:MyModel --devices 2",
@@ -131,11 +132,20 @@ def _parser() -> argparse.ArgumentParser:
         help="LightningDataModule class or factory (default: the model's own train_dataloader)",
     )
     verify.add_argument(
+        "--activation-checkpointing",
+        type=_class_list,
+        default=[],
+        metavar="MODULE:CLASS[,...]",
+        help="also train with Lightning's FSDP activation checkpointing of these classes "
+        "(activation_checkpointing_policy={...}), shim off and on, and judge the recompute fix "
+        "(default: not checked)",
+    )
+    verify.add_argument(
         "--model-path",
         type=Path,
         metavar="DIR",
-        help="the folder --model and --datamodule are imported from (default: the current folder; no other "
-        "probe sees it)",
+        help="the folder --model, --datamodule and --activation-checkpointing are imported from (default: the "
+        "current folder; no other probe sees it)",
     )
     verify.add_argument(
         "--timeout",
@@ -170,7 +180,7 @@ def _positive_number(text: str) -> float:
 
 
 def command_timeout() -> float:
-    """verify's default --timeout, in seconds (``verify/options.py`` imports only the standard library,
+    """verify's default --timeout, in seconds (``verify/records.py`` imports only the standard library,
     so building the parser still imports nothing beyond it: install runs in bare environments)."""
     return PROBE_TIMEOUT
 
@@ -184,6 +194,19 @@ def _module_attribute(text: str) -> str:
     ):
         raise argparse.ArgumentTypeError(f"{text!r} is not MODULE:ATTR (e.g. my_project.model:MyModule)")
     return text
+
+
+def _class_list(text: str) -> list[str]:
+    """``--activation-checkpointing``: comma-separated ``MODULE:CLASS``, each spelled as ``--model`` is."""
+    items = [item.strip() for item in text.split(",")]
+    for item in items:
+        try:
+            _module_attribute(item)
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(
+                f"{item!r} is not MODULE:CLASS (e.g. torch.nn:TransformerEncoderLayer)"
+            ) from None
+    return items
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -289,8 +312,8 @@ def _verify(args: argparse.Namespace) -> int:
     if args.model is None and (args.init_args or args.datamodule):
         print("fsdp-shim verify: --init-args and --datamodule need --model", file=sys.stderr)
         return 2
-    if args.model is None and args.model_path is not None:
-        print("fsdp-shim verify: --model-path needs --model", file=sys.stderr)
+    if args.model is None and not args.activation_checkpointing and args.model_path is not None:
+        print("fsdp-shim verify: --model-path needs --model or --activation-checkpointing", file=sys.stderr)
         return 2
     options = Options(
         precision=args.precision,
@@ -303,6 +326,7 @@ def _verify(args: argparse.Namespace) -> int:
         datamodule=args.datamodule,
         model_path=str(args.model_path.resolve()) if args.model_path is not None else None,
         timeout=args.timeout,
+        activation_checkpointing=args.activation_checkpointing,
     )
     return command.main(options)
 

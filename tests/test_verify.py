@@ -1,28 +1,117 @@
-"""``fsdp-shim verify`` on the seed's model, end to end in fresh processes, on whatever Lightning this
-session holds: a verdict for every installed Trainer namespace, never one for the wrong package."""
+"""``fsdp-shim verify`` end to end, in fresh processes, on whatever Lightning this session holds: a
+verdict per fix for every installed Trainer namespace, never one for the wrong package; the user's own
+model (``--model``, run in ``tests/verify_models`` as a user runs it next to their code); the
+recompute fix under activation checkpointing (``--activation-checkpointing``); and the command's
+reliability (no code from the current folder, time limits, Ctrl-C, usage errors).
+
+verify's runs are slow (every run is fresh processes importing torch and Lightning), so each
+invocation serves several assertions, and the runs two tests share are made once (``runs``)."""
 
 from __future__ import annotations
 
-import importlib.util
+import itertools
 import json
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, Layout, clean_env, trainer_versions, verify
+from conftest import (
+    DTYPES,
+    FSDP_SHIM,
+    NAMESPACES,
+    ROOT,
+    TRAINER,
+    Layout,
+    alive,
+    an_affected_namespace,
+    clean_env,
+    layout_or_skip,
+    trainer_versions,
+    verify,
+)
 
-from fsdp_shim.backport import FIRST_AFFECTED, base_release, is_affected_release
-from fsdp_shim.verify import seed
+from _fsdp_shim.config import CAST, FIXES, RECOMPUTE, base_release
+from _fsdp_shim.verify import seed
+from _fsdp_shim.verify.output import render
+from _fsdp_shim.verify.records import Options, RankResult
+from _fsdp_shim.verify.verdict import Section, judge_recompute
 
-DTYPES = {"bf16-true": "torch.bfloat16", "16-true": "torch.float16"}
+MODELS = ROOT / "tests" / "verify_models"
+BYTE_KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes")
+"""verify's own byte keys (conftest's ``BYTE_KEYS`` are the training scenario's)."""
+SEED_BLOCKS = "torch.nn:TransformerEncoderLayer,torch.nn:TransformerDecoderLayer"
+"""The seed model's blocks: the layers of ``nn.Transformer`` inside Lightning's demo Transformer."""
 LAST_WITH_PKG_RESOURCES = (2, 4, 0)  # a fact about Lightning: 2.4.0 no longer imports pkg_resources
+PLANTED = """\
+import importlib, os, sys
+here = os.path.dirname(os.path.abspath(__file__))
+with open(os.path.join(here, "RAN-" + __name__), "a") as marker:
+    marker.write(f"{os.getpid()} {sys.argv}\\n")
+# Then step aside for the real module, so whatever imported it still works.
+sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != here]
+del sys.modules[__name__]
+sys.modules[__name__] = importlib.import_module(__name__)
+"""
+
+
+# ----------------------------------------------------------------------------- helpers
+def document(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    return json.loads(proc.stdout)
 
 
 def sections(proc: subprocess.CompletedProcess[str]) -> dict[str, dict[str, Any]]:
-    return {section["namespace"]: section for section in json.loads(proc.stdout)["sections"]}
+    return {section["namespace"]: section for section in document(proc)["sections"]}
+
+
+def only_section(proc: subprocess.CompletedProcess[str]) -> dict[str, Any]:
+    found = document(proc)["sections"]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def fix_entry(section: dict[str, Any], name: str) -> dict[str, Any]:
+    return next(entry for entry in section["fixes"] if entry["fix"] == name)
+
+
+def verify_model(namespace: str, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """verify run in ``tests/verify_models``, whose modules are written against ``namespace``."""
+    return verify(*args, env=clean_env(FSDP_SHIM_TEST_LIGHTNING=namespace, **(env or {})), cwd=MODELS)
+
+
+class Runs:
+    """verify runs that more than one test reads, made once per session."""
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple[str, ...], subprocess.CompletedProcess[str]] = {}
+
+    def model(self, namespace: str, *args: str) -> subprocess.CompletedProcess[str]:
+        key = (namespace, *args)
+        if key not in self._cache:
+            self._cache[key] = verify_model(namespace, *args)
+        return self._cache[key]
+
+
+@pytest.fixture(scope="session")
+def runs() -> Runs:
+    return Runs()
+
+
+@pytest.fixture
+def planted(tmp_path: Path) -> Path:
+    """A folder holding a ``yaml.py`` and a ``packaging.py`` that record every process importing them."""
+    folder = tmp_path / "project"
+    folder.mkdir()
+    for name in ("yaml", "packaging"):
+        (folder / f"{name}.py").write_text(PLANTED)
+    control = subprocess.run([sys.executable, "-c", "import yaml"], cwd=folder, env=clean_env(), timeout=60)
+    assert control.returncode == 0 and (folder / "RAN-yaml").exists(), "the planted module must work"
+    (folder / "RAN-yaml").unlink()
+    return folder
 
 
 def with_missing_pkg_resources(tmp_path: Path, package: str) -> dict[str, str]:
@@ -38,7 +127,7 @@ def with_missing_pkg_resources(tmp_path: Path, package: str) -> dict[str, str]:
     return env
 
 
-def assert_fixed(section: dict[str, Any], precision: str) -> None:
+def assert_seed_fixed(section: dict[str, Any], precision: str) -> None:
     assert section["verdict"] == "fixed", section["reason"]
     want = DTYPES[precision]
     for off, on in zip(section["shim_off"], section["shim_on"]):
@@ -49,38 +138,89 @@ def assert_fixed(section: dict[str, Any], precision: str) -> None:
         assert units_on["model"] == units_off["model"]  # built in configure_model: already half precision
         # Two equal models, one already half precision, one loaded in float32 (twice the bytes):
         # unpatched 1 + 2 = 3 units, patched 1 + 1 = 2.
-        for key in ("param_bytes", "grad_bytes", "optimizer_state_bytes"):
+        for key in BYTE_KEYS:
             assert on[key] * 3 == off[key] * 2, key
 
 
-@pytest.mark.parametrize("precision", ["bf16-true", pytest.param("16-true", marks=pytest.mark.release_independent)])
-def test_every_installed_trainer_namespace_gets_its_own_verdict(precision: str, layouts: dict[str, Layout]) -> None:
+def assert_exactly_half(section: dict[str, Any], devices: int, steps: int = 3) -> None:
+    assert section["verdict"] == "fixed", section["reason"]
+    assert len(section["shim_off"]) == len(section["shim_on"]) == devices
+    for rank, (off, on) in enumerate(zip(section["shim_off"], section["shim_on"])):
+        assert off["rank"] == on["rank"] == rank
+        assert (off["module_dtype"], on["module_dtype"]) == ("torch.float32", "torch.bfloat16")
+        assert (off["flat_param_dtypes"], on["flat_param_dtypes"]) == (["torch.float32"], ["torch.bfloat16"])
+        for key in BYTE_KEYS:
+            assert on[key] * 2 == off[key], (rank, key)
+        assert len(off["losses"]) == len(on["losses"]) == steps
+        assert off["peak_memory_kind"] == "peak RSS above the import baseline"
+
+
+def same_bits(plain: list[dict[str, Any]], checkpointed: list[dict[str, Any]]) -> bool:
+    """Every rank's losses and parameter-shard hashes the same (``float.hex``: NaN equals NaN)."""
+    return len(plain) == len(checkpointed) and all(
+        [float(v).hex() for v in a["losses"]] == [float(v).hex() for v in b["losses"]]
+        and a["param_hashes"] == b["param_hashes"]
+        for a, b in zip(plain, checkpointed)
+    )
+
+
+def as_section(data: dict[str, Any]) -> Section:
+    """A ``--json`` section as verify's own record, for its text renderer and its verdicts."""
+    runs = ("shim_off", "shim_on", "checkpointed_shim_off", "checkpointed_shim_on")
+    return Section(**{**data, **{k: data[k] and [RankResult(**r) for r in data[k]] for k in runs}})
+
+
+# ----------------------------------------------------------------------------- the seed model, per release
+@pytest.mark.parametrize("precision", [pytest.param("bf16-true", marks=pytest.mark.per_release), "16-true"])
+def test_every_installed_trainer_namespace_gets_its_own_verdict_naming_each_fix(
+    precision: str, layouts: dict[str, Layout], planted: Path
+) -> None:
+    """One verdict per installed Trainer namespace, with its own release's figures; each section names
+    every fix, whether its release lacks it and whether the shim applied it, as ``_fsdp_shim.config``
+    says for that release. Run from a folder holding a ``yaml.py`` and a ``packaging.py``: verify's
+    probes run none of it (they run by path, and only ``--model`` gets the current folder)."""
     versions = trainer_versions(layouts)
     if not versions:
         pytest.skip("no Lightning installed")
-    proc = verify("--precision", precision, "--json")
+    proc = verify("--precision", precision, "--json", cwd=planted)
     assert proc.returncode == 0, proc.stderr
+    assert {p.name for p in planted.glob("RAN-*")} == set()
     found = sections(proc)
     assert sorted(found) == sorted(versions)
     for namespace, version in versions.items():
         section = found[namespace]
         assert section["version"] == version
-        if is_affected_release(version):
-            assert_fixed(section, precision)
+        assert [entry["fix"] for entry in section["fixes"]] == [fix.name for fix in FIXES]
+        for fix in FIXES:
+            shim = fix_entry(section, fix.name)["shim"]
+            assert shim["affected"] is fix.affects(version), (namespace, shim)
+            assert shim["patched"] is fix.affects(version), (namespace, shim)  # the shim applies what is lacking
+            assert bool(shim["targets"]) is shim["patched"]  # and names the methods it wrapped for it
+        cast = fix_entry(section, CAST.name)
+        assert (cast["verdict"], cast["reason"]) == (section["verdict"], section["reason"])
+        recompute = fix_entry(section, RECOMPUTE.name)
+        if RECOMPUTE.affects(version):
+            assert recompute["verdict"] is None and "--activation-checkpointing" in recompute["reason"]
+        if CAST.affects(version):
+            assert_seed_fixed(section, precision)
         else:
             assert section["verdict"] == "not needed"
             assert section["shim_off"] is None and section["shim_on"] is None  # decided by the gates alone
-            if base_release(version) >= FIRST_AFFECTED:
-                assert "already contains the fix" in section["reason"] and "nothing was trained" in section["reason"]
+            if base_release(version) >= CAST.first_affected:
+                assert CAST.unaffected_reason(version) in section["reason"]
+                assert "nothing was trained" in section["reason"]
 
 
-@pytest.mark.release_independent
-def test_the_table_two_processes_and_the_phases(layouts: dict[str, Layout]) -> None:
-    affected = [ns for ns, v in trainer_versions(layouts).items() if is_affected_release(v)]
+def test_the_table_two_processes_the_fixes_and_the_phases(layouts: dict[str, Layout]) -> None:
+    """The text report with 2 processes: the table's rows, the fixes each release lacks and what the
+    shim did, one line per fix's verdict, the phases on stderr, 100 columns, each term once."""
+    versions = trainer_versions(layouts)
+    affected = [ns for ns, v in versions.items() if CAST.affects(v)]
     if not affected:
         pytest.skip("the table's 'fixed' rows need an affected release")
     proc = verify("--devices", "2")
     assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
     assert "CPU check with gloo, 2 process(es)" in proc.stdout
     assert "verdict: fixed" in proc.stdout
     for row in (
@@ -96,30 +236,37 @@ def test_the_table_two_processes_and_the_phases(layouts: dict[str, Layout]) -> N
     ):
         assert row in proc.stdout
     assert "(peak memory: peak RSS above the import baseline)" in proc.stdout
-    pretrained_row = next(line for line in proc.stdout.splitlines() if seed.UNITS["pretrained"] in line)
+    pretrained_row = next(line for line in lines if seed.UNITS["pretrained"] in line)
     assert pretrained_row.rstrip().endswith("-50%")
+    for namespace, version in versions.items():  # each section: the fixes its release lacks, then a line per fix
+        lacking = ", ".join(f"{fix.name} (applied by the shim)" for fix in FIXES if fix.affects(version))
+        start = lines.index(f"  fixes this release lacks: {lacking}", lines.index(f"{namespace} {version}"))
+        verdicts = [line.split(":")[0] for line in itertools.takewhile(bool, lines[start + 1 :])]
+        assert [line for line in verdicts if not line.startswith("    ")] == [f"  {fix.name}" for fix in FIXES]
+    assert "  fixes this release lacks: cast (applied by the shim), recompute (applied by the shim)" in lines
+    assert any(line.startswith("  cast: fixed: sharded parameters, gradients and optimizer state") for line in lines)
+    not_checked = [line for line in lines if line.startswith("  recompute: not checked: --activation-checkpointing")]
+    assert len(not_checked) == sum(RECOMPUTE.affects(v) for v in versions.values())
     # The counter counts the runs once (the gate, before their number is known, is not
     # numbered), everything fits 100 columns, and each term is explained once.
     phases = [line for line in proc.stderr.splitlines() if line.startswith("fsdp-shim verify: ")]
     assert phases[0] == "fsdp-shim verify: reading the installed Lightning ..."
-    label = f"{affected[0]} {trainer_versions(layouts)[affected[0]]}"
+    label = f"{affected[0]} {versions[affected[0]]}"
     assert phases[1:] == [
         f"fsdp-shim verify: [1/2] {label}: training with the shim off ...",
         f"fsdp-shim verify: [2/2] {label}: training with the shim on ...",
     ]
-    assert max(len(line) for line in proc.stdout.splitlines()) <= 100, proc.stdout
+    assert max(len(line) for line in lines) <= 100, proc.stdout
     for term in ("GPU guards lifted:", "flat parameter:", "seed model:"):
-        assert sum(line.startswith(f"  {term}") for line in proc.stdout.splitlines()) == 1, term
+        assert sum(line.startswith(f"  {term}") for line in lines) == 1, term
 
 
-@pytest.mark.release_independent
 def test_a_broken_lightning_next_to_a_working_one_is_failed_not_not_needed(
     layouts: dict[str, Layout], tmp_path: Path
 ) -> None:
     """`lightning` 2.1–2.3 without pkg_resources (setuptools >= 81) next to the standalone
     2.6.x. Here a stand-in `lightning` fails the same way; the real one is checked on 2.1–2.3 below."""
-    if "standalone" not in layouts:
-        pytest.skip("needs the standalone packages beside it")
+    layout_or_skip(layouts, "standalone")
     env = with_missing_pkg_resources(tmp_path, "lightning")
     proc = verify("--json", env=env)
     assert proc.returncode == 1
@@ -129,7 +276,7 @@ def test_a_broken_lightning_next_to_a_working_one_is_failed_not_not_needed(
     assert "lightning.pytorch" in reason and "fails to import" in reason and "No module named 'pkg_resources'" in reason
     assert "Lightning 2.1-2.3 needs setuptools<81" in reason
     assert found["pytorch_lightning"]["verdict"] == "not needed"
-    assert json.loads(proc.stdout)["verdict"] == "FAILED"
+    assert document(proc)["verdict"] == "FAILED"
     status = subprocess.run(
         [sys.executable, "-m", "fsdp_shim", "status", "--python-check"],
         capture_output=True,
@@ -141,10 +288,12 @@ def test_a_broken_lightning_next_to_a_working_one_is_failed_not_not_needed(
     assert "PROBLEM: lightning" in status.stdout and "needs setuptools<81" in status.stdout
 
 
+@pytest.mark.per_release  # only 2.1–2.3 import pkg_resources: it runs (and means something) in their sessions
 def test_real_lightning_2_1_to_2_3_without_pkg_resources(layouts: dict[str, Layout], tmp_path: Path) -> None:
     """What setuptools 81 does to Lightning 2.1–2.3: pkg_resources is gone, and `import lightning` fails."""
     version = layouts.get("lightning", Layout("lightning", "0", "0")).trainer_version
-    if base_release(version) is None or not FIRST_AFFECTED <= base_release(version) < LAST_WITH_PKG_RESOURCES:
+    release = base_release(version)
+    if release is None or not CAST.first_affected <= release < LAST_WITH_PKG_RESOURCES:
         pytest.skip("needs Lightning 2.1–2.3")
     proc = verify("--json", env=with_missing_pkg_resources(tmp_path, "pkg_resources"))
     assert proc.returncode == 1
@@ -153,7 +302,278 @@ def test_real_lightning_2_1_to_2_3_without_pkg_resources(layouts: dict[str, Layo
     assert "Lightning 2.1-2.3 needs setuptools<81" in reason
 
 
-@pytest.mark.release_independent
+# ----------------------------------------------------------------------------- activation checkpointing
+def test_the_seed_model_is_not_needed_under_activation_checkpointing(layouts: dict[str, Layout]) -> None:
+    """The seed's Transformer layers give every tensor they make an explicit dtype, so checkpointing
+    them changes nothing, with the shim or without: "not needed", measured bit for bit (every loss,
+    every rank's parameter shards). ``--activation-checkpointing`` trains every release that lacks the
+    recompute fix, a release that has the cast too (whose cast is then measured)."""
+    versions = {ns: v for ns, v in trainer_versions(layouts).items() if RECOMPUTE.affects(v)}
+    if not versions:
+        pytest.skip("needs a Lightning that lacks the recompute fix")
+    proc = verify("--activation-checkpointing", SEED_BLOCKS, "--steps", "2", "--json")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert document(proc)["activation_checkpointing"] == SEED_BLOCKS.split(",")
+    found = sections(proc)
+    for namespace, version in versions.items():
+        section = found[namespace]
+        recompute = fix_entry(section, RECOMPUTE.name)
+        assert recompute["verdict"] == "not needed", recompute["reason"]
+        assert "explicit dtype" in recompute["reason"]
+        assert "TransformerEncoderLayer, TransformerDecoderLayer" in recompute["reason"]
+        for shim in ("shim_off", "shim_on"):
+            plain, checkpointed = section[shim], section[f"checkpointed_{shim}"]
+            assert same_bits(plain, checkpointed), shim
+            # Lightning's policy wrapped every module of the named classes the run without it counted.
+            assert [r["checkpointed"] for r in checkpointed] == [r["checkpointed"] for r in plain]
+            assert all(r["checkpointed"] > 0 and r["error"] is None for r in checkpointed)
+        if not CAST.affects(version):
+            assert section["verdict"] == "not needed" and "measured: the shim changes nothing" in section["reason"]
+
+
+@pytest.mark.parametrize(
+    ("package", "devices", "init_args"), [("lightning", 1, '{"cast": true}'), ("standalone", 2, "{}")]
+)
+def test_a_block_that_makes_a_tensor_without_a_dtype_is_fixed(
+    package: str, devices: int, init_args: str, layouts: dict[str, Layout], runs: Runs
+) -> None:
+    """``user_models.Block`` multiplies by a tensor it makes without a dtype: bfloat16 in the forward,
+    float32 when checkpointing recomputes it. With the shim the checkpointed run equals the run
+    without checkpointing bit for bit, on every rank. Without it, 2.6.6 (bfloat16 weights) raises
+    torch's CheckpointError; 2.4.0's unpatched float32 weights with ``cast`` (the tensor converted to
+    the input's dtype) train silently on other values, and verify names the first difference."""
+    layout = layout_or_skip(layouts, package)
+    if not RECOMPUTE.affects(layout.trainer_version):
+        pytest.skip("needs a release that lacks the recompute fix")
+    if package == "lightning" and not CAST.affects(layout.trainer_version):
+        pytest.skip("the case of unpatched float32 weights needs Lightning 2.1–2.4")
+    namespace = NAMESPACES[package][0]
+    args = ("--model", "user_models:Checkpointed", "--init-args", init_args, "--activation-checkpointing")
+    proc = runs.model(namespace, *args, "user_models:Block", "--devices", str(devices), "--json")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    section = only_section(proc)
+    assert section["namespace"] == namespace
+    recompute = fix_entry(section, RECOMPUTE.name)
+    assert recompute["verdict"] == "fixed", recompute["reason"]
+    assert same_bits(section["shim_on"], section["checkpointed_shim_on"])
+    assert [r["rank"] for r in section["checkpointed_shim_on"]] == list(range(devices))
+    off, off_checkpointed = section["shim_off"], section["checkpointed_shim_off"]
+    if CAST.affects(layout.trainer_version):  # unpatched 2.1–2.4: float32 weights, the same dtype in the recompute
+        assert off_checkpointed[0]["error"] is None and not same_bits(off, off_checkpointed)
+        assert "with the shim off, the checkpointed run differs first in" in recompute["reason"]
+    else:
+        assert off_checkpointed[0]["error"].startswith("CheckpointError: ")
+        assert f"with the shim off, the checkpointed run raised {off_checkpointed[0]['error']}" in recompute["reason"]
+    text = render([as_section(section)], Options(devices=devices, model="user_models:Checkpointed"))
+    assert "  fixes this release lacks: " in text and "recompute (applied by the shim)" in text
+    assert "\n  recompute: fixed: with the shim, checkpointing Block (2 modules) changes nothing" in text
+    assert "verdict: fixed (" in text and "recompute fixed)" in text
+
+
+def test_a_recompute_that_differs_is_failed_naming_the_first_difference(layouts: dict[str, Layout], runs: Runs) -> None:
+    """verify's recompute verdict on real runs (the 2.4.0 ones above), as if the shim had done nothing:
+    its shim-on runs replaced by the shim-off ones. "FAILED" says the shim did not apply the fix, and
+    names the first step whose loss differs (or the first parameter, were every loss the same)."""
+    layout = layout_or_skip(layouts, "lightning")
+    if not CAST.affects(layout.trainer_version):
+        pytest.skip("needs an unpatched 2.1–2.4 (its checkpointed run differs without raising)")
+    args = ("--model", "user_models:Checkpointed", "--init-args", '{"cast": true}', "--activation-checkpointing")
+    proc = runs.model("lightning.pytorch", *args, "user_models:Block", "--devices", "1", "--json")
+    section = as_section(only_section(proc))
+    off, off_ac = section.shim_off, section.checkpointed_shim_off
+    assert off is not None and off_ac is not None
+    verdict, reason = judge_recompute(off, off, off_ac, off_ac, "Block")
+    assert verdict == "FAILED"
+    assert reason.startswith("the shim did not apply it to lightning.pytorch: switched off by FSDP_SHIM")
+    steps = [i for i, (a, b) in enumerate(zip(off[0].losses, off_ac[0].losses), 1) if float(a).hex() != float(b).hex()]
+    if steps:
+        assert f"with the shim, the checkpointed run differs first in the loss of step {steps[0]} (" in reason
+    else:
+        name = next(n for n, h in off[0].param_hashes.items() if off_ac[0].param_hashes[n] != h)
+        assert f"with the shim, the checkpointed run differs first in parameter {name}" in reason
+
+
+def test_a_shim_that_does_not_apply_the_recompute_is_failed(layouts: dict[str, Layout]) -> None:
+    """``FSDP_SHIM_DISABLED_FIXES=recompute``: the shim leaves the recompute as it is, so its checkpointed
+    run raises as the shim-off one does. The text report says the fix was not applied and what the
+    checkpointed run raised, exit code 1; the cast, still applied, is still "fixed"."""
+    namespace, version = an_affected_namespace(layouts, "trainer")
+    args = ("--model", "user_models:Checkpointed", "--activation-checkpointing", "user_models:Block")
+    proc = verify_model(namespace, *args, env={"FSDP_SHIM_DISABLED_FIXES": RECOMPUTE.name})
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = " ".join(proc.stdout.split())  # the report wraps at 100 columns
+    assert "fixes this release lacks: cast (applied by the shim), recompute (NOT applied: switched off by" in text
+    assert "cast: fixed: sharded parameters" in text
+    failed = f"recompute: FAILED: the shim did not apply it to {namespace}: switched off by FSDP_SHIM_DISABLED_FIXES"
+    assert f"{failed}; with the shim, the checkpointed run raised CheckpointError: " in text
+    assert "(with the shim off, the checkpointed run raised CheckpointError: " in text
+    assert f"verdict: FAILED ({namespace} {version}: cast fixed, recompute FAILED)" in text
+
+
+def test_activation_checkpointing_of_a_class_the_model_lacks_is_a_usage_error(layouts: dict[str, Layout]) -> None:
+    """Checkpointing nothing would compare a run with itself: refused after the first run, exit 2."""
+    namespace = an_affected_namespace(layouts, "trainer", fix=RECOMPUTE.name)[0]
+    proc = verify_model(
+        namespace, "--model", "user_models:ThreeWays", "--activation-checkpointing", "user_models:Block"
+    )
+    assert proc.returncode == 2, proc.stderr
+    message = "--activation-checkpointing: this model has no module of user_models:Block to checkpoint"
+    assert proc.stderr.strip().splitlines()[-1] == f"fsdp-shim verify: {message}"
+    assert "[1/4]" in proc.stderr and "[2/4]" not in proc.stderr
+
+
+# ----------------------------------------------------------------------------- the user's own model
+@pytest.mark.parametrize("devices", [1, 2])
+def test_layers_from_init_configure_model_and_a_float32_state_dict_are_exactly_halved(
+    devices: int, layouts: dict[str, Layout], runs: Runs
+) -> None:
+    namespace = an_affected_namespace(layouts, "trainer")[0]
+    wide = ("--init-args", '{"hidden": 64}') if devices == 1 else ()  # shared with the test below
+    proc = runs.model(namespace, "--model", "user_models:ThreeWays", *wide, "--devices", str(devices), "--json")
+    assert proc.returncode == 0, proc.stderr
+    section = only_section(proc)
+    assert section["namespace"] == namespace
+    assert_exactly_half(section, devices)
+
+
+def test_a_factory_and_init_args(layouts: dict[str, Layout], runs: Runs) -> None:
+    namespace = an_affected_namespace(layouts, "trainer")[0]
+    factory = only_section(runs.model(namespace, "--model", "user_models:make_model", "--json"))
+    wide = only_section(
+        runs.model(
+            namespace, "--model", "user_models:ThreeWays", "--init-args", '{"hidden": 64}', "--devices", "1", "--json"
+        )
+    )
+    for section in (factory, wide):
+        assert_exactly_half(section, 1)
+    # The arguments reached the constructors: the factory builds 48 hidden units, --init-args asks for 64.
+    assert factory["shim_off"][0]["param_bytes"] < wide["shim_off"][0]["param_bytes"]
+
+
+def test_a_module_without_data(layouts: dict[str, Layout]) -> None:
+    namespace = an_affected_namespace(layouts, "trainer")[0]
+    proc = verify_model(namespace, "--model", "user_models:NoData")
+    assert proc.returncode == 2
+    assert "user_models:NoData has no train_dataloader; pass --datamodule" in proc.stderr
+    assert "training with the shim" not in proc.stderr  # refused before any training
+    with_data = verify_model(namespace, "--model", "user_models:NoData", "--datamodule", "user_models:Data", "--json")
+    assert with_data.returncode == 0, with_data.stderr
+    assert_exactly_half(only_section(with_data), 1)
+
+
+def test_an_error_in_the_users_code_is_theirs(layouts: dict[str, Layout]) -> None:
+    namespace = an_affected_namespace(layouts, "trainer")[0]
+    proc = verify_model(namespace, "--model", "user_models:RaisesInTrainingStep")
+    assert proc.returncode == 1
+    assert "Traceback (most recent call last)" in proc.stderr
+    assert str(MODELS / "user_models.py") in proc.stderr
+    assert "ValueError: a bug in the user's training_step" in proc.stderr
+    assert "your code raised while training (shim off)" in proc.stderr
+    assert "FAILED" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "user_models:NOT_A_MODULE"], "is 'int', not a LightningModule class"),
+        (["--model", "user_models:Data"], "is a class, but not a subclass of Lightning's LightningModule"),
+        (["--model", "user_models:Missing"], "user_models has no attribute 'Missing'"),
+        (["--model", "not_a_module_here:Model"], "cannot import 'not_a_module_here'"),
+        (
+            ["--model", "user_models:ThreeWays", "--activation-checkpointing", "user_models:make_model"],
+            "--activation-checkpointing: user_models:make_model is not a torch.nn.Module class",
+        ),
+        (["--activation-checkpointing", "torch.nn:NoSuchLayer"], "torch.nn has no attribute 'NoSuchLayer'"),
+    ],
+)
+def test_an_option_that_names_no_model_or_no_module_class(
+    args: list[str], message: str, layouts: dict[str, Layout]
+) -> None:
+    """Refused while verify reads Lightning, before anything trains: exit 2 and the reason."""
+    namespace = an_affected_namespace(layouts, "trainer")[0]
+    proc = verify_model(namespace, *args)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert "training with the shim" not in proc.stderr
+
+
+def test_a_fixed_release_is_not_needed_without_training(layouts: dict[str, Layout]) -> None:
+    standalone = layout_or_skip(layouts, "standalone")
+    if CAST.affects(standalone.trainer_version):
+        pytest.skip("needs the fixed standalone pytorch_lightning")
+    section = only_section(verify_model("pytorch_lightning", "--model", "user_models:ThreeWays", "--json"))
+    assert section["namespace"] == "pytorch_lightning"
+    assert section["verdict"] == "not needed" and "nothing was trained" in section["reason"]
+    assert section["shim_off"] is None
+
+
+def test_16_true_numerics_show_before_the_real_job(layouts: dict[str, Layout]) -> None:
+    """With float16 weights, AdamW's default eps (1e-8, which is 0 in float16) gives NaN
+    losses; unpatched 2.4 trained in float32. verify says so; eps=1e-4 trains."""
+    namespace = an_affected_namespace(layouts, "trainer")[0]
+    default_eps = verify_model(namespace, "--model", "user_models:ThreeWays", "--precision", "16-true", "--json")
+    assert default_eps.returncode == 1
+    section = only_section(default_eps)
+    assert section["verdict"] == "FAILED"
+    assert "the training losses are not finite with the shim while they are without it" in section["reason"]
+    off, on = section["shim_off"][0], section["shim_on"][0]
+    assert all(v is not None and v == v for v in off["losses"])  # finite without the shim
+    assert any(v != v for v in on["losses"][1:])  # NaN from step 2 with it
+    assert on["param_bytes"] * 2 == off["param_bytes"]  # the memory itself is fixed
+    larger_eps = verify_model(
+        namespace,
+        "--model",
+        "user_models:ThreeWays",
+        "--precision",
+        "16-true",
+        "--init-args",
+        '{"eps": 1e-4}',
+        "--json",
+    )
+    assert larger_eps.returncode == 0, larger_eps.stdout
+    finite = only_section(larger_eps)
+    assert finite["verdict"] == "fixed"
+    assert all(v == v for v in finite["shim_on"][0]["losses"])
+
+
+def test_lightning_2_6_itself_gives_nan_with_the_default_eps(layouts: dict[str, Layout]) -> None:
+    """The same NaN on the fixed release, measured: it is 2.5+'s behaviour, not the shim's."""
+    standalone = layout_or_skip(layouts, "standalone")
+    if CAST.affects(standalone.trainer_version):
+        pytest.skip("needs the fixed standalone pytorch_lightning")
+    proc = verify_model(
+        TRAINER["standalone"], "--model", "user_models:ThreeWays", "--precision", "16-true", "--measure", "--json"
+    )
+    section = only_section(proc)
+    assert section["verdict"] == "not needed" and "measured" in section["reason"]
+    for run in ("shim_off", "shim_on"):
+        assert any(v != v for v in section[run][0]["losses"][1:])
+
+
+def test_the_docs_worked_example_runs_as_written(layouts: dict[str, Layout]) -> None:
+    namespace = an_affected_namespace(layouts, "trainer")[0]
+    if namespace != "lightning.pytorch":
+        pytest.skip("the docs example imports `lightning`")
+    proc = verify("--model", "my_model:MyModel", cwd=ROOT / "docs" / "examples", env=clean_env())
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "fixed: sharded parameters, gradients and optimizer state are 50% smaller on rank 0" in proc.stdout
+
+
+def test_a_model_that_casts_itself_is_told_the_shim_changes_nothing(layouts: dict[str, Layout]) -> None:
+    """Right without the shim, so "fixed" would claim what the shim did not do."""
+    namespace = an_affected_namespace(layouts, "trainer")[0]
+    proc = verify_model(namespace, "--model", "user_models:CastsItself", "--json")
+    assert proc.returncode == 0, proc.stderr
+    section = only_section(proc)
+    assert section["verdict"] == "not needed", section["reason"]
+    assert "the shim changes nothing for this model" in section["reason"]
+    off, on = section["shim_off"][0], section["shim_on"][0]
+    assert off["module_dtype"] == on["module_dtype"] == "torch.bfloat16"
+    for key in BYTE_KEYS:
+        assert off[key] == on[key]
+
+
+# ----------------------------------------------------------------------------- the command itself
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -163,17 +583,18 @@ def test_real_lightning_2_1_to_2_3_without_pkg_resources(layouts: dict[str, Layo
         (["--steps", "two"], "'two' is not a whole number"),
         (["--init-args", "[1]"], "must be a JSON object"),
         (["--model", "no_colon"], "is not MODULE:ATTR"),
+        (["--activation-checkpointing", "torch.nn:TransformerEncoderLayer,no_colon"], "'no_colon' is not MODULE:CLASS"),
         (["--datamodule", "m:D"], "--init-args and --datamodule need --model"),
+        (["--model-path", "."], "--model-path needs --model or --activation-checkpointing"),
     ],
 )
 def test_bad_numbers_and_options_are_usage_errors_before_anything_starts(args: list[str], message: str) -> None:
     proc = verify(*args)
     assert proc.returncode == 2
     assert message in proc.stderr
-    assert "[1/" not in proc.stderr  # no child process was started
+    assert "reading the installed Lightning" not in proc.stderr  # no child process was started
 
 
-@pytest.mark.release_independent
 def test_without_torch_it_says_so(tmp_path: Path) -> None:
     """An interpreter with fsdp-shim and its dependencies, and no torch."""
     import packaging
@@ -195,15 +616,125 @@ def test_without_torch_it_says_so(tmp_path: Path) -> None:
         cwd=tmp_path,
         timeout=120,
     )
-    assert proc.returncode == 2
+    assert proc.returncode == 2, proc.stderr
     assert "torch is not installed in this interpreter" in proc.stderr
     assert "FAILED" not in proc.stdout + proc.stderr
 
 
-@pytest.mark.release_independent
 def test_without_lightning_it_says_so(tmp_path: Path) -> None:
+    import importlib.util
+
     if importlib.util.find_spec("torch") is None:
         pytest.skip("needs torch (without it, verify says that first)")
     proc = verify(env=clean_env(PYTHONPATH=None), cwd=tmp_path)
     assert proc.returncode == 2
     assert "neither lightning nor pytorch_lightning is installed" in proc.stderr
+
+
+NO_TEMPORARY_FOLDER = (
+    "import sys, tempfile\n"
+    "tempfile.tempdir = sys.argv[1]  # what gettempdir() finds when no candidate folder is usable\n"
+    "from _fsdp_shim.cli import main\n"
+    "sys.exit(main(sys.argv[2:]))\n"
+)
+
+
+@pytest.mark.usefixtures("lightning_installed")  # without Lightning, verify stops before it needs one
+def test_no_usable_temporary_folder_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    missing = str(tmp_path / "no-such-folder")
+    proc = subprocess.run(
+        [sys.executable, "-c", NO_TEMPORARY_FOLDER, missing, "verify"],
+        capture_output=True,
+        text=True,
+        env=clean_env(),
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no usable temporary folder" in lines[0] and missing in lines[0], proc.stderr
+
+
+def test_a_dotted_model_attribute_is_resolved_step_by_step() -> None:
+    """``--model mod:Cls.factory``: the parser accepted it, so the probe resolves it too."""
+    from _fsdp_shim.verify import probe
+
+    assert probe.resolve("json:JSONDecoder.decode") is json.JSONDecoder.decode
+    with pytest.raises(probe.ProbeStop) as stop:
+        probe.resolve("json:JSONDecoder.no_factory")
+    assert stop.value.code == probe.USAGE_ERROR
+    assert "json.JSONDecoder has no attribute 'no_factory' (from 'json:JSONDecoder.no_factory')" in str(stop.value)
+
+
+def wait_for_pids(folder: Path, count: int, seconds: float = 120) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while True:
+        pids = [int(p.stem) for p in folder.glob("*.pid")]
+        if len(pids) >= count:
+            return pids
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    raise AssertionError(f"the hanging probe did not start within {seconds} s")
+
+
+@pytest.mark.usefixtures("lightning_installed")
+def test_a_probe_that_hangs_is_stopped_with_everything_it_started(tmp_path: Path) -> None:
+    env = clean_env(FSDP_SHIM_TEST_PIDS=str(tmp_path))
+    start = time.monotonic()
+    proc = verify("--model", "hanging_models:Model", "--timeout", "20", cwd=MODELS, env=env)
+    assert time.monotonic() - start < 120
+    pids = wait_for_pids(tmp_path, 2, seconds=0)
+    assert proc.returncode == 1, proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == (
+        "fsdp-shim verify: reading the installed Lightning did not finish within 20 s, so verify stopped it and "
+        "every process it started; --timeout SECONDS allows longer"
+    )
+    assert "Traceback" not in proc.stderr
+    time.sleep(0.5)
+    assert [pid for pid in pids if alive(pid)] == []
+
+
+@pytest.mark.usefixtures("lightning_installed")
+def test_ctrl_c_stops_every_process_the_probe_started(tmp_path: Path) -> None:
+    env = clean_env(FSDP_SHIM_TEST_PIDS=str(tmp_path))
+    command = subprocess.Popen(
+        [FSDP_SHIM, "verify", "--model", "hanging_models:Model"],
+        cwd=MODELS,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    pids = wait_for_pids(tmp_path, 2)
+    command.send_signal(signal.SIGINT)
+    _, stderr = command.communicate(timeout=60)
+    assert command.returncode == 130, stderr
+    assert stderr.strip().splitlines()[-1] == (
+        "fsdp-shim verify: interrupted while reading the installed Lightning; every process it started was stopped"
+    )
+    time.sleep(0.5)
+    assert [pid for pid in pids if alive(pid)] == []
+
+
+def test_the_help_has_a_description_its_defaults_and_an_example() -> None:
+    from _fsdp_shim.cli import DESCRIPTIONS
+
+    proc = verify("--help")
+    assert proc.returncode == 0, proc.stderr
+    description, example = DESCRIPTIONS["verify"]
+    assert description.splitlines()[0] in proc.stdout
+    assert f"example:\n  {example}\n" in proc.stdout
+    text = " ".join(proc.stdout.split())
+    for default in (
+        "(default: bf16-true)",
+        "(default: 1)",
+        "(default: 3)",
+        "(default: 1800)",
+        "(default: not checked)",
+    ):
+        assert default in text, default
+    assert "the Lightning precision both runs use" in proc.stdout
+    assert "--activation-checkpointing MODULE:CLASS[,...]" in proc.stdout
+    assert "activation_checkpointing_policy" in text

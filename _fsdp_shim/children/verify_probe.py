@@ -1,7 +1,7 @@
 """``fsdp-shim verify``'s probe process: ``python <this file> REQUEST_JSON`` runs
-:func:`fsdp_shim.verify.probe.main`.
+:func:`_fsdp_shim.verify.probe.main`.
 
-Run by its path (see ``fsdp_shim/_children/__init__.py``), so nothing from the current folder runs in
+Run by its path (see ``_fsdp_shim/children/__init__.py``), so nothing from the current folder runs in
 the probe. Lightning's launcher re-runs ``sys.argv`` on every other rank, that is this same file with
 the same request, so every rank starts here.
 """

@@ -1,8 +1,6 @@
-"""Let real FSDP run on CPU with gloo, in processes that exist only to measure.
-
-Used by ``fsdp-shim verify``'s probe on a machine without CUDA, by the memory benchmark and by the
-test scenarios; never by ``import fsdp_shim`` or anything a training process loads. It lifts exactly
-two guards, and only for FSDP strategy instances:
+"""Let real FSDP run on CPU with gloo, in processes that exist only to measure: verify's probes on a
+machine without CUDA, the benchmarks and the test scenarios, never a training process. It lifts
+exactly two guards, and only for FSDP strategy instances:
 
 * torch refuses CPU modules in ``FullyShardedDataParallel`` unless ``device_id`` is
   ``torch.device("cpu")``; Lightning passes ``root_device.index``, which is ``None`` on CPU.
@@ -10,15 +8,15 @@ two guards, and only for FSDP strategy instances:
   a GPU (2.1.x/2.2.x via ``isinstance``, so a subclass does not help). For a strategy passed as an
   instance the rest of that method does nothing, so it is skipped for FSDP instances.
 
-The module is self-contained (torch and the named Lightning namespaces only): a test run with the
-shim off loads it by file path, because importing it as ``fsdp_shim.verify.cpu_guards`` would run
-the package's ``__init__`` and activate the shim. Lifting twice changes nothing.
+Self-contained (torch and the named Lightning namespaces), so runs without the shim use it too.
+Lifting twice changes nothing.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,49 +24,43 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 
 _LIFTED = "_fsdp_shim_cpu_guard_lifted"
 
-# Lightning's names, per kind of namespace: (connector module, connector class, strategy module).
+# Lightning's names, per kind of namespace: (connector module, connector class).
 CONNECTORS = {
-    "trainer": ("trainer.connectors.accelerator_connector", "_AcceleratorConnector", "strategies.fsdp"),
-    "fabric": ("connector", "_Connector", "strategies.fsdp"),
+    "trainer": ("trainer.connectors.accelerator_connector", "_AcceleratorConnector"),
+    "fabric": ("connector", "_Connector"),
 }
 
 
 def lift(*namespaces: str) -> None:
     """Lift both guards for the given Lightning namespaces (``lightning.pytorch``, ``lightning_fabric``...)."""
-    _lift_fsdp_device_guard()
+
+    def device_cpu(original: Callable[..., None]) -> Callable[..., None]:
+        def __init__(self: FullyShardedDataParallel, *args: Any, device_id: Any = None, **kwargs: Any) -> None:
+            if device_id is None and not torch.cuda.is_available():
+                device_id = torch.device("cpu")
+            original(self, *args, device_id=device_id, **kwargs)
+
+        return __init__
+
+    _replace_once(FullyShardedDataParallel, "__init__", device_cpu)
     for namespace in namespaces:
-        kind = "trainer" if namespace in ("lightning.pytorch", "pytorch_lightning") else "fabric"
-        connector_module, connector_class, strategy_module = CONNECTORS[kind]
-        _lift_connector_guard(f"{namespace}.{connector_module}", connector_class, f"{namespace}.{strategy_module}")
+        module, name = CONNECTORS["trainer" if namespace in ("lightning.pytorch", "pytorch_lightning") else "fabric"]
+        fsdp_strategy = importlib.import_module(f"{namespace}.strategies.fsdp").FSDPStrategy
+
+        def not_for_fsdp(original: Callable[[Any], None], fsdp: type = fsdp_strategy) -> Callable[[Any], None]:
+            def _check_strategy_and_fallback(self: Any) -> None:
+                if not isinstance(self._strategy_flag, fsdp):
+                    original(self)
+
+            return _check_strategy_and_fallback
+
+        connector = getattr(importlib.import_module(f"{namespace}.{module}"), name)
+        _replace_once(connector, "_check_strategy_and_fallback", not_for_fsdp)
 
 
-def _lift_fsdp_device_guard() -> None:
-    original = FullyShardedDataParallel.__init__
-    if getattr(original, _LIFTED, False):
-        return
-
-    @functools.wraps(original)
-    def __init__(self: FullyShardedDataParallel, *args: Any, device_id: Any = None, **kwargs: Any) -> None:
-        if device_id is None and not torch.cuda.is_available():
-            device_id = torch.device("cpu")
-        original(self, *args, device_id=device_id, **kwargs)
-
-    setattr(__init__, _LIFTED, True)
-    FullyShardedDataParallel.__init__ = __init__  # type: ignore[method-assign]
-
-
-def _lift_connector_guard(connector_module: str, connector_class: str, strategy_module: str) -> None:
-    connector = getattr(importlib.import_module(connector_module), connector_class)
-    fsdp_strategy = importlib.import_module(strategy_module).FSDPStrategy
-    original = connector._check_strategy_and_fallback
-    if getattr(original, _LIFTED, False):
-        return
-
-    @functools.wraps(original)
-    def _check_strategy_and_fallback(self: Any) -> None:
-        if isinstance(self._strategy_flag, fsdp_strategy):
-            return
-        original(self)
-
-    setattr(_check_strategy_and_fallback, _LIFTED, True)
-    connector._check_strategy_and_fallback = _check_strategy_and_fallback
+def _replace_once(owner: type, name: str, replacement: Callable[[Any], Callable[..., Any]]) -> None:
+    original = getattr(owner, name)
+    if not getattr(original, _LIFTED, False):
+        lifted = functools.wraps(original)(replacement(original))
+        setattr(lifted, _LIFTED, True)
+        setattr(owner, name, lifted)

@@ -1,16 +1,13 @@
-"""The verify child process: ``python fsdp_shim/_children/verify_probe.py REQUEST_JSON`` runs :func:`main`
-with a :class:`~fsdp_shim.verify.options.ProbeRequest` (the mode, where to write, verify's options).
+"""The verify child process (``_fsdp_shim/children/verify_probe.py REQUEST_JSON`` runs :func:`main`).
+``gate`` imports every installed Lightning Trainer namespace (and the modules the user names) with the
+shim on and reports versions, import failures and what the shim decided per fix: enough to answer
+"not needed" without training, and to refuse a module that cannot train before anything does.
+``measure`` trains a few steps with FSDP and writes one ``records.RankResult`` per rank; Lightning's
+launcher re-runs the entry script, with the same request, on every other rank.
 
-``gate`` imports every installed Lightning Trainer namespace (and the user's module, with
-``--model``) with the shim on and reports versions, import failures and what the shim did: enough
-to answer "not needed" without training. ``measure`` trains for a few steps with FSDP and writes
-one :class:`~fsdp_shim.verify.results.RankResult` per rank; ``fsdp-shim verify`` runs it once with
-``FSDP_SHIM=0`` and once with ``FSDP_SHIM=1``. Lightning's launcher re-runs the entry script, with the
-same request, on every other rank.
-
-Exit codes: 0 done; 1 the user's code raised (the traceback is in the report); 2 a usage problem
-(a ``--model`` that is no LightningModule, a module without training data). Anything else is a
-failure of the check itself.
+Exit codes: 0 done (a checkpointed run that raised is a finding, written as its result); 1 the user's
+code raised (the traceback is in the report); 2 a usage problem (a ``--model`` that is no
+LightningModule, a module without training data). Anything else is a failure of the check itself.
 """
 
 from __future__ import annotations
@@ -23,12 +20,11 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-import fsdp_shim  # before Lightning: FSDP_SHIM decides whether it does anything
-from _fsdp_shim.verify.options import Options, ProbeRequest
-from _fsdp_shim.verify.results import GateResult, NamespaceGate, RankResult
+from _fsdp_shim.activation import status
+from _fsdp_shim.config import TRAINER_NAMESPACES
+from _fsdp_shim.verify.records import GateResult, NamespaceGate, Options, ProbeRequest, RankResult, to_json
 
-USER_ERROR = 1
-USAGE_ERROR = 2
+USER_ERROR, USAGE_ERROR = 1, 2
 
 
 class ProbeStop(Exception):
@@ -36,8 +32,7 @@ class ProbeStop(Exception):
 
     def __init__(self, code: int, record: dict[str, Any]) -> None:
         super().__init__(record.get("message", ""))
-        self.code = code
-        self.record = record
+        self.code, self.record = code, record
 
 
 def user_error(phase: str) -> ProbeStop:
@@ -53,7 +48,7 @@ def resolve(spec: str) -> Any:
     module runs their code."""
     module_name, _, attribute = spec.partition(":")
     try:
-        module = importlib.import_module(module_name)
+        target: Any = importlib.import_module(module_name)
     except ModuleNotFoundError as error:
         if error.name and module_name.startswith(error.name):
             raise usage_error(
@@ -63,7 +58,6 @@ def resolve(spec: str) -> Any:
         raise user_error(f"importing {module_name}") from error
     except Exception as error:
         raise user_error(f"importing {module_name}") from error
-    target: Any = module
     for index, name in enumerate(attribute.split(".")):
         try:
             target = getattr(target, name)
@@ -76,8 +70,6 @@ def resolve(spec: str) -> Any:
 def trainer_namespace_of(obj: Any, kind: str) -> str | None:
     """The Lightning Trainer namespace whose ``kind`` base class (LightningModule, LightningDataModule)
     ``obj`` (a class or an instance) derives from."""
-    from _fsdp_shim.config import TRAINER_NAMESPACES
-
     cls = obj if isinstance(obj, type) else type(obj)
     for namespace in TRAINER_NAMESPACES:
         base = getattr(sys.modules.get(namespace), kind, None)
@@ -86,23 +78,26 @@ def trainer_namespace_of(obj: Any, kind: str) -> str | None:
     return None
 
 
-def check_callable(spec: str, target: Any, kind: str) -> None:
+def checked(spec: str, kind: str) -> Any:
+    """The class or factory ``spec`` names, refused unless it can give a Lightning ``kind``."""
+    target = resolve(spec)
     if not callable(target):
         raise usage_error(f"{spec} is {type(target).__name__!r}, not a {kind} class or a factory that returns one")
     if isinstance(target, type) and trainer_namespace_of(target, kind) is None:
         raise usage_error(f"{spec} is a class, but not a subclass of Lightning's {kind}")
+    return target
 
 
-def check_training_data(spec: str, target: Any, namespace: str) -> None:
-    """A LightningModule class without ``train_dataloader`` (and no ``--datamodule``) cannot train."""
-    base = sys.modules[namespace].LightningModule
-    if getattr(target, "train_dataloader", None) is getattr(base, "train_dataloader", None):
+def check_training_data(spec: str, model: Any, namespace: str) -> None:
+    """A LightningModule (class or instance) without its own ``train_dataloader``, and no
+    ``--datamodule``, cannot train."""
+    cls = model if isinstance(model, type) else type(model)
+    if cls.train_dataloader is sys.modules[namespace].LightningModule.train_dataloader:
         raise usage_error(f"{spec} has no train_dataloader; pass --datamodule module:attr")
 
 
 def construct(spec: str, init_args: dict[str, Any], kind: str) -> Any:
-    target = resolve(spec)
-    check_callable(spec, target, kind)
+    target = checked(spec, kind)
     try:
         instance = target(**init_args)
     except Exception as error:
@@ -112,80 +107,85 @@ def construct(spec: str, init_args: dict[str, Any], kind: str) -> Any:
     return instance
 
 
-# ----------------------------------------------------------------------------- gate
-def gate(model: str | None, datamodule: str | None) -> GateResult:
-    from _fsdp_shim.config import CAST, TRAINER_NAMESPACES
+def checkpointed_classes(specs: list[str]) -> set[type]:
+    """``--activation-checkpointing``'s classes, as Lightning's ``activation_checkpointing_policy`` takes them."""
+    from torch.nn import Module
+
+    classes = [resolve(spec) for spec in specs]
+    for spec, cls in zip(specs, classes):
+        if not (isinstance(cls, type) and issubclass(cls, Module)):
+            raise usage_error(f"--activation-checkpointing: {spec} is not a torch.nn.Module class")
+    return set(classes)
+
+
+def fix_states(namespace: str) -> dict[str, dict[str, Any]]:
+    """What the shim decided in this process for every fix in ``namespace`` (``fsdp_shim.status()``)."""
+    return {fix.fix: fix.as_dict() for fix in status().namespace(namespace).fixes}
+
+
+def gate(options: Options) -> GateResult:
     from _fsdp_shim.distributions import import_failure, installed_packages
 
     result = GateResult()
-    if model is not None:
-        target = resolve(model)
-        check_callable(model, target, "LightningModule")
-        imported = [ns for ns in TRAINER_NAMESPACES if ns in sys.modules]
+    if options.model is not None:
+        target = checked(options.model, "LightningModule")
         own = trainer_namespace_of(target, "LightningModule") if isinstance(target, type) else None
-        if own is not None and datamodule is None:
-            check_training_data(model, target, own)
-        if datamodule is not None:
-            check_callable(datamodule, resolve(datamodule), "LightningDataModule")
-        result.model_namespaces.extend([own] if own else imported)
-    packages = installed_packages()
+        if options.datamodule is not None:
+            checked(options.datamodule, "LightningDataModule")
+        elif own is not None:
+            check_training_data(options.model, target, own)
+        result.model_namespaces.extend([own] if own else [ns for ns in TRAINER_NAMESPACES if ns in sys.modules])
+    checkpointed_classes(options.activation_checkpointing)
     for namespace in TRAINER_NAMESPACES:
-        if namespace.partition(".")[0] not in packages:
+        if namespace.partition(".")[0] not in installed_packages():
             continue
         try:
-            module = importlib.import_module(namespace)
+            version = getattr(importlib.import_module(namespace), "__version__", None) or "(unknown)"
         except Exception as error:
             result.namespaces[namespace] = NamespaceGate(import_failure=import_failure(error))
-            continue
-        version = getattr(module, "__version__", None) or "(unknown)"
-        cast = fsdp_shim.status().namespace(namespace).fix(CAST.name)
-        result.namespaces[namespace] = NamespaceGate(
-            version=version,
-            affected=CAST.affects(version),
-            shim_patched=cast.patched,
-            shim_reason=cast.reason,
-        )
+        else:
+            result.namespaces[namespace] = NamespaceGate(version, fix_states(namespace))
     return result
 
 
-# ----------------------------------------------------------------------------- measure
-def train_and_measure(out: str, namespace: str | None, options: Options) -> RankResult:
-    """Train ``options.steps`` steps with FSDP (the seed's model for ``namespace``, or the user's
-    ``--model``) and write this rank's figures to ``<out>.rank<N>.json``."""
+def train_and_measure(request: ProbeRequest) -> None:
+    """Train ``--steps`` steps with FSDP (the seed's model for ``request.namespace``, or the user's
+    ``--model``), with Lightning's activation checkpointing where ``request.checkpointing``, and write
+    this rank's figures to ``<out>.rank<N>.json``."""
     import torch
 
-    from _fsdp_shim.verify import measure, seed
+    from _fsdp_shim.verify import cpu_guards, measure, seed
 
-    cuda = torch.cuda.is_available()
+    options, namespace, cuda = request.options, request.namespace, torch.cuda.is_available()
+    torch.manual_seed(0)  # the runs compared bit for bit start from the same weights
+    loader, datamodule, strategy_options = None, None, {}
     if options.model is None:
-        assert namespace is not None, "the seed model is trained for one namespace"
-        pl = importlib.import_module(namespace)
-        baseline = measure.rss_bytes()
+        pl = importlib.import_module(namespace)  # type: ignore[arg-type]
         model, loader, strategy_options = seed.build(pl, namespace, options.steps, options.devices)
-        datamodule = None
     else:
         model = construct(options.model, options.init_args, "LightningModule")
         namespace = trainer_namespace_of(model, "LightningModule")
         pl = importlib.import_module(namespace)  # type: ignore[arg-type]
-        baseline = measure.rss_bytes()
-        datamodule = (
-            construct(options.datamodule, {}, "LightningDataModule") if options.datamodule is not None else None
-        )
-        loader, strategy_options = None, {}
-        is_overridden = importlib.import_module(f"{namespace}.utilities.model_helpers").is_overridden
-        if datamodule is None and not is_overridden("train_dataloader", model):
-            raise usage_error(f"{options.model} has no train_dataloader; pass --datamodule module:attr")
-    if not cuda:
-        from _fsdp_shim.verify import cpu_guards
+        if options.datamodule:
+            datamodule = construct(options.datamodule, {}, "LightningDataModule")
+        else:
+            check_training_data(options.model, model, namespace)  # type: ignore[arg-type]
+    baseline, classes = measure.rss_bytes(), checkpointed_classes(options.activation_checkpointing)
+    counted = tuple(classes)  # a checkpointed run counts the wrappers Lightning's policy put in
+    if request.checkpointing:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-        cpu_guards.lift(namespace)
-    callback = measure.measuring_callback(pl)
+        strategy_options["activation_checkpointing_policy"], counted = classes, (CheckpointWrapper,)
+    if not cuda:
+        cpu_guards.lift(namespace)  # type: ignore[arg-type]
+    callback = measure.measuring_callback(pl, counted)
     trainer = pl.Trainer(
         accelerator="cuda" if cuda else "cpu",
         devices=options.devices,
         strategy=importlib.import_module(f"{namespace}.strategies").FSDPStrategy(**strategy_options),
         precision=options.precision,
         max_steps=options.steps,
+        deterministic=bool(classes),  # compared bit for bit, also on CUDA
         limit_val_batches=0,
         num_sanity_val_steps=0,
         callbacks=[callback],
@@ -194,23 +194,29 @@ def train_and_measure(out: str, namespace: str | None, options: Options) -> Rank
         enable_progress_bar=False,
         enable_model_summary=False,
     )
+    error = None
     try:
-        if datamodule is not None:
-            trainer.fit(model, datamodule=datamodule)
-        else:
-            trainer.fit(model, loader)
-    except Exception as error:
-        stop = user_error("training")
-        stop.record["rank"] = trainer.global_rank
-        raise stop from error
-    units = seed.units(model) if options.model is None else {}
-    cast = fsdp_shim.status().namespace(namespace).fix("cast")  # type: ignore[arg-type]
-    result = measure.report(trainer, model, callback, baseline, units, pl, cast)
-    Path(f"{out}.rank{trainer.global_rank}.json").write_text(result.to_json())
-    return result
+        trainer.fit(model, loader, datamodule=datamodule)
+    except Exception as raised:
+        if not request.checkpointing:
+            stop = user_error("training")
+            stop.record["rank"] = trainer.global_rank
+            raise stop from raised
+        error = f"{type(raised).__name__}: {(str(raised).strip().splitlines() or [''])[0]}"
+    if classes and not callback.checkpointed and not error:
+        names = ", ".join(options.activation_checkpointing)
+        raise usage_error(f"--activation-checkpointing: this model has no module of {names} to checkpoint")
+    fixes = fix_states(namespace)  # type: ignore[arg-type]
+    if error:
+        result = RankResult(trainer.global_rank, checkpointed=callback.checkpointed, fixes=fixes, error=error)
+    else:
+        units = {name: getattr(model, name) for name in seed.UNITS} if options.model is None else {}
+        result = callback.report(trainer, baseline, units, fixes)
+    Path(f"{request.out}.rank{trainer.global_rank}.json").write_text(to_json(result))
+    leave_process_group(0, barrier=not error)  # after an error a collective may be pending: no barrier
 
 
-def leave_process_group(code: int = 0) -> None:
+def leave_process_group(code: int = 0, barrier: bool = True) -> None:
     """Leave together, then end this probe process without interpreter finalization.
 
     The report is written before the barrier. Finalization can free objects that still hold
@@ -221,7 +227,7 @@ def leave_process_group(code: int = 0) -> None:
     """
     torch = sys.modules.get("torch")
     if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
-        if code == 0:
+        if code == 0 and barrier:
             torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     sys.stdout.flush()
@@ -230,23 +236,19 @@ def leave_process_group(code: int = 0) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """Run the probe that ``argv[0]`` (a :class:`ProbeRequest` as JSON) asks for; never returns."""
-    request = ProbeRequest.from_json(argv[0])
-    options = request.options
-    if options.model_path is not None:  # only for --model/--datamodule: the user's modules, from their folder
-        sys.path.insert(0, options.model_path)
+    """Run the probe that ``argv[0]`` (a ``records.ProbeRequest`` as JSON) asks for; never returns."""
+    import fsdp_shim  # noqa: F401  (activates, before Lightning is imported, unless FSDP_SHIM=0)
+
+    request = ProbeRequest.read(argv[0])
+    if request.options.model_path is not None:  # only for the modules the user named, from their folder
+        sys.path.insert(0, request.options.model_path)
     try:
         if request.mode == "gate":
-            Path(request.out).write_text(gate(options.model, options.datamodule).to_json())
+            Path(request.out).write_text(to_json(gate(request.options)))
         else:
-            train_and_measure(request.out, request.namespace, options)
+            train_and_measure(request)
     except ProbeStop as stop:
         rank = stop.record.get("rank", int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))))
         Path(f"{request.out}.rank{rank}.error.json").write_text(json.dumps(stop.record))
         leave_process_group(stop.code)
-    leave_process_group(0)
-
-
-if __name__ == "__main__":  # verify runs it through fsdp_shim/_children/verify_probe.py; this is for a person debugging
-    os.environ.setdefault("PYTHONWARNINGS", "ignore")
-    main(sys.argv[1:])
+    leave_process_group()

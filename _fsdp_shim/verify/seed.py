@@ -58,8 +58,3 @@ def build(pl: Any, namespace: str, steps: int, devices: int) -> tuple[Any, Any, 
     )
     loader = DataLoader(TensorDataset(tokens), batch_size=BATCH)
     return SeedModel(), loader, {"auto_wrap_policy": {transformer}}
-
-
-def units(model: Any) -> dict[str, Any]:
-    """The two FSDP units, by the names in ``UNITS``."""
-    return {name: getattr(model, name) for name in UNITS}

@@ -1,51 +1,67 @@
-"""The verdicts: from both runs' figures, "fixed", "not needed" or "FAILED", with the reason in words.
-
-Kept apart from running the probes and from the output so that what verify promises (``fixed`` holds
-on every rank, exactly; ``not needed`` only when the shim measurably changes nothing) is in one place.
+"""The verdicts per fix, "fixed", "not needed" or "FAILED" with the reason in words: what verify
+promises, in one place. The cast is ``fixed`` on every rank, exactly, and ``not needed`` only where the
+shim measurably changes nothing. The recompute is ``fixed`` when, with the shim, checkpointing changes
+nothing (every loss, every rank's parameter shards, bit for bit) while without it the checkpointed run
+raised or trained differently. Each checkpointed run is compared with the run without checkpointing
+in the same shim state: on 2.1-2.4 the cast alone makes shim-off and shim-on runs differ.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
-from _fsdp_shim.config import CAST
-from _fsdp_shim.verify import measure
-from _fsdp_shim.verify.results import RankResult
+from _fsdp_shim.config import CAST, FIXES, RECOMPUTE
+from _fsdp_shim.verify.measure import finite
+from _fsdp_shim.verify.records import RankResult
 
 DTYPES = {"bf16-true": "torch.bfloat16", "16-true": "torch.float16"}
 BYTE_KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes")
+NOT_CHECKED = "not checked: --activation-checkpointing CLASSES trains your checkpointed blocks with it"
 
 
 @dataclass
 class Section:
-    """The verdict for one Lightning namespace (or the user's model), with every figure behind it."""
+    """The verdicts for one Lightning namespace (or the user's model), with every figure behind them:
+    ``verdict`` and ``reason`` are the cast's (as before there were others), ``fixes`` has every fix."""
 
     namespace: str
     version: str | None
     verdict: str
-    """``fixed``, ``not needed`` or ``FAILED``."""
     reason: str
+    fixes: list[dict[str, Any]] = field(default_factory=list)
     shim_off: list[RankResult] | None = None
     shim_on: list[RankResult] | None = None
+    checkpointed_shim_off: list[RankResult] | None = None
+    checkpointed_shim_on: list[RankResult] | None = None
 
 
-def _figures(result: RankResult) -> tuple[str, ...]:
+def fix_entries(states: dict[str, dict[str, Any]], verdicts: dict[str, tuple[str, str]]) -> list[dict[str, Any]]:
+    """Per fix: its verdict (``None`` where not checked) and reason, and what the shim decided
+    (``shim``: its ``FixStatus``, read in a probe: whether the release lacks the fix, whether it is
+    patched and why)."""
+    entries = []
+    for fix in FIXES:
+        verdict, reason = verdicts.get(fix.name, (None, NOT_CHECKED))
+        entries.append({"fix": fix.name, "verdict": verdict, "reason": reason, "shim": states.get(fix.name)})
+    return entries
+
+
+def _same_figures(off: list[RankResult], on: list[RankResult]) -> bool:
     keys = ("module_dtype", "flat_param_dtypes", *BYTE_KEYS, "unit_param_bytes")
-    return tuple(json.dumps(getattr(result, key)) for key in keys)
+    return all([getattr(a, k) for k in keys] == [getattr(b, k) for k in keys] for a, b in zip(off, on))
 
 
 def judge(off: list[RankResult], on: list[RankResult], precision: str, seed_model: bool) -> tuple[str, str]:
-    """The verdict from both runs, every rank. ``fixed`` must hold on every rank, exactly."""
-    version = on[0].lightning
+    """The cast's verdict from both runs, every rank. ``fixed`` must hold on every rank, exactly."""
+    version, want = on[0].lightning, DTYPES[precision]
+    short = want.removeprefix("torch.")
     if not CAST.affects(version):
-        if all(_figures(a) == _figures(b) for a, b in zip(off, on)):
+        if _same_figures(off, on):
             return "not needed", f"{CAST.unaffected_reason(version)}; measured: the shim changes nothing"
         return "FAILED", f"{CAST.unaffected_reason(version)}, but the figures differ with the shim on"
-    want = DTYPES[precision]
-    problems = []
-    if not on[0].shim_patched:
-        problems.append(f"the shim did not patch {on[0].namespace}: {on[0].shim_reason}")
+    state = on[0].fixes[CAST.name]
+    problems = [] if state["patched"] else [f"the shim did not patch {on[0].namespace}: {state['reason']}"]
     for a, b in zip(off, on):
         rank = f" on rank {b.rank}" if len(on) > 1 else ""
         if b.module_dtype != want:
@@ -58,42 +74,81 @@ def judge(off: list[RankResult], on: list[RankResult], precision: str, seed_mode
                 problems.append(f"{key.replace('_', ' ')} did not shrink{rank} ({before:,} -> {after:,})")
         if seed_model and b.unit_param_bytes["pretrained"] * 2 != a.unit_param_bytes["pretrained"]:
             problems.append(f"the model loaded in float32 is not exactly half{rank}")
-    if measure.finite(off[0].losses) and not measure.finite(on[0].losses):
+    if finite(off[0].losses) and not finite(on[0].losses):
         problems.append(
             "memory is fixed, but the training losses are not finite with the shim while they are without it: "
-            f"{precision} keeps weights and optimizer state in {want.removeprefix('torch.')} "
+            f"{precision} keeps weights and optimizer state in {short} "
             "(see docs/numerics.md: use bf16-true or a larger optimizer eps)"
         )
     if problems:
         return "FAILED", "; ".join(problems)
     already_right = all(a.module_dtype == want and a.flat_param_dtypes == [want] for a in off)
-    if not seed_model and already_right and all(_figures(a) == _figures(b) for a, b in zip(off, on)):
+    if not seed_model and already_right and _same_figures(off, on):
         return "not needed", (
-            f"this model is already {want.removeprefix('torch.')} without the shim (it casts itself), so the shim "
-            "changes nothing for this model: measured, every dtype and byte count is the same with it on"
+            f"this model is already {short} without the shim (it casts itself), so the shim changes nothing for "
+            "this model: measured, every dtype and byte count is the same with it on"
         )
-    note = ""
-    if not measure.finite(on[0].losses):
-        note = (
-            f"; note: the losses are not finite in either run ({precision} with this optimizer; see docs/numerics.md)"
-        )
-    total = {run: sum(getattr(r, k) for k in BYTE_KEYS) for run, r in (("off", off[0]), ("on", on[0]))}
-    if total["on"] == total["off"]:
-        already = f"the parameters were already {want.removeprefix('torch.')}; LightningModule.dtype is now right"
-        return "fixed", already + note
-    reason = (
-        f"sharded parameters, gradients and optimizer state are {1 - total['on'] / total['off']:.0%} smaller on rank 0"
-    )
+    note = f"; note: the losses are not finite in either run ({precision} with this optimizer; see docs/numerics.md)"
+    note = "" if finite(on[0].losses) else note
+    before, after = (sum(getattr(r, k) for k in BYTE_KEYS) for r in (off[0], on[0]))
+    if before == after:
+        return "fixed", f"the parameters were already {short}; LightningModule.dtype is now right{note}"
+    reason = f"sharded parameters, gradients and optimizer state are {1 - after / before:.0%} smaller on rank 0"
     if seed_model:
         reason += (
-            f" (the model loaded in float32 is exactly half; the seed's model was already "
-            f"{want.removeprefix('torch.')} and only its LightningModule.dtype was wrong)"
+            f" (the model loaded in float32 is exactly half; the seed's model was already {short} and only its "
+            "LightningModule.dtype was wrong)"
         )
     return "fixed", reason + note
 
 
+def what_changed(plain: list[RankResult], checkpointed: list[RankResult]) -> str | None:
+    """How the checkpointed run differs from the one without checkpointing: what it raised, or the
+    first loss or parameter shard that is not the same bit for bit; ``None`` if none."""
+    if checkpointed[0].error:
+        return f"raised {checkpointed[0].error}"
+    for a, b in zip(plain, checkpointed):
+        rank = f" on rank {a.rank}" if len(plain) > 1 else ""
+        for step, (x, y) in enumerate(zip(a.losses, b.losses), 1):
+            if (x, y) != (None, None) and (x is None or y is None or float(x).hex() != float(y).hex()):
+                return f"differs first in the loss of step {step}{rank} ({x} without checkpointing, {y} with it)"
+        for name, digest in a.param_hashes.items():
+            if b.param_hashes.get(name) != digest:
+                return f"differs first in parameter {name}{rank}"
+    return None
+
+
+def judge_recompute(
+    off: list[RankResult], on: list[RankResult], off_ac: list[RankResult], on_ac: list[RankResult], classes: str
+) -> tuple[str, str]:
+    """The recompute's verdict from the four runs; "FAILED" names the first step or parameter that differs."""
+    blocks = f"checkpointing {classes} ({on_ac[0].checkpointed or off_ac[0].checkpointed} modules)"
+    state = on_ac[0].fixes[RECOMPUTE.name]
+    problems = [] if state["patched"] else [f"the shim did not apply it to {on[0].namespace}: {state['reason']}"]
+    changed, unfixed = what_changed(on, on_ac), what_changed(off, off_ac)
+    problems += [f"with the shim, the checkpointed run {changed}"] if changed else []
+    finding = f"with the shim off, the checkpointed run {unfixed}" if unfixed else ""
+    if problems:
+        return "FAILED", "; ".join(problems) + (f" ({finding})" if finding else "")
+    if not finding:
+        return "not needed", (
+            f"{blocks} changes nothing with the shim off either: every loss and every rank's parameters are the "
+            "same, bit for bit. These blocks give every tensor they make an explicit dtype, so their recompute "
+            "does not depend on the default dtype, and the shim's fix is not needed for them"
+        )
+    return "fixed", (
+        f"with the shim, {blocks} changes nothing: every step's loss and every rank's parameters equal the run "
+        f"without it, bit for bit; {finding}"
+    )
+
+
 def overall(sections: list[Section]) -> tuple[str, str]:
-    """One verdict for the whole run: FAILED if any section failed, else fixed if any was fixed."""
-    verdicts = {s.verdict for s in sections}
+    """One verdict for the whole run: FAILED if any verdict failed, else fixed if any was fixed."""
+    verdicts = {s.verdict for s in sections} | {e["verdict"] for s in sections for e in s.fixes}
     verdict = "FAILED" if "FAILED" in verdicts else ("fixed" if "fixed" in verdicts else "not needed")
-    return verdict, "; ".join(f"{s.namespace} {s.version or ''}: {s.verdict}".replace(" :", ":") for s in sections)
+    parts = [(s, next((e["verdict"] for e in s.fixes if e["fix"] == RECOMPUTE.name), None)) for s in sections]
+    texts = [
+        f"{s.namespace} {s.version or ''}: " + (f"cast {s.verdict}, recompute {r}" if r else s.verdict)
+        for s, r in parts
+    ]
+    return verdict, "; ".join(text.replace(" :", ":") for text in texts)

@@ -96,3 +96,40 @@ class CastsItself(pl.LightningModule):
 
     def train_dataloader(self) -> DataLoader:
         return _data()
+
+
+class Block(nn.Module):
+    """A block that makes a tensor without a dtype in its forward, as causal masks and rotary
+    frequencies often are: the precision's dtype in Lightning's forward, float32 where activation
+    checkpointing recomputes the block, in the backward. ``cast`` converts it to the input's dtype
+    (as ``mask.to(scores.dtype)``): then the dtype is the same and only the values differ."""
+
+    def __init__(self, cast: bool = False) -> None:
+        super().__init__()
+        self.lin = nn.Linear(FEATURES, FEATURES)
+        self.cast = cast
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.lin(x))
+        if self.cast:
+            return h * torch.linspace(0.5, 1.5, FEATURES).to(h.dtype)
+        return h * torch.ones(FEATURES)
+
+
+class Checkpointed(pl.LightningModule):
+    """Two such blocks and a head, built in ``__init__``: ``--activation-checkpointing user_models:Block``."""
+
+    def __init__(self, cast: bool = False) -> None:
+        super().__init__()
+        self.blocks = nn.Sequential(Block(cast), Block(cast))
+        self.head = nn.Linear(FEATURES, FEATURES)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        return self.head(self.blocks(x.to(self.head.weight.dtype))).float().pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.trainer.model.parameters(), lr=1e-2)
+
+    def train_dataloader(self) -> DataLoader:
+        return _data()
