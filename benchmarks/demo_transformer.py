@@ -100,20 +100,6 @@ def check_lightning(lightning: ModuleType, line: str, folder: str) -> None:
         )
 
 
-def leave_process_group() -> None:
-    """End the child as ``tests/scenarios/scenario_exit.py`` ends the tests' ranks: leave together, tear the
-    process group down, then exit without interpreter finalization (which can abort the process while
-    objects holding torch.distributed state are freed, after a run whose results were complete)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 def child(spec: dict[str, Any]) -> None:
     """One run: train, write this rank's figures to ``<out>.rank<N>.json``, exit."""
     switch = "1" if spec["shim"] == "on" else "0"
@@ -132,6 +118,7 @@ def child(spec: dict[str, Any]) -> None:
     check_lightning(lightning, spec["line"], spec["folder"])
     pl = importlib.import_module(NAMESPACE)
     from _fsdp_shim.verify import cpu_guards, measure  # activate nothing
+    from _fsdp_shim.verify.probe import leave_process_group
 
     cuda = torch.cuda.is_available()
     if not cuda:

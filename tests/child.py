@@ -35,7 +35,7 @@ def main(argv: list[str]) -> None:
     distributed = sys.modules.get("torch.distributed")
     if distributed is not None and distributed.is_available() and distributed.is_initialized():
         # A process group still up at interpreter exit can abort a finished run: see there.
-        from scenarios.scenario_exit import leave_process_group
+        from _fsdp_shim.verify.probe import leave_process_group
 
         leave_process_group()
 

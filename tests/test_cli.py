@@ -90,8 +90,12 @@ NO_TEMPORARY_FOLDER = (
 )
 
 
-def test_no_usable_temporary_folder_is_one_line_and_exit_2(tmp_path: Path) -> None:
-    command = ["status", "--python-check"]
+@pytest.mark.parametrize("command", [["verify"], ["status", "--python-check"]])
+def test_no_usable_temporary_folder_is_one_line_and_exit_2(
+    command: list[str], tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    if command == ["verify"]:
+        request.getfixturevalue("lightning_installed")  # without Lightning, verify stops before it needs one
     missing = str(tmp_path / "no-such-folder")
     proc = subprocess.run(
         [sys.executable, "-c", NO_TEMPORARY_FOLDER, missing, *command],

@@ -631,30 +631,6 @@ def test_without_lightning_it_says_so(tmp_path: Path) -> None:
     assert "neither lightning nor pytorch_lightning is installed" in proc.stderr
 
 
-NO_TEMPORARY_FOLDER = (
-    "import sys, tempfile\n"
-    "tempfile.tempdir = sys.argv[1]  # what gettempdir() finds when no candidate folder is usable\n"
-    "from _fsdp_shim.cli import main\n"
-    "sys.exit(main(sys.argv[2:]))\n"
-)
-
-
-@pytest.mark.usefixtures("lightning_installed")  # without Lightning, verify stops before it needs one
-def test_no_usable_temporary_folder_is_one_line_and_exit_2(tmp_path: Path) -> None:
-    missing = str(tmp_path / "no-such-folder")
-    proc = subprocess.run(
-        [sys.executable, "-c", NO_TEMPORARY_FOLDER, missing, "verify"],
-        capture_output=True,
-        text=True,
-        env=clean_env(),
-        cwd=ROOT,
-        timeout=300,
-    )
-    assert proc.returncode == 2, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "no usable temporary folder" in lines[0] and missing in lines[0], proc.stderr
-
-
 def test_a_dotted_model_attribute_is_resolved_step_by_step() -> None:
     """``--model mod:Cls.factory``: the parser accepted it, so the probe resolves it too."""
     from _fsdp_shim.verify import probe

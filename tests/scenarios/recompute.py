@@ -25,8 +25,9 @@ both ``HalfPrecision``).
 
 Each rank writes ``<out>.rank<N>.json``, one row per case as ``fsdp_train.py`` does: ``losses``,
 ``params`` (a SHA-256 of this rank's parameters), ``backward_dtypes`` (the probe block's) and
-``error`` (``"Type: message"`` when training raised), then the rows ``_lightning`` and ``_shim``. On one rank a case that raised is recorded and the next one runs; on more, the run stops
-there (the ranks could no longer agree on their collectives). ``--shim on`` imports fsdp_shim before
+``error`` (``"Type: message"`` when training raised), then the rows ``_lightning`` and ``_shim``.
+On one rank a case that raised is recorded and the next one runs; on more, the run stops there (the
+ranks could no longer agree on their collectives). ``--shim on`` imports fsdp_shim before
 Lightning; ``off`` never does. Nothing here knows what the answer should be: the tests compare runs.
 """
 
@@ -43,8 +44,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from scenario_exit import leave_process_group
 from torch import nn
+
+from _fsdp_shim.verify.probe import leave_process_group  # activates nothing
 
 FEATURES = 16
 SEQ = 8
