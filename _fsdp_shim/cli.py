@@ -33,14 +33,15 @@ DESCRIPTIONS = {
         "fsdp-shim run torchrun --nproc-per-node 8 train.py",
     ),
     "install": (
-        "Write the environment-wide start-up file (fsdp_shim.pth, and fsdp_shim.start for Python 3.15+),\n"
-        "so every Python process of this environment has the shim. It imports nothing until a process\n"
-        "imports Lightning. A file at those names that fsdp-shim did not write is left alone unless --force.",
+        "Write the environment-wide start-up file (fsdp_shim.pth, the module it imports, and fsdp_shim.start\n"
+        "for Python 3.15+), so every Python process of this environment has the shim. It imports nothing\n"
+        "until a process imports Lightning. A file at those names that is not fsdp-shim's is left alone\n"
+        "unless --force.",
         "fsdp-shim install",
     ),
     "uninstall": (
-        "Remove the start-up files, only where their whole content is what fsdp-shim wrote; anything else\n"
-        "at those names is left and named (exit code 1).",
+        "Remove fsdp-shim's start-up files (recognised by their first line, edited or not), all of them or\n"
+        "none: where a file at those names is not fsdp-shim's, nothing is removed and it is named (exit 1).",
         "fsdp-shim uninstall --user",
     ),
     "status": (
@@ -69,7 +70,8 @@ def _command(commands: Any, name: str, summary: str) -> argparse.ArgumentParser:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fsdp-shim",
-        description="Lightning 2.5.0's FSDP 'true'-precision fix for Lightning 2.1-2.4.",
+        description="Fixes for Lightning's FSDP 'true' precisions: the cast (2.1-2.4, as 2.5.0 does it) and\n"
+        "the recompute (activation checkpointing in the forward's dtype, every release from 2.1).",
         epilog="example:\n  fsdp-shim verify          # does the shim fix this environment?\n"
         "  fsdp-shim run python train.py\n\n'fsdp-shim COMMAND --help' describes each command.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
