@@ -192,25 +192,33 @@ def _ranks(ranks: list[int]) -> str:
 
 
 def _missing_message(missing: list[int], reports: dict[int, dict[str, Any]], world_size: int, limit: float) -> str:
-    hosts = sorted({str(report.get("host")) for report in reports.values()})
     noun = "rank" if len(missing) == 1 else "ranks"
-    reporters = "rank" if len(reports) == 1 else "ranks"
-    summary = _summary(next(iter(reports.values())))
     return (
         f"fsdp-shim: {noun} {_ranks(missing)} of {world_size} did not report within {limit:g} s which fixes "
-        f"it runs, so this job may be half-patched ({reporters} {_ranks(sorted(reports))} on "
-        f"{', '.join(hosts)}: {summary}). Stopping before the first optimizer step. On the ranks that did not "
-        f"report, fsdp-shim may not be active ({SHIM_VARIABLE}=0 in their environment; a node whose Python "
-        "environment lacks fsdp-shim or its start-up file; a launcher that dropped PYTHONPATH or "
-        f"{SHIM_VARIABLE}: srun/sbatch --export=..., env -i, sudo, a job script that sets PYTHONPATH), they "
-        "may run another Lightning release (one with the cast built in reports only at its first backward), "
-        f"or they were still busy after {limit:g} s ({RANK_CHECK_TIMEOUT_VARIABLE} sets the wait). Activate it "
-        f"on every rank ({SHIM_VARIABLE}=1 with fsdp-shim installed in every node's environment, see "
-        "docs/cluster.md)."
+        f"it runs, so this job may be half-patched ({_described(reports)}). Stopping before the first optimizer "
+        "step. On the ranks that did not report, fsdp-shim may not be active "
+        f"({SHIM_VARIABLE}=0 in their environment; a node whose Python environment lacks fsdp-shim or its "
+        f"start-up file; a launcher that dropped PYTHONPATH or {SHIM_VARIABLE}: srun/sbatch --export=..., env -i, "
+        "sudo, a job script that sets PYTHONPATH), they may run another Lightning release (one with the cast "
+        f"built in reports only at its first backward), or they were still busy after {limit:g} s "
+        f"({RANK_CHECK_TIMEOUT_VARIABLE} sets the wait). Activate it on every rank ({SHIM_VARIABLE}=1 with "
+        "fsdp-shim installed in every node's environment, see docs/cluster.md)."
     )
 
 
 def _disagreement_message(reports: dict[int, dict[str, Any]], world_size: int) -> str:
+    return (
+        f"fsdp-shim: the {world_size} ranks of this job run different fixes or dtypes ({_described(reports)}), so "
+        "their shards, gradients and optimizer state would not match. Stopping before the first optimizer "
+        "step. Use one Lightning release, one fsdp-shim release, one precision and one "
+        "FSDP_SHIM_DISABLED_FIXES on every node."
+    )
+
+
+def _described(reports: dict[int, dict[str, Any]]) -> str:
+    """What the ranks that reported run, alike ranks together, each group with its hosts and releases
+    (``ranks 0, 1 on n1: bfloat16; fixes: cast, recompute (lightning.pytorch 2.4.0, fsdp-shim 0.2.0)``),
+    so that a node with another Lightning or fsdp-shim release is named with it."""
     groups: dict[str, list[int]] = {}
     for r, report in sorted(reports.items()):
         label = (
@@ -218,15 +226,11 @@ def _disagreement_message(reports: dict[int, dict[str, Any]], world_size: int) -
             f"fsdp-shim {report.get('fsdp_shim')})"
         )
         groups.setdefault(label, []).append(r)
-    described = "; ".join(
-        f"{'rank' if len(ranks) == 1 else 'ranks'} {_ranks(ranks)}: {label}" for label, ranks in groups.items()
-    )
-    return (
-        f"fsdp-shim: the {world_size} ranks of this job run different fixes or dtypes ({described}), so "
-        "their shards, gradients and optimizer state would not match. Stopping before the first optimizer "
-        "step. Use one Lightning release, one fsdp-shim release, one precision and one "
-        "FSDP_SHIM_DISABLED_FIXES on every node."
-    )
+    described = []
+    for label, ranks in groups.items():
+        hosts = ", ".join(sorted({str(reports[r].get("host")) for r in ranks}))
+        described.append(f"{'rank' if len(ranks) == 1 else 'ranks'} {_ranks(ranks)} on {hosts}: {label}")
+    return "; ".join(described)
 
 
 def _could_not_check(error: BaseException) -> None:

@@ -1,16 +1,23 @@
-"""Real cluster launchers: a real SLURM (two slurmd "nodes" on this machine) and two torchrun nodes
-side by side on loopback, running real FSDP (Trainer and Fabric, bf16-true) in every way the shim
-can be activated, with the dtype and the exact bytes checked on every rank.
+"""Every rank or none: the rank check, on ranks that torchrun starts, and on real cluster launchers.
 
-These run only in the ``cluster`` nox session, which installs and starts SLURM, sets
-``FSDP_SHIM_TEST_CLUSTER=1`` and ``SLURM_CONF``, and stops the daemons afterwards::
+**The rank check** (``_fsdp_shim/rank_check.py``; every test here up to the cluster section, in the
+default session). Real FSDP through Lightning's Trainer and Fabric (gloo, CPU), each rank its own
+process started by torchrun, as on a cluster; a rank is set apart the way a node is: ``FSDP_SHIM=0``,
+another ``FSDP_SHIM_RANK_CHECK_TIMEOUT``, another Lightning on its ``PYTHONPATH``, a late start, a
+restart (``tests/scenarios/fsdp_train.py``'s per-rank options). torchrun's ``--tee 3`` prefixes every
+line with the local rank (``[default1]:``), so each assertion reads the rank it is about. The
+expected line and messages are built from ``_fsdp_shim.config`` (which fixes a release lacks or ships)
+and the layouts installed, and the expected dtypes and bytes from other runs of the same job.
 
-    nox -s cluster
-
-Expected bytes are computed, not written down: the ``FSDP_SHIM=0`` run of the same job (float32,
-checked) holds exactly twice each rank's bytes of a correctly converted bfloat16 run, because every
-tensor of the models in ``tests/scenarios/fsdp_train.py`` shards without padding. Each test prints
-a table (rank, node, API, dtype, bytes) for the log.
+**Real cluster launchers** (the section at the end; only in the ``cluster`` nox session, which
+installs and starts SLURM, sets ``FSDP_SHIM_TEST_CLUSTER=1`` and ``SLURM_CONF``, and stops the
+daemons afterwards: ``nox -s cluster``): a real SLURM (two slurmd "nodes" on this machine) and two
+torchrun nodes side by side on loopback, running real FSDP (Trainer and Fabric, bf16-true) in every
+way the shim can be activated, with the dtype and the exact bytes checked on every rank. Expected
+bytes are computed, not written down: the ``FSDP_SHIM=0`` run of the same job (float32, checked)
+holds exactly twice each rank's bytes of a correctly converted bfloat16 run, because every tensor of
+the models in ``tests/scenarios/fsdp_train.py`` shards without padding. Each test prints a table
+(rank, node, API, dtype, bytes) for the log.
 """
 
 from __future__ import annotations
@@ -20,8 +27,8 @@ import json
 import os
 import re
 import shlex
-import shutil
 import signal
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -31,19 +38,459 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT, clean_env, free_port, make_venv
+from conftest import (
+    BYTE_KEYS,
+    DTYPES,
+    FSDP_SHIM,
+    NAMESPACES,
+    ROOT,
+    SCENARIO,
+    Layout,
+    affected_layout,
+    clean_env,
+    free_port,
+    is_fixed_release,
+    make_venv,
+    run_on_a_free_port,
+    scenario_results,
+    torchrun,
+)
 
-pytestmark = [
-    pytest.mark.release_independent,
-    pytest.mark.skipif(
-        os.environ.get("FSDP_SHIM_TEST_CLUSTER") != "1", reason="cluster launchers run in the `cluster` nox session"
-    ),
-]
+from _fsdp_shim._version import __version__ as shim_version
+from _fsdp_shim.config import FIXES, MAX_RANK_CHECK_SECONDS, RANK_CHECK_TIMEOUT_VARIABLE, rank_check_timeout
+from _fsdp_shim.startup_files import PTH_NAME
+
+CASE = "init+pretrained:bf16-true"
+"""A layer built in ``__init__`` and an fp32 ``from_pretrained``-style one: float32 on 2.4.0 without the cast."""
+BF16 = DTYPES["bf16-true"]
+SHOWN_WARNINGS = "ignore,always:fsdp-shim"
+"""Every warning off (Lightning's are noise here) but the shim's, each one shown every time it is issued,
+so a count of them is the shim's own "once". (A filter by category cannot name the shim's class: at
+start-up, Python could not import ``_fsdp_shim`` here to resolve it, "Invalid -W option ignored".)"""
+JOB_TIMEOUT = 300
+"""Seconds a torchrun job of this section may take (about 10-30 s here)."""
+
+
+# ----------------------------------------------------------------------------- torchrun jobs of the rank check
+def torchrun_job(
+    tmp_path: Path,
+    name: str,
+    ranks: int,
+    *,
+    api: str = "trainer",
+    package: str,
+    extra: tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    options: tuple[str, ...] = (),
+    expect_ok: bool = True,
+    timeout: float = JOB_TIMEOUT,
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """``tests/scenarios/fsdp_train.py`` on ``ranks`` ranks of one torchrun node (``options`` go to
+    torchrun: ``--max-restarts``), fsdp_shim imported first on every rank (``FSDP_SHIM=0`` still switches
+    a rank off), with ``--tee 3`` and only the shim's warnings shown. ``run_scenario`` has no place for
+    torchrun's options."""
+    out = tmp_path / name
+    arguments = ["--api", api, "--package", package, "--shim", "before", "--devices", str(ranks)]
+    arguments += ["--cases", CASE, "--out", str(out), *extra]
+
+    def attempt(retry: bool) -> tuple[list[str], dict[str, str]]:
+        command = [*torchrun(ranks), "--tee", "3", *options, str(SCENARIO), *arguments]
+        return command, clean_env(PYTHONWARNINGS=SHOWN_WARNINGS, **(env or {}))
+
+    proc, command = run_on_a_free_port(attempt, timeout)
+    if expect_ok != (proc.returncode == 0):
+        raise AssertionError(
+            f"expected {'success' if expect_ok else 'failure'}, got exit {proc.returncode}: {shlex.join(command)}\n"
+            f"{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+        )
+    return proc, out
+
+
+def by_rank(proc: subprocess.CompletedProcess[str]) -> dict[int, str]:
+    """What each local rank printed (``--tee 3``'s ``[defaultR]:`` prefixes), by rank."""
+    lines: dict[int, list[str]] = {}
+    for line in (proc.stdout + proc.stderr).splitlines():
+        found = re.match(r"\[default(\d+)\]:(.*)", line)
+        if found:
+            lines.setdefault(int(found[1]), []).append(found[2])
+    return {rank: "\n".join(text) for rank, text in lines.items()}
+
+
+def shim_errors(text: str) -> list[str]:
+    """The ``FSDPShimError`` messages in one rank's output, each once (torch repeats an uncaught
+    exception's last line under its ``[rankR]:`` prefix)."""
+    found = re.findall(r"FSDPShimError: (fsdp-shim: .*)", text)
+    return list(dict.fromkeys(found))
+
+
+def shim_warnings(text: str) -> list[str]:
+    return re.findall(r"FSDPShimWarning: (fsdp-shim: .*)", text)
+
+
+def confirmations(proc: subprocess.CompletedProcess[str]) -> list[str]:
+    """Every "patched on all" line of the job, whichever rank printed it."""
+    return [line for line in (proc.stdout + proc.stderr).splitlines() if "fsdp-shim: patched on all" in line]
+
+
+def summary(version: str, dtype: str = BF16) -> str:
+    """What the rank check says a rank runs on ``version``, from the fixes' own release ranges:
+    ``bfloat16; fixes: cast, recompute`` (2.4.0) or ``...; fixes: cast (Lightning's own), recompute`` (2.6.6)."""
+    fixes = [
+        f"{fix.name} (Lightning's own)" if fix.built_in(version) else fix.name
+        for fix in FIXES
+        if fix.built_in(version) or fix.affects(version)
+    ]
+    return f"{dtype.removeprefix('torch.')}; fixes: {', '.join(fixes)}"
+
+
+def reported(ranks: str, namespace: str, version: str, dtype: str = BF16) -> str:
+    """How a message describes ranks that reported: ``rank 0 on HOST: bfloat16; fixes: cast, recompute
+    (lightning.pytorch 2.4.0, fsdp-shim 0.2.0)`` (every rank of these jobs runs on this machine)."""
+    noun = "rank" if "," not in ranks else "ranks"
+    releases = f"({namespace} {version}, fsdp-shim {shim_version})"
+    return f"{noun} {ranks} on {socket.gethostname()}: {summary(version, dtype)} {releases}"
+
+
+def confirmation(ranks: int, version: str) -> str:
+    return f"fsdp-shim: patched on all {ranks} ranks ({summary(version)}), confirmed in "
+
+
+def seconds_waited(line: str) -> float:
+    return float(line.rpartition(" in ")[2].removesuffix(" s"))
+
+
+def assert_nobody_trained(out: Path, ranks: int) -> None:
+    """A stopped job wrote no result: the scenario writes it after training."""
+    written = [rank for rank in range(ranks) if Path(f"{out}.rank{rank}.json").exists()]
+    assert not written, f"ranks {written} finished training"
+
+
+def fixed_layout(layouts: dict[str, Layout]) -> Layout:
+    """An installed layout whose Trainer has the cast built in (the standalone 2.6.6 of the default session)."""
+    for layout in layouts.values():
+        if is_fixed_release(layout.trainer_version):
+            return layout
+    pytest.skip("needs an installed Lightning release with the cast built in")
+
+
+def fixed_matrix_folder() -> tuple[Path, str]:
+    """A ``.matrix`` folder holding a unified ``lightning`` with the cast built in, and its release: what
+    another node's ``PYTHONPATH`` gives it (the nox sessions install these folders)."""
+    for info in sorted((ROOT / ".matrix").glob("*/lightning-*.dist-info")):
+        version = info.name.removeprefix("lightning-").removesuffix(".dist-info")
+        if is_fixed_release(version) and (info.parent / "lightning" / "pytorch").is_dir():
+            return info.parent, version
+    pytest.skip("needs a .matrix folder with a fixed unified lightning (nox -s tests-lightning-2.6.6 makes one)")
+
+
+# ----------------------------------------------------------------------------- ranks that agree
+def test_fit_validate_test_and_predict_are_checked_once_per_process_group(tmp_path, layouts):
+    """Trainer, 2 ranks: fit, then validate, test and predict (a Trainer and a model each) in the same
+    processes, so the same process group. Every rank trains in bfloat16, and rank zero says so in one
+    line, though each stage converts a model: the check runs once per process group (5f37aee checked
+    and printed once per conversion: four lines). The line names the dtype and the fixes, and how long
+    the check waited: rank 1 reached its FSDP setup 6 s late, and the check waited for it, no longer."""
+    layout = affected_layout(layouts)
+    proc, out = torchrun_job(
+        tmp_path,
+        "stages",
+        2,
+        package=layout.package,
+        extra=("--delay-rank", "1:6", "--stages", "fit,validate,test,predict"),
+    )
+    results = scenario_results(out, 2)
+    for rank in range(2):
+        assert results[rank][CASE]["flat_param_dtypes"] == [BF16], (rank, results[rank][CASE])
+        assert results[rank][CASE]["stages"] == ["fit", "validate", "test", "predict"]
+    lines = confirmations(proc)
+    assert len(lines) == 1, "\n".join(lines) or proc.stderr[-4000:]
+    assert lines[0].startswith(f"[default0]:{confirmation(2, layout.trainer_version)}"), lines
+    assert 4 <= seconds_waited(lines[0]) < 60, lines
+    assert not shim_warnings(proc.stdout + proc.stderr)
+
+
+def test_fabric_ranks_agree_with_an_extra_model_and_unbounded_waits(tmp_path, layouts):
+    """Fabric, 4 ranks, rank 3 late by 6 s. Rank 0 sets up one more model than the others (a
+    ``setup_module`` only rank zero runs, before the common one), so it converts twice and the others
+    once: the job trains, no false stop (5f37aee paired rank 0's second conversion with a third the
+    others never made, and stopped). Rank 0 waits with ``FSDP_SHIM_RANK_CHECK_TIMEOUT=1e20`` and rank 1
+    with ``inf``: both mean "as long as it takes" (clamped to a year), so both wait for rank 3, silently
+    (5f37aee: 1e20 overflowed the store's wait, a warning and no check; inf was refused with a warning)."""
+    layout = affected_layout(layouts)
+    proc, out = torchrun_job(
+        tmp_path,
+        "fabric",
+        4,
+        api="fabric",
+        package=layout.package,
+        extra=(
+            "--delay-rank",
+            "3:6",
+            "--extra-model-on-rank",
+            "0",
+            "--env-on-rank",
+            f"0:{RANK_CHECK_TIMEOUT_VARIABLE}=1e20",
+            "--env-on-rank",
+            f"1:{RANK_CHECK_TIMEOUT_VARIABLE}=inf",
+        ),
+    )
+    results = scenario_results(out, 4)
+    for rank in range(4):
+        assert results[rank][CASE]["flat_param_dtypes"] == [BF16], (rank, results[rank][CASE])
+    lines = confirmations(proc)
+    assert len(lines) == 1, "\n".join(lines) or proc.stderr[-4000:]
+    assert lines[0].startswith(f"[default0]:{confirmation(4, layout.fabric_version)}"), lines
+    assert 4 <= seconds_waited(lines[0]) < 60, lines
+    assert not shim_warnings(proc.stdout + proc.stderr)
+
+
+# ----------------------------------------------------------------------------- ranks that do not
+def test_a_rank_without_the_shim_stops_the_job_and_is_named(tmp_path, layouts):
+    """Trainer, 2 ranks, rank 1 with ``FSDP_SHIM=0``, a 5 s wait: rank 0 raises FSDPShimError naming
+    rank 1 and the wait, says what it runs itself, and names no dtype for rank 1, whose dtype it never
+    saw. Nobody trains."""
+    layout = affected_layout(layouts)
+    proc, out = torchrun_job(
+        tmp_path,
+        "off",
+        2,
+        package=layout.package,
+        env={RANK_CHECK_TIMEOUT_VARIABLE: "5", "FSDP_SHIM_STRICT": "0"},
+        extra=("--shim-off-rank", "1"),
+        expect_ok=False,
+    )
+    (message,) = shim_errors(by_rank(proc)[0])
+    assert message.startswith("fsdp-shim: rank 1 of 2 did not report within 5 s which fixes it runs"), message
+    assert f"half-patched ({reported('0', NAMESPACES[layout.package][0], layout.trainer_version)})." in message
+    assert "FSDP_SHIM=0 in their environment" in message
+    assert "float32" not in message, message
+    assert not shim_errors(by_rank(proc).get(1, "")), "rank 1 has no shim and cannot raise its error"
+    assert_nobody_trained(out, 2)
+
+
+def test_a_late_rank_is_named_without_a_dtype_it_did_not_send(tmp_path, layouts):
+    """Trainer, 2 ranks, both with the shim; rank 1 reaches its FSDP setup 8 s late, past a 2 s wait.
+    Rank 0's message says that rank 1 did not report within 2 s, lists being busy among the causes, and
+    describes only what rank 0 runs: 5f37aee said the others were "most likely in float32", a dtype
+    no rank had reported (rank 1 was about to convert to bfloat16)."""
+    layout = affected_layout(layouts)
+    proc, out = torchrun_job(
+        tmp_path,
+        "late",
+        2,
+        package=layout.package,
+        env={RANK_CHECK_TIMEOUT_VARIABLE: "2"},
+        extra=("--delay-rank", "1:8"),
+        expect_ok=False,
+    )
+    (message,) = shim_errors(by_rank(proc)[0])
+    assert message.startswith("fsdp-shim: rank 1 of 2 did not report within 2 s which fixes it runs"), message
+    assert "still busy after 2 s" in message, message
+    named = set(re.findall(r"\b(b?float\d+)\b", message))
+    assert named == {BF16.removeprefix("torch.")}, message
+    assert_nobody_trained(out, 2)
+
+
+def test_without_the_variable_the_wait_is_the_process_groups_timeout(tmp_path, layouts):
+    """Fabric, 4 ranks, strict mode, ``FSDPStrategy(timeout=10 s)``; rank 3 with ``FSDP_SHIM=0``.
+    ``FSDP_SHIM_RANK_CHECK_TIMEOUT`` is unset on rank 0, ``abc`` on rank 1 and ``-1`` on rank 2: all
+    three wait as long as the process group's own timeout, the one torch gives the collectives of the
+    job, so the shim never stops a job that torch would have let run, and names the cause before torch
+    would time out. Rank 0 raises FSDPShimError naming rank 3 and those 10 s (5f37aee waited 300 s: rank
+    3's first all-gather timed out after 10 s instead, and the job ended in a gloo error that named no
+    cause). A value that is no wait warns once, on its rank only, naming the wait it uses instead;
+    strict mode makes no error of it (the check still runs)."""
+    layout = affected_layout(layouts)
+    proc, out = torchrun_job(
+        tmp_path,
+        "process-group-timeout",
+        4,
+        api="fabric",
+        package=layout.package,
+        env={"FSDP_SHIM_STRICT": "1"},
+        extra=(
+            "--process-group-timeout",
+            "10",
+            "--env-on-rank",
+            f"1:{RANK_CHECK_TIMEOUT_VARIABLE}=abc",
+            "--env-on-rank",
+            f"2:{RANK_CHECK_TIMEOUT_VARIABLE}=-1",
+            "--shim-off-rank",
+            "3",
+        ),
+        expect_ok=False,
+        timeout=180,
+    )
+    output = by_rank(proc)
+    (message,) = shim_errors(output[0])
+    assert message.startswith("fsdp-shim: rank 3 of 4 did not report within 10 s which fixes it runs"), message
+    for rank in (1, 2):  # they raise the same, unless torchrun ended them first, when rank 0 failed
+        assert shim_errors(output[rank]) in ([], [message]), output[rank][-3000:]
+    assert shim_warnings(output[0]) == []
+    for rank, value in ((1, "abc"), (2, "-1")):
+        assert shim_warnings(output[rank]) == [
+            f"fsdp-shim: {RANK_CHECK_TIMEOUT_VARIABLE}={value!r} is not a number of seconds >= 0; the cross-rank "
+            "check waits as long as the process group's timeout (10 s)"
+        ], output[rank][-3000:]
+    assert_nobody_trained(out, 4)
+
+
+def test_ranks_with_different_dtypes_stop_the_job(tmp_path, layouts):
+    """Every rank has the shim, but rank 1 was configured for 16-true: both ranks raise FSDPShimError
+    naming what each runs, with its host and release."""
+    layout = affected_layout(layouts)
+    proc, out = torchrun_job(
+        tmp_path, "dtypes", 2, package=layout.package, extra=("--precision-on-rank", "1:16-true"), expect_ok=False
+    )
+    trainer, version = NAMESPACES[layout.package][0], layout.trainer_version
+    described = f"{reported('0', trainer, version)}; {reported('1', trainer, version, DTYPES['16-true'])}"
+    output = by_rank(proc)
+    for rank in range(2):
+        (message,) = shim_errors(output[rank])
+        assert message.startswith(
+            f"fsdp-shim: the 2 ranks of this job run different fixes or dtypes ({described}), "
+        ), message
+    assert_nobody_trained(out, 2)
+
+
+def test_timeout_zero_switches_the_check_off(tmp_path, layouts):
+    """With the check off, the half-patched job trains as it would without it: mixed dtypes, exit 0."""
+    layout = affected_layout(layouts)
+    proc, out = torchrun_job(
+        tmp_path,
+        "check-off",
+        2,
+        package=layout.package,
+        env={RANK_CHECK_TIMEOUT_VARIABLE: "0"},
+        extra=("--shim-off-rank", "1"),
+    )
+    results = scenario_results(out, 2)
+    on, off = results[0][CASE], results[1][CASE]
+    assert on["flat_param_dtypes"] == [BF16]
+    assert off["flat_param_dtypes"] == [DTYPES["32-true"]]
+    for key in BYTE_KEYS:
+        assert off[key] == 2 * on[key], key
+    assert not confirmations(proc)
+    assert not shim_errors(proc.stdout + proc.stderr)
+
+
+def test_the_timeout_variable_is_read_as_seconds():
+    """Unset: the process group's timeout (``None``). Seconds as a float, ``0`` switches the check off;
+    anything larger than a year (``1e20``, ``inf``) is a year, which every store accepts; a value that
+    is no wait keeps the default and says why (the job above shows the one warning it becomes)."""
+    assert rank_check_timeout({}) == (None, None)
+    assert rank_check_timeout({RANK_CHECK_TIMEOUT_VARIABLE: " 12.5 "}) == (12.5, None)
+    assert rank_check_timeout({RANK_CHECK_TIMEOUT_VARIABLE: "0"}) == (0, None)
+    for value in ("1e20", "inf", "Infinity"):
+        assert rank_check_timeout({RANK_CHECK_TIMEOUT_VARIABLE: value}) == (MAX_RANK_CHECK_SECONDS, None), value
+    assert MAX_RANK_CHECK_SECONDS == 365 * 24 * 3600
+    for value in ("abc", "-1", "nan", "-inf", "5s"):
+        seconds, problem = rank_check_timeout({RANK_CHECK_TIMEOUT_VARIABLE: value})
+        assert seconds is None, value
+        assert problem == f"{RANK_CHECK_TIMEOUT_VARIABLE}={value!r} is not a number of seconds >= 0", problem
+
+
+def test_an_elastic_restart_without_the_shim_stops_the_job(tmp_path, layouts):
+    """torchrun ``--max-restarts 1``: the first attempt passes the check and trains, then rank 1 dies,
+    and torchrun restarts both ranks; rank 1 comes back with ``FSDP_SHIM=0``. torchrun's store outlives
+    the restart, so the first attempt's keys are still there: the second attempt must not count them.
+    Rank 0 stops naming rank 1, and "patched on all 2 ranks" is said once, by the first attempt
+    (5f37aee found rank 1's old key, printed the line again and trained the restarted job half-patched,
+    exit 0)."""
+    layout = affected_layout(layouts)
+    proc, out = torchrun_job(
+        tmp_path,
+        "restart",
+        2,
+        package=layout.package,
+        env={RANK_CHECK_TIMEOUT_VARIABLE: "10"},
+        extra=("--restart-without-shim", "1"),
+        options=("--max-restarts", "1"),
+        expect_ok=False,
+    )
+    output = by_rank(proc)
+    assert "fails once after training" in output[1], output[1][-3000:]
+    assert len(confirmations(proc)) == 1, confirmations(proc)
+    assert output[0].index("patched on all 2 ranks") < output[0].index("FSDPShimError")
+    (message,) = shim_errors(output[0])
+    assert message.startswith("fsdp-shim: rank 1 of 2 did not report within 10 s which fixes it runs"), message
+    assert not Path(f"{out}.rank1.json").exists()
+
+
+def test_a_node_with_a_release_that_has_the_cast_built_in_stops_the_job(tmp_path, layouts):
+    """Trainer, 2 ranks with the shim; rank 1's ``PYTHONPATH`` gives it a Lightning with the cast built
+    in (2.6.6 next to a 2.4.0 node). That node runs the same fixes, but reports only at its first
+    backward, which it never reaches: Lightning's FSDP setup waits in a barrier for rank 0, and rank 0
+    waits at its conversion for rank 1's report. Rank 0 stops after its wait, naming rank 1, its own
+    release, and another release as a cause (the check cannot see rank 1's release: rank 1 never said it)."""
+    layout = affected_layout(layouts, "lightning")
+    folder, version = fixed_matrix_folder()
+    proc, out = torchrun_job(
+        tmp_path,
+        "mixed-releases",
+        2,
+        package=layout.package,
+        env={RANK_CHECK_TIMEOUT_VARIABLE: "5"},
+        extra=("--env-on-rank", f"1:PYTHONPATH={folder}"),
+        expect_ok=False,
+    )
+    output = by_rank(proc)
+    assert f"{folder}/lightning/pytorch/" in output[1], f"rank 1 ran Lightning {version}: " + output[1][-3000:]
+    assert f"{folder}/" not in output[0]
+    (message,) = shim_errors(output[0])
+    assert message.startswith("fsdp-shim: rank 1 of 2 did not report within 5 s which fixes it runs"), message
+    assert f"half-patched ({reported('0', 'lightning.pytorch', layout.trainer_version)})." in message
+    assert "they may run another Lightning release (one with the cast built in reports only at its first backward)" in (
+        message
+    )
+    assert_nobody_trained(out, 2)
+
+
+def test_on_a_release_with_the_cast_built_in_ranks_agree_at_the_first_backward(tmp_path, layouts):
+    """Trainer, 2 ranks, a Lightning that casts itself (the shim leaves its ``convert_module`` alone) and
+    lacks the recompute fix: the check runs at the first backward through the shim's wrapper, every
+    rank trains in bfloat16, and rank zero's one line names both fixes, the cast as Lightning's own."""
+    layout = fixed_layout(layouts)
+    proc, out = torchrun_job(tmp_path, "fixed", 2, package=layout.package)
+    results = scenario_results(out, 2)
+    for rank in range(2):
+        assert results[rank][CASE]["flat_param_dtypes"] == [BF16]
+        assert results[rank]["_shim"]["trainer_convert_module"] is False, results[rank]["_shim"]
+    lines = confirmations(proc)
+    assert len(lines) == 1, "\n".join(lines) or proc.stderr[-4000:]
+    assert lines[0].startswith(f"[default0]:{confirmation(2, layout.trainer_version)}"), lines
+    assert "(Lightning's own)" in lines[0]
+
+
+def test_on_a_release_with_the_cast_built_in_a_rank_without_the_shim_stops_the_job(tmp_path, layouts):
+    """The same job with rank 1 at ``FSDP_SHIM=0``: rank 0 stops at its first backward (its traceback
+    goes through the recompute wrapper, not the cast's), naming rank 1 and its own release."""
+    layout = fixed_layout(layouts)
+    proc, out = torchrun_job(
+        tmp_path,
+        "fixed-off",
+        2,
+        package=layout.package,
+        env={RANK_CHECK_TIMEOUT_VARIABLE: "5"},
+        extra=("--shim-off-rank", "1"),
+        expect_ok=False,
+    )
+    rank0 = by_rank(proc)[0]
+    (message,) = shim_errors(rank0)
+    assert message.startswith("fsdp-shim: rank 1 of 2 did not report within 5 s which fixes it runs"), message
+    assert f"half-patched ({reported('0', NAMESPACES[layout.package][0], layout.trainer_version)})." in message
+    assert "in backward_in_forward_dtype" in rank0 and "in convert_module_as_in_2_5" not in rank0
+    assert_nobody_trained(out, 2)
+
+
+# ----------------------------------------------------------------------------- real cluster launchers
+cluster = pytest.mark.skipif(
+    os.environ.get("FSDP_SHIM_TEST_CLUSTER") != "1", reason="cluster launchers run in the `cluster` nox session"
+)
 
 PROGRAM = ROOT / "tests" / "cluster" / "train_both.py"
 APIS = ("trainer", "fabric")
-BYTE_KEYS = ("flat_param_bytes", "grad_bytes", "optimizer_state_bytes")
-JOB_TIMEOUT = 240
+CLUSTER_JOB_TIMEOUT = 240
 """Seconds one job may take (about 10-40 s here); a hung rank fails the test and its job is killed."""
 RANK_CHECK_TIMEOUT = "10"
 """Seconds the shimmed ranks of a half-patched job wait: the ranks reach their FSDP setup within a
@@ -51,18 +498,18 @@ second or two of each other (they have just met in the process group's rendezvou
 SLURM_TIME_LIMIT = "5"  # minutes: SLURM ends the job itself if the test's own kill did not reach it
 
 
-# ----------------------------------------------------------------------------- running jobs
 def python() -> str:
     return sys.executable
 
 
 def shim_command() -> list[str]:
     """The ``fsdp-shim`` console script next to this interpreter (what users type)."""
-    script = shutil.which("fsdp-shim", path=os.path.dirname(sys.executable))
-    return [script] if script else [sys.executable, "-m", "fsdp_shim"]
+    return [FSDP_SHIM] if os.path.exists(FSDP_SHIM) else [sys.executable, "-m", "fsdp_shim"]
 
 
-def launch(commands: list[list[str]], env: dict[str, str], timeout: float = JOB_TIMEOUT) -> list[tuple[int, str]]:
+def launch(
+    commands: list[list[str]], env: dict[str, str], timeout: float = CLUSTER_JOB_TIMEOUT
+) -> list[tuple[int, str]]:
     """Start the commands side by side (one per torchrun node, or one srun), each in its own process
     group; return (exit code, stdout+stderr) per command. Past ``timeout`` every group is sent
     SIGTERM (srun passes it on and ends the job step), then SIGKILL 10 s later."""
@@ -150,9 +597,9 @@ def assert_float32(ranks: list[dict[str, Any]]) -> None:
     for result in ranks:
         for api in APIS:
             row = result[api]
-            assert row["flat_param_dtypes"] == ["torch.float32"], (result["rank"], api, row)
+            assert row["flat_param_dtypes"] == [DTYPES["32-true"]], (result["rank"], api, row)
             assert row["flat_param_bytes"] == 4 * row["flat_param_numel"], (result["rank"], api, row)
-        assert result["trainer"]["module_dtype"] == "torch.float32"
+        assert result["trainer"]["module_dtype"] == DTYPES["32-true"]
 
 
 def assert_patched(ranks: list[dict[str, Any]], baseline: list[dict[str, Any]]) -> None:
@@ -162,16 +609,15 @@ def assert_patched(ranks: list[dict[str, Any]], baseline: list[dict[str, Any]]) 
         assert result["rank"] == unpatched["rank"]
         for api in APIS:
             row, base = result[api], unpatched[api]
-            assert row["flat_param_dtypes"] == ["torch.bfloat16"], (result["rank"], api, row)
+            assert row["flat_param_dtypes"] == [BF16], (result["rank"], api, row)
             assert row["flat_param_numel"] == base["flat_param_numel"]
             for key in BYTE_KEYS:
                 assert base[key] % 2 == 0 and row[key] == base[key] // 2, (result["rank"], api, key, row, base)
-        assert result["trainer"]["module_dtype"] == "torch.bfloat16"
+        assert result["trainer"]["module_dtype"] == BF16
         facts = result["shim"]
         assert facts and facts["trainer_convert_module"] and facts["fabric_convert_module"], facts
 
 
-# ----------------------------------------------------------------------------- the start-up file
 @pytest.fixture(scope="module")
 def startup_python(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """The interpreter of a new virtual environment that sees this one's packages, with the start-up
@@ -179,13 +625,12 @@ def startup_python(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     environment is a temporary folder, so nothing outside the test is changed."""
     venv = make_venv(tmp_path_factory.mktemp("startup") / "venv", [str(ROOT), sysconfig.get_paths()["purelib"]])
     venv.run("-m", "fsdp_shim", "install")
-    assert (venv.site_packages / "fsdp_shim.pth").exists()
+    assert (venv.site_packages / PTH_NAME).exists()
     yield venv.python
     venv.run("-m", "fsdp_shim", "uninstall")
-    assert not (venv.site_packages / "fsdp_shim.pth").exists()
+    assert not (venv.site_packages / PTH_NAME).exists()
 
 
-# ----------------------------------------------------------------------------- SLURM
 SLURM_TOPOLOGIES = {"2x1": 1, "2x2": 2}  # -N 2, --ntasks-per-node
 
 
@@ -280,6 +725,7 @@ def slurm_baseline(jobs: Jobs, per_node: int) -> list[dict[str, Any]]:
     return ranks
 
 
+@cluster
 @pytest.mark.parametrize("topology", SLURM_TOPOLOGIES)
 def test_slurm_fsdp_shim_0_trains_float32_on_every_rank(jobs: Jobs, topology: str) -> None:
     """The kill switch under ``srun ... fsdp-shim run python``: every rank float32 (and the baseline)."""
@@ -295,6 +741,7 @@ SLURM_MODES = (
 )
 
 
+@cluster
 @pytest.mark.parametrize("topology", SLURM_TOPOLOGIES)
 @pytest.mark.parametrize("mode", SLURM_MODES)
 def test_slurm_every_rank_trains_bfloat16(jobs: Jobs, startup_python: str, mode: str, topology: str) -> None:
@@ -334,7 +781,8 @@ def rank_lines(outputs: list[tuple[int, str]]) -> dict[int, dict[str, str]]:
 
 def check_half_patched(title: str, commands: list[list[str]], outputs: list[tuple[int, str]], world: int) -> None:
     """The job stops (non-zero exit), every rank with the shim raises FSDPShimError naming exactly the
-    ranks with FSDP_SHIM=0, and those ranks do not report success either. Prints the per-rank table."""
+    ranks with FSDP_SHIM=0 and the wait, and those ranks do not report success either. Prints the
+    per-rank table."""
     ranks = rank_lines(outputs)
     lines = [f"\n=== {title}", "$ " + " & ".join(shlex.join(c) for c in commands)]
     lines += [f"exit codes: {[code for code, _ in outputs]}", "rank  node   FSDP_SHIM  outcome"]
@@ -348,12 +796,13 @@ def check_half_patched(title: str, commands: list[list[str]], outputs: list[tupl
     unshimmed = sorted(rank for rank, entry in ranks.items() if entry.get("shim") == "0")
     assert 0 < len(unshimmed) < world, ranks
     noun = "rank" if len(unshimmed) == 1 else "ranks"
-    named = f"{noun} {', '.join(map(str, unshimmed))} of {world} did not confirm"
+    named = f"{noun} {', '.join(map(str, unshimmed))} of {world} did not report within {RANK_CHECK_TIMEOUT} s"
     for rank, entry in ranks.items():
         if rank not in unshimmed:
             assert entry["failed"].startswith("FSDPShimError") and named in entry["failed"], (rank, entry)
 
 
+@cluster
 @pytest.mark.parametrize("topology", SLURM_TOPOLOGIES)
 def test_slurm_half_patched_job_stops_naming_the_ranks_without_the_shim(jobs: Jobs, topology: str) -> None:
     per_node = SLURM_TOPOLOGIES[topology]
@@ -364,18 +813,23 @@ def test_slurm_half_patched_job_stops_naming_the_ranks_without_the_shim(jobs: Jo
     check_half_patched(f"{name} ({time.monotonic() - started:.0f} s)", [command], outputs, 2 * per_node)
 
 
+@cluster
 @pytest.mark.parametrize("topology", SLURM_TOPOLOGIES)
-def test_slurm_rank_zero_confirms_every_rank_once_per_api(jobs: Jobs, topology: str) -> None:
-    """The shimmed jobs above say so: one line from rank zero per conversion (Trainer, Fabric)."""
+def test_slurm_rank_zero_confirms_every_rank_once(jobs: Jobs, topology: str) -> None:
+    """The shimmed jobs above say so: one line from rank zero for the job, though each rank converts
+    twice (Trainer, then Fabric, in one process group), naming the dtype and the fixes."""
     per_node = SLURM_TOPOLOGIES[topology]
-    slurm_job(jobs, "srun fsdp-shim run python", per_node)
+    ranks = slurm_job(jobs, "srun fsdp-shim run python", per_node)
     output = jobs.outputs[f"slurm 2x{per_node} srun fsdp-shim run python"]
-    assert output.count(f"fsdp-shim: patched on all {2 * per_node} ranks (bfloat16)") == len(APIS), output[-6000:]
+    expected = confirmation(2 * per_node, ranks[0]["lightning"])
+    assert output.count("fsdp-shim: patched on all") == 1, output[-6000:]
+    assert output.count(expected) == 1, output[-6000:]
 
 
 REPORT_SHIM = "import os; print('FSDP_SHIM of task', os.environ['SLURM_PROCID'], '=', os.environ.get('FSDP_SHIM'))"
 
 
+@cluster
 @pytest.mark.parametrize(
     ("export", "warned", "reaches"), [("MASTER_ADDR,PATH", True, "None"), ("MASTER_ADDR,PATH,FSDP_SHIM=1", False, "1")]
 )
@@ -396,7 +850,6 @@ def test_fsdp_shim_run_srun_export_warns_once_when_it_drops_the_shim(export: str
     ], output
 
 
-# ----------------------------------------------------------------------------- torchrun
 RENDEZVOUS = ("static", "c10d")
 
 
@@ -443,6 +896,7 @@ def torchrun_baseline(jobs: Jobs, rendezvous: str) -> list[dict[str, Any]]:
     return ranks
 
 
+@cluster
 @pytest.mark.parametrize("rendezvous", RENDEZVOUS)
 def test_torchrun_fsdp_shim_0_trains_float32_on_every_rank(jobs: Jobs, rendezvous: str) -> None:
     torchrun_baseline(jobs, rendezvous)
@@ -472,6 +926,7 @@ def torchrun_mode_commands(
     raise AssertionError(mode)
 
 
+@cluster
 @pytest.mark.parametrize(
     ("rendezvous", "mode"), [(rendezvous, mode) for rendezvous, modes in TORCHRUN_MODES.items() for mode in modes]
 )
@@ -482,8 +937,12 @@ def test_torchrun_every_rank_trains_bfloat16(jobs: Jobs, startup_python: str, mo
     ranks = jobs.run(name, commands, env, 2)
     assert_placement(ranks, 2, 1)
     assert_patched(ranks, baseline)
+    output = jobs.outputs[name]
+    assert output.count("fsdp-shim: patched on all") == 1, output[-6000:]
+    assert output.count(confirmation(2, ranks[0]["lightning"])) == 1, output[-6000:]
 
 
+@cluster
 @pytest.mark.parametrize("rendezvous", RENDEZVOUS)
 def test_torchrun_half_patched_job_stops_naming_the_rank_without_the_shim(jobs: Jobs, rendezvous: str) -> None:
     name = f"torchrun {rendezvous} half-patched (node 1: FSDP_SHIM=0)"

@@ -74,7 +74,95 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument(
         "--delay-rank", default=None, help="RANK:SECONDS: that rank sleeps after joining the process group"
     )
+    parser.add_argument(
+        "--env-on-rank",
+        action="append",
+        default=[],
+        help="RANK:NAME=VALUE (repeatable): that rank (RANK, under torchrun) runs with NAME=VALUE in its "
+        "environment, as a node configured differently would; PYTHONPATH's entries also go on sys.path where "
+        "start-up puts them (after the script's folder), before anything imports Lightning",
+    )
+    parser.add_argument(
+        "--restart-without-shim",
+        type=int,
+        default=None,
+        help="RANK: under torchrun --max-restarts, that rank fails after training in the job's first attempt "
+        "(TORCHELASTIC_RESTART_COUNT 0) and comes back with FSDP_SHIM=0 in every later attempt",
+    )
+    parser.add_argument(
+        "--extra-model-on-rank",
+        type=int,
+        default=None,
+        help="RANK: fabric only: that rank sets up one more model with fabric.setup_module, before the common one",
+    )
+    parser.add_argument(
+        "--stages",
+        default="fit",
+        help="trainer only: comma-separated stages, fit first (fit,validate,test,predict); each stage after "
+        "fit runs in the same processes with a new Trainer and model",
+    )
+    parser.add_argument(
+        "--process-group-timeout",
+        type=float,
+        default=None,
+        help="SECONDS: the FSDP strategy's timeout= (the process group's own timeout), else Lightning's default",
+    )
     return parser.parse_args(argv)
+
+
+def configure_this_rank(args: argparse.Namespace) -> None:
+    """What ``--env-on-rank`` and ``--restart-without-shim`` give this rank, before fsdp_shim or
+    Lightning is imported (``FSDP_SHIM`` is read there, ``FSDP_SHIM_RANK_CHECK_TIMEOUT`` at the check)."""
+    rank = os.environ.get("RANK")
+    for setting in args.env_on_rank:
+        target, _, assignment = setting.partition(":")
+        name, _, value = assignment.partition("=")
+        if rank != target:
+            continue
+        os.environ[name] = value
+        if name == "PYTHONPATH":
+            sys.path[1:1] = [os.path.abspath(entry) for entry in value.split(os.pathsep) if entry]
+    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    if args.restart_without_shim is not None and restarted:
+        forget_gloo_addresses_of_the_last_attempt()
+        if rank == str(args.restart_without_shim):
+            os.environ["FSDP_SHIM"] = "0"  # the node came back without the shim
+
+
+def forget_gloo_addresses_of_the_last_attempt() -> None:
+    """Let a restarted gloo group connect: remove this rank's gloo address of the last attempt from
+    torchrun's store, and wait until every rank has, before Lightning creates the process group.
+
+    torchrun's store outlives a restart, and the torch here (2.13) gives the workers no per-attempt
+    prefix (see pytorch/pytorch#135712), so gloo's rendezvous keys of the first attempt are still there:
+    a rank that reads a peer's key before the peer wrote its new one connects to the dead process (here
+    7 of 9 restarts without this failed: 4 with "connectFullMesh ... Connection refused", 3 hung in
+    ``init_process_group``). Only gloo's own keys go
+    (``default_pg/0//cpu/...``: group ``0``, its CPU backend); every other key, fsdp-shim's
+    (``default_pg/0//fsdp_shim/...``) included, stays as torch leaves it.
+    """
+    from datetime import timedelta
+
+    rank, world_size = os.environ["RANK"], int(os.environ["WORLD_SIZE"])
+    store = torch.distributed.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timedelta(seconds=120)
+    )
+    for key in store.list_keys():
+        if key.startswith("default_pg/0//cpu/") and key.endswith(f"/{rank}"):
+            store.delete_key(key)
+    done = f"fsdp_train/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}/forgot"
+    store.set(f"{done}/{rank}", "1")
+    store.wait([f"{done}/{r}" for r in range(world_size)])
+
+
+def fail_first_attempt_if_asked(args: argparse.Namespace) -> None:
+    """``--restart-without-shim``: end this rank with an error after its first attempt trained."""
+    if args.restart_without_shim is None or os.environ.get("RANK") != str(args.restart_without_shim):
+        return
+    if os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        print(f"fsdp_train: rank {os.environ['RANK']} fails once after training (--restart-without-shim)", flush=True)
+        sys.stderr.flush()
+        os._exit(1)  # as a node that died: no finalization, no barrier
 
 
 def delay_if_asked(delay: str | None) -> None:
@@ -154,12 +242,17 @@ def run_trainer_case(
     ckpt_dir: str | None,
     num_nodes: int = 1,
     delay: str | None = None,
+    stages: tuple[str, ...] = ("fit",),
+    strategy_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     from torch.utils.data import DataLoader, TensorDataset
 
     transformer_class = importlib.import_module(f"{pl.__name__}.demos").Transformer
 
     class Probe(pl.LightningModule):
+        delays = True
+        """Whether ``configure_model`` sleeps for ``--delay-rank`` (the models of later stages do not)."""
+
         def __init__(self) -> None:
             super().__init__()
             self.body: nn.Module | None = None
@@ -179,7 +272,8 @@ def run_trainer_case(
         def configure_model(self) -> None:
             # Here, not in setup(): the Trainer holds a barrier right after the setup hooks, which
             # would absorb the delay before the FSDP setup and its rank check.
-            delay_if_asked(delay)
+            if self.delays:
+                delay_if_asked(delay)
             if kind == "pretrained" and self.body is None:
                 self.body = make_body().float()  # what from_pretrained does: fp32 weights
             if kind in ("pretrained", "init+pretrained") and self.head is None:
@@ -204,6 +298,18 @@ def run_trainer_case(
             # The wrapped model: 2.0.x needs it (no use_orig_params), later releases accept it too.
             return torch.optim.Adam(self.trainer.model.parameters(), lr=1e-3)
 
+    class ProbeWithStages(Probe):
+        """``--stages``: the steps validate, test and predict need (only then, so plain runs keep ``Probe``)."""
+
+        def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.training_step(batch, batch_idx)
+
+        def test_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.training_step(batch, batch_idx)
+
+        def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return self.training_step(batch, batch_idx)
+
     data = token_batches() if kind == "seed" else feature_batches()
     loader = DataLoader(TensorDataset(data), batch_size=4)
     common = dict(
@@ -216,16 +322,25 @@ def run_trainer_case(
         enable_model_summary=False,
         num_sanity_val_steps=0,
     )
-    model = Probe()
-    trainer = pl.Trainer(strategy=strategy_cls(), max_steps=2, enable_checkpointing=False, **common)
+    model = ProbeWithStages() if tuple(stages) != ("fit",) else Probe()
+    strategy_kwargs = strategy_kwargs or {}
+    trainer = pl.Trainer(strategy=strategy_cls(**strategy_kwargs), max_steps=2, enable_checkpointing=False, **common)
     trainer.fit(model, loader)
     result = {"module_dtype": str(model.dtype), "global_step": trainer.global_step}
     result.update(figures(trainer.strategy.model, trainer.optimizers[0], model.grad_bytes))
+    for stage in stages[1:]:  # in the same process group, each with a Trainer and a model of its own
+        evaluated = ProbeWithStages()
+        evaluated.delays = False
+        getattr(pl.Trainer(strategy=strategy_cls(**strategy_kwargs), **common), stage)(evaluated, loader)
+    if len(stages) > 1:
+        result["stages"] = list(stages)
     if ckpt_dir is not None:
         path = os.path.join(ckpt_dir, "probe.ckpt")
         trainer.save_checkpoint(path)
         resumed_model = Probe()
-        resumed = pl.Trainer(strategy=strategy_cls(), max_steps=4, enable_checkpointing=False, **common)
+        resumed = pl.Trainer(
+            strategy=strategy_cls(**strategy_kwargs), max_steps=4, enable_checkpointing=False, **common
+        )
         resumed.fit(resumed_model, loader, ckpt_path=path)
         result["resumed"] = {"module_dtype": str(resumed_model.dtype), "global_step": resumed.global_step}
         result["resumed"].update(figures(resumed.strategy.model, resumed.optimizers[0], resumed_model.grad_bytes))
@@ -277,9 +392,14 @@ def train_plain(model: nn.Module, optimizer: torch.optim.Optimizer, backward: An
     return grads
 
 
-def run_fabric_case(fabric: Any, kind: str, precision: str, delay: str | None = None) -> dict[str, Any]:
+def run_fabric_case(
+    fabric: Any, kind: str, precision: str, delay: str | None = None, extra_model_on_rank: int | None = None
+) -> dict[str, Any]:
     model = Plain(build_plain_model(kind, getattr(fabric, "init_module", None)))  # 2.0.x has none
     delay_if_asked(delay)
+    if extra_model_on_rank is not None and fabric.global_rank == extra_model_on_rank:
+        # A model only this rank sets up (an EMA copy, a teacher on rank zero): one more conversion here.
+        fabric.setup_module(Plain(build_plain_model("init", getattr(fabric, "init_module", None))))
     model = fabric.setup_module(model)
     optimizer = fabric.setup_optimizers(torch.optim.Adam(model.parameters(), lr=1e-3))
     fsdp_root = model._forward_module
@@ -350,6 +470,7 @@ def main(argv: list[str]) -> None:
         if os.environ.get("RANK") == rank_text:  # a node configured differently from the others
             cases = [(kind, other) for kind, _ in cases]
     trainer_ns, fabric_ns = namespaces(args.package)
+    configure_this_rank(args)
     if args.shim_off_rank is not None and os.environ.get("RANK") == str(args.shim_off_rank):
         os.environ["FSDP_SHIM"] = "0"  # what a node exported with FSDP_SHIM=0 looks like to its ranks
     if args.shim == "before":
@@ -366,6 +487,11 @@ def main(argv: list[str]) -> None:
         if args.shim == "after":
             import fsdp_shim  # noqa: F401
         cpu_guards.lift(trainer_ns, fabric_ns)
+        strategy_kwargs: dict[str, Any] = {}
+        if args.process_group_timeout is not None:
+            from datetime import timedelta
+
+            strategy_kwargs["timeout"] = timedelta(seconds=args.process_group_timeout)
         if args.api == "trainer":
             strategy_cls = importlib.import_module(f"{trainer_ns}.strategies").FSDPStrategy
             for kind, precision in cases:
@@ -378,8 +504,11 @@ def main(argv: list[str]) -> None:
                     args.checkpoint_dir,
                     args.num_nodes,
                     args.delay_rank,
+                    tuple(args.stages.split(",")),
+                    strategy_kwargs,
                 )
                 results.append({"case": f"{kind}:{precision}", **result})
+                fail_first_attempt_if_asked(args)
             rank = pl.utilities.rank_zero_only.rank
         else:
             fabric_strategy = importlib.import_module(f"{fabric_ns}.strategies").FSDPStrategy
@@ -388,12 +517,13 @@ def main(argv: list[str]) -> None:
                     accelerator="cpu",
                     devices=args.devices,
                     num_nodes=args.num_nodes,
-                    strategy=fabric_strategy(),
+                    strategy=fabric_strategy(**strategy_kwargs),
                     precision=precision,
                 )
                 fabric.launch()
-                result = run_fabric_case(fabric, kind, precision, args.delay_rank)
+                result = run_fabric_case(fabric, kind, precision, args.delay_rank, args.extra_model_on_rank)
                 results.append({"case": f"{kind}:{precision}", **result})
+                fail_first_attempt_if_asked(args)
                 rank = fabric.global_rank
         active = "_fsdp_shim.activation" in sys.modules
         results.append({"case": "_shim", **(shim_facts(trainer_ns, fabric_ns) if active else {})})
