@@ -24,6 +24,7 @@ from _fsdp_shim.config import (
     FIX_NAMES,
     FIXES,
     NAMESPACES,
+    RANK_CHECK,
     RANK_CHECK_TIMEOUT_VARIABLE,
     SHIM_VARIABLE,
     STRICT_VARIABLE,
@@ -36,6 +37,9 @@ _lock = threading.Lock()  # guards the globals below; never held while patching 
 _active: bool | None = None
 """``None`` until the shim is activated (``activate()``, or the first hand-over) or deactivated."""
 _imported_before_activation: set[str] = set()
+_seen_executing: dict[str, ModuleType] = {}
+"""Namespaces the finder saw execute while the shim was on (patched at their import, so never late),
+with the module object: one imported again since is another matter."""
 _missed: dict[str, str] = {}
 """Namespaces a finder in front of the shim's loaded: name -> who, and where the shim noticed it."""
 
@@ -61,7 +65,9 @@ def activate() -> bool:
         return False
     with _lock:
         _active = True
-        _imported_before_activation.update(name for name in NAMESPACES if name in sys.modules)
+        _imported_before_activation.update(
+            name for name in NAMESPACES if name in sys.modules and _seen_executing.get(name) is not sys.modules[name]
+        )
     startup.arm("import fsdp_shim")  # hands over what is imported and not handed over yet
     for name in NAMESPACES:  # and what was handed over before a deactivate()
         if getattr(getattr(sys.modules.get(name), "__spec__", None), "_initializing", True) is False:
@@ -82,7 +88,7 @@ def deactivate() -> None:
     if wrappers is None:
         return
     for name in NAMESPACES:
-        for fix in FIXES:
+        for fix in (*FIXES, RANK_CHECK):
             for wrapper, where in wrappers.unpatch(name, fix):
                 label, top = wrapper.shim_state.label, wrappers.found_on_top(wrapper)
                 if where == "under another wrapper":
@@ -108,7 +114,9 @@ def namespace_executed(module: ModuleType, noticed_at: str | None = None) -> Non
     with _lock:
         if _active is None:
             _active = True  # armed at start-up: this is the activation
-        if noticed_at == startup.ALREADY_IMPORTED:
+        if noticed_at is None and _active:
+            _seen_executing[name] = module
+        elif noticed_at == startup.ALREADY_IMPORTED:
             _imported_before_activation.add(name)
         elif noticed_at is not None:
             _missed.setdefault(name, f"{_finders_in_front(module)}; noticed at the import of {noticed_at}")
@@ -132,6 +140,7 @@ def _patch(name: str) -> None:
             )
         before = [wrappers.status(name, fix).patched for fix in FIXES]
         after = [wrappers.patch(name, fix, fixes.plan_of(fix), disabled=fix.name in skipped) for fix in FIXES]
+        wrappers.patch(name, RANK_CHECK, fixes.plan_of(RANK_CHECK))  # says what this rank runs, whatever it is
         new = [status for was, status in zip(before, after) if status.patched and not was]
         version = getattr(sys.modules.get(name), "__version__", "")
         if new:
@@ -280,7 +289,7 @@ def _namespace_status(name: str, on: bool) -> NamespaceStatus:
     fixes = tuple(wrappers.status(name, fix) for fix in FIXES)
     if not on:
         off = f"switched off by {SHIM_VARIABLE}={os.environ.get(SHIM_VARIABLE, '')!r}"
-        fixes = tuple(FixStatus(f.fix, f.affected, False, off) if not f.patched else f for f in fixes)
+        fixes = tuple(FixStatus(f.fix, f.affected, False, off) if not f.patched and f.affected else f for f in fixes)
     affected = any(f.affected for f in fixes) if any(f.affected is not None for f in fixes) else None
     needed = [f for f in fixes if f.affected and not f.reason.startswith(f"switched off by {DISABLED_FIXES_VARIABLE}")]
     patched = bool(needed) and all(f.patched for f in needed)

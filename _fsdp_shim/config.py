@@ -86,9 +86,7 @@ CAST = Fix(
 )
 RECOMPUTE = Fix(
     name="recompute",
-    changes=(
-        "runs the backward, and so every activation-checkpointing recompute, in the default dtype the forward had"
-    ),
+    changes="recomputes every activation-checkpointed block in the default dtype its forward had",
     first_affected=(2, 1, 0),
     first_fixed=None,  # no Lightning release has it; the newest release's session proves the bug
     upstream="not fixed in any Lightning release",
@@ -96,6 +94,17 @@ RECOMPUTE = Fix(
 )
 FIXES = (CAST, RECOMPUTE)
 FIX_NAMES = tuple(fix.name for fix in FIXES)
+RANK_CHECK = Fix(
+    name="rank-check",
+    changes="checks, before FSDP wraps a model, that every rank of the job runs the same fixes",
+    first_affected=(2, 1, 0),
+    first_fixed=None,
+    upstream="not a Lightning fix: fsdp-shim's own check",
+    unfixed="the ranks of an FSDP job are not checked for running the same fixes",
+)
+"""Not a fix (``FIXES`` does not list it, ``FSDP_SHIM_DISABLED_FIXES`` cannot name it): the hook of
+``_fsdp_shim.rank_check``, patched like a fix wherever the shim is active, so that a rank whose fixes
+are all switched off or built in still says what it runs."""
 
 
 def base_release(version: str) -> Release | None:

@@ -13,34 +13,46 @@ default dtype (`torch.set_default_dtype`, Lightning's `_DtypeContextManager`) on
 the default dtype is float32 again, so a block that makes a tensor without an explicit dtype (a causal
 mask from `torch.full`, `torch.ones`, `torch.tensor(0.25)`) makes it in bfloat16 in the forward and in
 float32 in the recompute: torch's checkpoint raises `CheckpointError` (or a dtype mismatch), and
-reentrant checkpointing, which checks nothing, trains on different gradients. The shim runs the
-precision plugin's `backward` inside the plugin's own `forward_context()`, for `"bf16-true"` and
-`"16-true"` only: the backward is where every recompute happens, whoever checkpointed the block
-(Lightning's `activation_checkpointing_policy`, or `torch.utils.checkpoint` in the user's module,
-reentrant or not), so one wrapper covers them all; torch keeps the default dtype process-wide, so the
-autograd engine's threads see it too. A `context_fn` for the checkpoint wrapper would reach only
-Lightning's policy, and only non-reentrant checkpointing. `*-mixed` (autocast, which torch's checkpoint
-restores itself) and `"32-true"` are left as they are. The same wrapper goes on `HalfPrecision`, the
-"true"-precision plugin of one device, DDP and the other strategies, which has the same gap: no new
-mechanism, the same body. Trainer's `manual_backward` already runs inside `training_step`'s forward
-context; it gets the same wrapper, which then changes nothing.
+reentrant checkpointing, which checks nothing, trains on different gradients.
+
+The dtype a recompute needs is the one its own forward had, and only the checkpoint knows that: torch's
+checkpoint already saves the autocast state, the RNG state and the device context at the forward and
+restores them for the recompute; it forgets the default dtype. So the shim adds that one piece of state,
+where torch keeps the others: it wraps the two functions every `torch.utils.checkpoint` call goes
+through, `CheckpointFunction.forward` (reentrant) and `_checkpoint_without_reentrant_generator` (not
+reentrant), and hands each the checkpointed function pinned to the default dtype of that moment. Both
+are looked up in `torch.utils.checkpoint` at every call, so every checkpoint is covered: Lightning's
+`activation_checkpointing_policy` (torch's `checkpoint_wrapper`), the user's own `checkpoint` in a
+module or around a loss, and any precision plugin, backward call or strategy. Where the dtype did not
+change between forward and recompute (`*-mixed`, `"32-true"`, no Lightning at all) the pin does nothing,
+and a run without checkpointing never reaches it. Rejected: running the precision's `backward` in the
+forward context changes every tensor a backward makes (custom `autograd.Function`s, hooks), misses
+`loss.backward()` and other precisions, and recomputes in bfloat16 a block checkpointed outside the
+forward (a loss under Fabric) whose forward ran in float32; a `context_fn` for the checkpoint wrapper
+reaches only Lightning's policy, and only non-reentrant checkpointing.
+
+The wrappers on torch are shared: every namespace that needs the fix holds them, and the last one
+unpatched removes them.
+
+**The rank check** is no fix, but is patched like one (`RANK_CHECK`), wherever the shim is active: at
+the end of `FSDPStrategy.setup_environment`, where the process group exists and before any model is
+wrapped, every rank says which fixes it runs (`_fsdp_shim.rank_check`), so a rank whose fixes are
+switched off or built in is named too, and a job whose ranks disagree stops there.
 
 What the shim wraps, per release, in the Trainer's namespaces (`lightning.pytorch`, `pytorch_lightning`)
 and Fabric's (`lightning.fabric`, `lightning_fabric`), each gated and patched on its own, fix by fix:
 
-| Lightning | cast, Trainer | cast, Fabric | recompute, both |
-|---|---|---|---|
-| 2.0.x | nothing | nothing | nothing |
-| 2.1.0 | `convert_module`; `FSDPStrategy.connect`, `.setup` | `convert_module` | `backward`, FSDP and half |
-| 2.1.1-2.1.4 | `convert_module`; `FSDPStrategy.connect`, `.setup` | `convert_module` | `backward`, FSDP and half |
-| 2.2.0-2.4.x | `convert_module` | `convert_module` | `backward`, FSDP and half |
-| 2.5.0 and on | nothing: fixed upstream | nothing | `backward`, FSDP and half |
+| Lightning | cast, Trainer | cast, Fabric | recompute | rank check |
+|---|---|---|---|---|
+| 2.0.x | nothing | nothing | nothing | nothing |
+| 2.1.x | convert; `connect`, `setup`, `_setup_model` | convert; `setup_module` | checkpoint | `setup_environment` |
+| 2.2.0-2.4.x | convert; `_setup_model` | convert; `setup_module` | checkpoint | `setup_environment` |
+| 2.5.0 and on | nothing: fixed upstream | nothing | checkpoint | `setup_environment` |
 
-(`convert_module` is the FSDP precision class's; "FSDP and half" the FSDP and the half precision classes.)
-
-(The Trainer's precision classes are `FSDPPrecisionPlugin` and `HalfPrecisionPlugin` on 2.1.0,
-`FSDPPrecision` and `HalfPrecision` from 2.1.1; Fabric's are always the latter. Fabric's
-`FSDPPrecision` defines `backward`; every other class inherits it.)
+("convert" is the FSDP precision class's `convert_module`: `FSDPPrecisionPlugin` in the Trainer of
+2.1.0, `FSDPPrecision` from 2.1.1 and in Fabric; the other methods are `FSDPStrategy`'s, in the Trainer
+and in Fabric; "checkpoint" is `torch.utils.checkpoint`'s `CheckpointFunction.forward` and
+`_checkpoint_without_reentrant_generator`, shared by every namespace.)
 
 **Why 2.1.x needs more than the cast's method.** From 2.2.0 (PR #19061) the Trainer calls
 `precision_plugin.convert_module(model)` in `FSDPStrategy.setup`, after `configure_model` and the
@@ -73,7 +85,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from _fsdp_shim import failures, rank_check
-from _fsdp_shim.config import CAST, NAMESPACES, RECOMPUTE, Fix, Release, base_release
+from _fsdp_shim.config import CAST, NAMESPACES, RANK_CHECK, RECOMPUTE, Fix, Release, base_release
 from _fsdp_shim.wrappers import GlueError, Target
 
 if TYPE_CHECKING:
@@ -100,10 +112,10 @@ def has_new_class_names(version: str) -> bool:
     return release is None or release >= FIRST_WITH_NEW_CLASS_NAMES
 
 
-def precision_class(namespace: str, version: str, kind: str = "fsdp") -> str:
-    """The name of the release's FSDP (``kind="fsdp"``) or half (``"half"``) precision class."""
+def precision_class(namespace: str, version: str) -> str:
+    """The name of the release's FSDP precision class (see above)."""
     old = NAMESPACES[namespace] == "trainer" and not has_new_class_names(version)
-    return {"fsdp": "FSDPPrecision", "half": "HalfPrecision"}[kind] + ("Plugin" if old else "")
+    return "FSDPPrecisionPlugin" if old else "FSDPPrecision"
 
 
 def cast_targets(namespace: str, version: str) -> tuple[Target, ...]:
@@ -123,31 +135,31 @@ def cast_targets(namespace: str, version: str) -> tuple[Target, ...]:
 
 
 def recompute_targets(namespace: str, version: str) -> tuple[Target, ...]:
-    """``backward`` of the FSDP and the half precision plugin (Fabric's FSDP plugin defines its own)."""
-    fabric = NAMESPACES[namespace] == "fabric"
+    """torch's two checkpoint entry points, shared by every namespace (see above)."""
     return (
+        Target("torch.utils.checkpoint", "CheckpointFunction", "forward", False, reentrant_in_forward_dtype, True),
         Target(
-            "plugins.precision.fsdp",
-            precision_class(namespace, version),
-            "backward",
-            not fabric,
-            backward_in_forward_dtype,
-        ),
-        Target(
-            "plugins.precision.half",
-            precision_class(namespace, version, "half"),
-            "backward",
+            "torch.utils.checkpoint",
+            "",
+            "_checkpoint_without_reentrant_generator",
+            False,
+            non_reentrant_in_forward_dtype,
             True,
-            backward_in_forward_dtype,
         ),
     )
+
+
+def rank_check_targets(namespace: str, version: str) -> tuple[Target, ...]:
+    """The strategy's ``setup_environment``, which creates the process group (``_fsdp_shim.rank_check``)."""
+    return (Target("strategies.fsdp", "FSDPStrategy", "setup_environment", False, confirm_every_rank_after_setup),)
 
 
 PLANS: dict[str, Callable[[str, str], tuple[Target, ...]]] = {
     CAST.name: cast_targets,
     RECOMPUTE.name: recompute_targets,
+    RANK_CHECK.name: rank_check_targets,
 }
-"""Each fix's targets, by fix name (``_fsdp_shim.config.FIXES`` lists the fixes)."""
+"""Each fix's targets, by fix name (``_fsdp_shim.config.FIXES`` lists the fixes), and the rank check's."""
 
 
 def plan_of(fix: Fix) -> Callable[[str, str], tuple[Target, ...]]:
@@ -174,17 +186,21 @@ def true_precision_dtype(precision_plugin: Any) -> torch.dtype | None:
     return None
 
 
-def namespace_of(plugin: Any) -> str:
-    """The Lightning namespace (``lightning.pytorch``, ``lightning_fabric``, ...) a plugin's class is from."""
-    module = type(plugin).__module__
-    return next((name for name in NAMESPACES if module == name or module.startswith(name + ".")), module)
+def namespace_of(instance: Any) -> str:
+    """The Lightning namespace (``lightning.pytorch``, ``lightning_fabric``, ...) of a plugin or strategy:
+    that of the first class in its MRO that Lightning defines (a user's subclass is defined elsewhere)."""
+    for klass in type(instance).__mro__:
+        module = klass.__module__
+        found = next((name for name in NAMESPACES if module == name or module.startswith(name + ".")), None)
+        if found is not None:
+            return found
+    return type(instance).__module__
 
 
 def convert_module_as_in_2_5(
     wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    """``FSDPPrecision.convert_module`` as Lightning 2.5.0 defines it, then the check that every rank
-    of the job runs the same fixes (``_fsdp_shim.rank_check``).
+    """``FSDPPrecision.convert_module`` as Lightning 2.5.0 defines it.
 
     On Lightning the wrapped method is the identity every affected class inherits from ``Precision``,
     so calling it first changes nothing; where another library wrapped it, its code runs too.
@@ -212,9 +228,7 @@ def convert_module_as_in_2_5(
     for submodule in module.modules():
         if {p.dtype for p in submodule.parameters(recurse=False) if p.is_floating_point()} == {torch.float32}:
             _was_float32.add(submodule)
-    module = module.to(dtype=dtype)
-    rank_check.confirm_every_rank(namespace_of(instance), dtype)
-    return module
+    return module.to(dtype=dtype)
 
 
 def keep_float32_where_fsdp_does(
@@ -275,23 +289,59 @@ def convert_before_setup(
 
 
 # ----------------------------------------------------------------------------- the recompute
-def backward_in_forward_dtype(
+def in_forward_dtype(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function``, to be run later in the default dtype that is current now: the checkpointed
+    forward's, for its recompute. Where the dtype is the same then (the forward itself, or any run whose
+    default dtype never changes), it calls ``function`` and nothing else."""
+    import torch  # imported already by Lightning; not at the top, so importing this module does not
+
+    dtype = torch.get_default_dtype()
+
+    def run_in_forward_dtype(*args: Any, **kwargs: Any) -> Any:
+        current = torch.get_default_dtype()
+        if current == dtype:
+            return function(*args, **kwargs)
+        torch.set_default_dtype(dtype)
+        try:
+            return function(*args, **kwargs)
+        finally:
+            torch.set_default_dtype(current)
+
+    return run_in_forward_dtype
+
+
+def reentrant_in_forward_dtype(
     wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Any:
-    """The precision plugin's ``backward`` inside its own ``forward_context()``, for "bf16-true" and
-    "16-true": the backward is where activation checkpointing recomputes, and the forward context is
-    the default dtype the forward ran in (see above). Before the first backward of a process group,
-    the check that every rank runs the same fixes."""
-    if instance is None:
-        return wrapped(*args, **kwargs)
+    """``CheckpointFunction.forward(ctx, run_function, preserve_rng_state, *args)`` with
+    ``run_function`` pinned: its backward recomputes through ``ctx.run_function``, the pinned one."""
+    if len(args) < 2 or not callable(args[1]):
+        raise GlueError(TypeError(f"expected (ctx, run_function, ...), got {len(args)} positional arguments"))
+    return wrapped(args[0], in_forward_dtype(args[1]), *args[2:], **kwargs)
+
+
+def non_reentrant_in_forward_dtype(
+    wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``_checkpoint_without_reentrant_generator(fn, ...)`` with ``fn`` pinned: ``checkpoint`` runs the
+    forward itself and hands ``fn`` to this generator only for the recompute."""
+    if not args or not callable(args[0]):
+        raise GlueError(TypeError("expected the checkpointed function as the first positional argument"))
+    return wrapped(in_forward_dtype(args[0]), *args[1:], **kwargs)
+
+
+def confirm_every_rank_after_setup(
+    wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """The FSDP strategy's ``setup_environment``, which creates the process group, then the check that
+    every rank runs the same fixes, for "bf16-true" and "16-true" (where the fixes change anything)."""
     try:
-        half = instance.precision in HALF_PRECISIONS
-        context = instance.forward_context() if half else None
-        dtype = instance._desired_input_dtype if half else None
+        plugin = instance.precision_plugin if hasattr(instance, "precision_plugin") else instance.precision
+        dtype = plugin._desired_input_dtype if plugin.precision in HALF_PRECISIONS else None
+        namespace = namespace_of(instance)
     except Exception as error:
         raise GlueError(error) from error
-    if context is None:
-        return wrapped(*args, **kwargs)
-    rank_check.confirm_every_rank(namespace_of(instance), dtype)
-    with context:
-        return wrapped(*args, **kwargs)
+    result = wrapped(*args, **kwargs)
+    if dtype is not None:
+        rank_check.confirm_every_rank(namespace, dtype)
+    return result

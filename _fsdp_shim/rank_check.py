@@ -9,9 +9,12 @@ cause, or silently trains on gradients the ranks computed differently. So each r
 process group's key-value store which fixes are in effect for it, and waits, bounded, for every other
 rank to say the same.
 
-When: once per attempt of a process group, at the first call of one of the shim's wrappers that
-matters for training (the cast, when FSDP wraps a model; the backward, before its first step), so a
-rank that converts more models than another, or runs fit, validate and test, is checked once. The
+When: once per attempt of a process group, in ``"bf16-true"`` and ``"16-true"`` FSDP runs, at the end
+of ``FSDPStrategy.setup_environment`` (``_fsdp_shim.fixes``: the process group exists, no model is
+wrapped yet), wherever the shim is active, whatever fixes it runs there; so a rank that converts more
+models than another, or runs fit, validate and test, is checked once. A
+group that failed the check fails it again at every later call: a loop that catches the error and
+trains again in the same processes does not train half-patched. The
 keys name the attempt (``TORCHELASTIC_RUN_ID`` and ``TORCHELASTIC_RESTART_COUNT``: torchrun's store
 outlives a restart) and which process group of this process it is.
 
@@ -49,6 +52,8 @@ _KEY_PREFIX = "fsdp_shim/rank_check"
 _lock = threading.Lock()
 _checked: list[Any] = []
 """The process groups this process has checked, in order (strong references: an id could be reused)."""
+_failed: list[tuple[Any, FSDPShimError]] = []
+"""The groups whose check stopped the job, with the error, raised again at every later call."""
 
 
 def confirm_every_rank(namespace: str, dtype: Any) -> None:
@@ -67,6 +72,9 @@ def confirm_every_rank(namespace: str, dtype: Any) -> None:
         return
     group, store, rank, world_size = found
     with _lock:
+        for failed, error in _failed:
+            if failed is group:
+                raise error
         if any(checked is group for checked in _checked):
             return
         _checked.append(group)
@@ -82,10 +90,15 @@ def confirm_every_rank(namespace: str, dtype: Any) -> None:
         _could_not_check(error)
         return
     missing = [r for r in range(world_size) if r not in reports]
+    problem = None
     if missing:
-        raise FSDPShimError(_missing_message(missing, reports, world_size, limit))
-    if len({_behaviour(report) for report in reports.values()}) > 1:
-        raise FSDPShimError(_disagreement_message(reports, world_size))
+        problem = FSDPShimError(_missing_message(missing, reports, world_size, limit))
+    elif len({_behaviour(report) for report in reports.values()}) > 1:
+        problem = FSDPShimError(_disagreement_message(reports, world_size))
+    if problem is not None:
+        with _lock:
+            _failed.append((group, problem))
+        raise problem
     if rank == 0:
         failures.announce(
             "fsdp-shim: patched on all %d ranks (%s), confirmed in %.2f s",
@@ -199,8 +212,8 @@ def _missing_message(missing: list[int], reports: dict[int, dict[str, Any]], wor
         "step. On the ranks that did not report, fsdp-shim may not be active "
         f"({SHIM_VARIABLE}=0 in their environment; a node whose Python environment lacks fsdp-shim or its "
         f"start-up file; a launcher that dropped PYTHONPATH or {SHIM_VARIABLE}: srun/sbatch --export=..., env -i, "
-        "sudo, a job script that sets PYTHONPATH), they may run another Lightning release (one with the cast "
-        f"built in reports only at its first backward), or they were still busy after {limit:g} s "
+        "sudo, a job script that sets PYTHONPATH), they may run another precision or strategy, or they were "
+        f"still busy after {limit:g} s "
         f"({RANK_CHECK_TIMEOUT_VARIABLE} sets the wait). Activate it on every rank ({SHIM_VARIABLE}=1 with "
         "fsdp-shim installed in every node's environment, see docs/cluster.md)."
     )

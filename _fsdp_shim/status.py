@@ -103,8 +103,12 @@ class ShimStatus:
         return asdict(self)
 
     def __str__(self) -> str:
-        state = "active" if self.active else ("switched off by FSDP_SHIM" if not self.enabled else "inactive")
-        via = f" via {', '.join(self.sources)}" if self.sources else ""
+        state = "active" if self.active else "inactive"
+        if not self.enabled:
+            state = "switched off by FSDP_SHIM" + (
+                " (what it patched before stays patched; fsdp_shim.deactivate() removes it)" if self.active else ""
+            )
+        via = f" via {', '.join(self.sources)}" if self.sources and self.enabled else ""
         lines = [f"fsdp-shim {self.shim_version}: {state}{via}" + (" (strict)" if self.strict else "")]
         if self.disabled_fixes:
             lines.append(f"  fixes switched off: {', '.join(self.disabled_fixes)}")

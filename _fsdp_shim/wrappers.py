@@ -23,12 +23,14 @@ held (another thread may be importing the same modules); it guards only the reco
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import sys
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any, Literal
 
 import wrapt
@@ -58,21 +60,25 @@ class TargetChanged(Exception):
 
 @dataclass(frozen=True)
 class Target:
-    """A method on a Lightning class that a fix wraps.
+    """A function a fix wraps: a method of a Lightning class, or (``shared``) a function of torch.
 
-    ``inherited`` says how Lightning ships it: ``True``, the class inherits it (the wrapper goes on the
-    class, and removing it restores inheritance); ``False``, the class defines it (the wrapper replaces
-    it, and removal puts the function back)."""
+    ``inherited`` says how it ships: ``True``, the class inherits it (the wrapper goes on the class,
+    and removing it restores inheritance); ``False``, the class or module defines it (the wrapper
+    replaces it, and removal puts the function back)."""
 
     module: str
-    """Relative to the namespace, e.g. ``plugins.precision.fsdp``."""
+    """Relative to the namespace, e.g. ``plugins.precision.fsdp``; absolute where ``shared``."""
     class_name: str
+    """Empty for a function of the module itself."""
     attribute: str
     inherited: bool
     body: Body
+    shared: bool = False
+    """Outside Lightning (torch): one wrapper for every namespace that needs the fix, removed with the last."""
 
     def label(self, namespace: str) -> str:
-        return f"{namespace}.{self.module}.{self.class_name}.{self.attribute}"
+        path = self.module if self.shared else f"{namespace}.{self.module}"
+        return ".".join(part for part in (path, self.class_name, self.attribute) if part)
 
 
 Plan = Callable[[str, str], tuple[Target, ...]]
@@ -87,12 +93,13 @@ class WrapperState:
 
     fix: str
     label: str
-    owner: type
+    owner: type | ModuleType
     attribute: str
     original: Any
     """What the class dict held before: Lightning's function or another library's object; ``None``
     where the class held nothing (it inherited the method), and ``inherited`` says so."""
     inherited: bool
+    shared: bool = False
     composed_with: str | None = None
     """Set when ``original`` is another library's object where Lightning ships none."""
     on: bool = True
@@ -170,7 +177,7 @@ def remove(wrapper: Any) -> Placement:
     return where
 
 
-def _install(owner: type, target: Target, function: Any, state: WrapperState) -> ShimWrapper:
+def _install(owner: type | ModuleType, target: Target, function: Any, state: WrapperState) -> ShimWrapper:
     """Put a ``ShimWrapper`` of ``function`` running ``target.body`` on ``owner``."""
 
     def call(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -192,28 +199,42 @@ def _install(owner: type, target: Target, function: Any, state: WrapperState) ->
     return wrapper
 
 
-def _function_to_wrap(owner: type, target: Target, label: str) -> tuple[Any, Any, str | None]:
+def _function_to_wrap(owner: type | ModuleType, target: Target, label: str) -> tuple[Any, Any, str | None]:
     """``(function to wrap, what the class dict holds, whose object that is)``. Where the class holds
     an object and Lightning ships none, another library patched it: the shim wraps that object, so
     both run, and says so. Raises ``TargetChanged`` when there is nothing callable to wrap."""
     own = owner.__dict__.get(target.attribute, MISSING)
     if own is not MISSING:
         function, composed_with = own, (describe(own) if target.inherited else None)
-    elif target.inherited:
+    elif target.inherited and isinstance(owner, type):
         function = next(
             (b.__dict__[target.attribute] for b in owner.__mro__[1:] if target.attribute in b.__dict__), MISSING
         )
         composed_with = None
     else:
-        raise TargetChanged(f"{label} is not defined on the class itself")
+        raise TargetChanged(f"{label} is not defined on the {'class' if isinstance(owner, type) else 'module'} itself")
     if function is MISSING:
         raise TargetChanged(f"{label} does not exist")
-    if not inspect.isfunction(function):  # a wrapt proxy of a function passes: it reports the function's class
+    # a wrapt proxy of a function passes: it reports the function's class
+    if not inspect.isfunction(function.__func__ if isinstance(function, staticmethod) else function):
         raise TargetChanged(f"{label} is a {type(function).__name__}, expected a function")
+    if own is MISSING:
+        function = _inherited_at_call_time(owner, target.attribute, function)  # type: ignore[arg-type]
     return function, own, composed_with
 
 
-def _own_wrapper(owner: type, attribute: str) -> Any:
+def _inherited_at_call_time(owner: type, attribute: str, found: Any) -> Callable[..., Any]:
+    """What ``owner`` inherits, looked up at every call: another library that patches the base class
+    after the shim (a tracer) still runs under the shim's wrapper, as it would without the shim."""
+
+    def inherited(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return getattr(super(owner, self), attribute)(*args, **kwargs)
+
+    functools.update_wrapper(inherited, found)  # its name and signature, for introspection
+    return inherited
+
+
+def _own_wrapper(owner: type | ModuleType, attribute: str) -> Any:
     for layer in wrapper_chain(owner.__dict__.get(attribute, MISSING)):
         if is_shim_wrapper(layer):
             return layer
@@ -231,6 +252,8 @@ class _Record:
     reason: str = "patched"
     wrappers: list[Any] = field(default_factory=list)
     deactivated: bool = False
+    disabled: bool = False
+    """Whether ``FSDP_SHIM_DISABLED_FIXES`` named the fix when this was decided: a change is decided anew."""
 
 
 _records: dict[tuple[str, str], _Record] = {}
@@ -243,7 +266,7 @@ _lock = threading.Lock()
 @dataclass
 class _Step:
     target: Target
-    owner: type
+    owner: type | ModuleType
     label: str
     reuse: Any = None
     """The shim's own wrapper already on the class (switched off by ``unpatch``, or left by a reloaded
@@ -263,17 +286,18 @@ def patch(namespace: str, fix: Fix, plan: Plan, *, disabled: bool = False) -> Fi
         return status(namespace, fix)
     key = (namespace, fix.name)
     with _lock:
-        if _current(_records.get(key), module):
+        if _current(_records.get(key), module, disabled):
             return status(namespace, fix)
     decided = _decide(namespace, fix, plan, module, disabled)
     with _lock:
         record = _records.get(key)
-        if _current(record, module):
+        if _current(record, module, disabled):
             return status(namespace, fix)  # another thread got here first
         if record is not None:
-            _retired.extend(w for w in record.wrappers if placement(w) != "gone")
+            _retired.extend(w for w in record.wrappers if placement(w) != "gone" and not w.shim_state.shared)
         if not isinstance(decided, _Record):
             decided = _install_all(module, fix, *decided)
+        decided.disabled = disabled
         _records[key] = decided
     if decided.reason.startswith("not patched: "):
         version = decided.version or "(unknown version)"
@@ -286,11 +310,13 @@ def patch(namespace: str, fix: Fix, plan: Plan, *, disabled: bool = False) -> Fi
     return status(namespace, fix)
 
 
-def _current(record: _Record | None, module: Any) -> bool:
-    """Whether ``record`` describes the namespace as imported now and is in force (not unpatched)."""
+def _current(record: _Record | None, module: Any, disabled: bool) -> bool:
+    """Whether ``record`` describes the namespace as imported now, with the fix switched off or not
+    as now, and is in force (not unpatched)."""
     return (
         record is not None
         and record.module is module
+        and record.disabled == disabled
         and not record.deactivated
         and all(_owner_is_current(wrapper) for wrapper in record.wrappers)
     )
@@ -298,6 +324,8 @@ def _current(record: _Record | None, module: Any) -> bool:
 
 def _owner_is_current(wrapper: Any) -> bool:
     owner = wrapper.shim_state.owner
+    if isinstance(owner, ModuleType):
+        return sys.modules.get(owner.__name__) is owner
     return getattr(sys.modules.get(owner.__module__), owner.__name__, None) is owner
 
 
@@ -315,9 +343,11 @@ def _decide(namespace: str, fix: Fix, plan: Plan, module: Any, disabled: bool) -
     steps = []
     try:
         for target in plan(namespace, version):
-            owner = getattr(importlib.import_module(f"{namespace}.{target.module}"), target.class_name, None)
-            if not isinstance(owner, type):
-                raise TargetChanged(f"{namespace}.{target.module} has no class {target.class_name}")
+            module_name = target.module if target.shared else f"{namespace}.{target.module}"
+            holder = importlib.import_module(module_name)
+            owner = getattr(holder, target.class_name, None) if target.class_name else holder
+            if not isinstance(owner, (type, ModuleType)):
+                raise TargetChanged(f"{module_name} has no class {target.class_name}")
             label = target.label(namespace)
             mine = _own_wrapper(owner, target.attribute)
             if mine is not None:
@@ -346,6 +376,7 @@ def _install_all(module: Any, fix: Fix, version: str, steps: list[_Step]) -> _Re
                     step.target.attribute,
                     None if step.original is MISSING else step.original,
                     step.original is MISSING,
+                    step.target.shared,
                     step.composed_with,
                 )
                 done.append(_install(step.owner, step.target, step.function, state))
@@ -367,10 +398,13 @@ def unpatch(namespace: str, fix: Fix) -> list[tuple[Any, Placement]]:
             if placement(wrapper) == "on top":
                 remove(wrapper)
             _retired.remove(wrapper)
-        record = _records.get((namespace, fix.name))
+        key = (namespace, fix.name)
+        record = _records.get(key)
         if record is None:
             return []
-        results = [(wrapper, remove(wrapper)) for wrapper in reversed(record.wrappers)]
+        held_elsewhere = [held for other, held in _records.items() if other != key and not held.deactivated]
+        still_used = {id(wrapper) for held in held_elsewhere for wrapper in held.wrappers}  # shared: they stay
+        results = [(wrapper, remove(wrapper)) for wrapper in reversed(record.wrappers) if id(wrapper) not in still_used]
         record.wrappers = [wrapper for wrapper, where in results if where == "under another wrapper"]
         record.deactivated = True
     return results

@@ -192,7 +192,8 @@ def child(spec: dict[str, Any]) -> None:
 
     root = trainer.strategy.model
     flat = measure.flat_parameters(root)
-    shim: dict[str, Any] = {"imported": "_fsdp_shim.activation" in sys.modules}
+    activation = sys.modules.get("_fsdp_shim.activation")  # the probe module imports it; it activates nothing
+    shim: dict[str, Any] = {"active": getattr(activation, "_active", None) is True}
     if spec["shim"] == "on":
         import fsdp_shim
 
@@ -200,7 +201,7 @@ def child(spec: dict[str, Any]) -> None:
         if not status.patched:
             raise SystemExit(f"the shim did not patch {NAMESPACE} {lightning.__version__}: {status.reason}")
         shim.update(patched=status.patched, reason=status.reason, file=fsdp_shim.__file__)
-    elif shim["imported"]:
+    elif shim["active"]:
         raise SystemExit("the shim was active in a run with the shim off")
     result = {
         "rank": trainer.global_rank,

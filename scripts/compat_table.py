@@ -65,6 +65,13 @@ def tally(record: dict) -> str:
     return f"{counts['passed']} / {counts['skipped']} / {failed}: " + ("pass" if passed else "**FAIL**")
 
 
+def short_name(target: str) -> str:
+    """``Class.method`` of a Lightning target; torch's checkpoint functions as their module."""
+    if target.startswith("torch."):
+        return target.rsplit(".", 2)[0] if "CheckpointFunction" in target else target.rsplit(".", 1)[0]
+    return ".".join(target.rsplit(".", 2)[-2:])
+
+
 def patched(namespace: dict | None) -> str:
     """What the shim wrapped in one namespace, per fix, as `Class.method` names; "untouched" where no
     fix applies, and a fix the release lacks but the shim could not apply in bold."""
@@ -73,7 +80,7 @@ def patched(namespace: dict | None) -> str:
     cells = []
     for fix in namespace.get("fixes", []):
         if fix["patched"]:
-            names = ", ".join(f"`{t.rsplit('.', 2)[-2]}.{t.rsplit('.', 1)[-1]}`" for t in fix["targets"])
+            names = ", ".join(f"`{name}`" for name in dict.fromkeys(short_name(t) for t in fix["targets"]))
             cells.append(f"{fix['fix']}: {names}")
         elif fix["affected"]:
             cells.append(f"{fix['fix']}: **affected, not patched**")

@@ -417,12 +417,11 @@ def test_an_elastic_restart_without_the_shim_stops_the_job(tmp_path, layouts):
     assert not Path(f"{out}.rank1.json").exists()
 
 
-def test_a_node_with_a_release_that_has_the_cast_built_in_stops_the_job(tmp_path, layouts):
+def test_a_node_with_another_release_and_other_fixes_stops_the_job_named_with_its_release(tmp_path, layouts):
     """Trainer, 2 ranks with the shim; rank 1's ``PYTHONPATH`` gives it a Lightning with the cast built
-    in (2.6.6 next to a 2.4.0 node). That node runs the same fixes, but reports only at its first
-    backward, which it never reaches: Lightning's FSDP setup waits in a barrier for rank 0, and rank 0
-    waits at its conversion for rank 1's report. Rank 0 stops after its wait, naming rank 1, its own
-    release, and another release as a cause (the check cannot see rank 1's release: rank 1 never said it)."""
+    in (2.6.6 next to a 2.4.0 node) and ``FSDP_SHIM_DISABLED_FIXES=recompute``. Every rank reports at
+    the end of ``FSDPStrategy.setup_environment``, before any model is wrapped, so the check sees both
+    releases: both ranks stop, and the message names each rank with its fixes and its release."""
     layout = affected_layout(layouts, "lightning")
     folder, version = fixed_matrix_folder()
     proc, out = torchrun_job(
@@ -430,26 +429,27 @@ def test_a_node_with_a_release_that_has_the_cast_built_in_stops_the_job(tmp_path
         "mixed-releases",
         2,
         package=layout.package,
-        env={RANK_CHECK_TIMEOUT_VARIABLE: "5"},
-        extra=("--env-on-rank", f"1:PYTHONPATH={folder}"),
+        env={RANK_CHECK_TIMEOUT_VARIABLE: "30"},
+        extra=("--env-on-rank", f"1:PYTHONPATH={folder}", "--env-on-rank", "1:FSDP_SHIM_DISABLED_FIXES=recompute"),
         expect_ok=False,
     )
     output = by_rank(proc)
     assert f"{folder}/lightning/pytorch/" in output[1], f"rank 1 ran Lightning {version}: " + output[1][-3000:]
     assert f"{folder}/" not in output[0]
-    (message,) = shim_errors(output[0])
-    assert message.startswith("fsdp-shim: rank 1 of 2 did not report within 5 s which fixes it runs"), message
-    assert f"half-patched ({reported('0', 'lightning.pytorch', layout.trainer_version)})." in message
-    assert "they may run another Lightning release (one with the cast built in reports only at its first backward)" in (
-        message
-    )
+    rank1 = f"rank 1 on {socket.gethostname()}: bfloat16; fixes: cast (Lightning's own) (lightning.pytorch {version}"
+    for rank in (0, 1):
+        (message,) = shim_errors(output[rank])
+        assert message.startswith("fsdp-shim: the 2 ranks of this job run different fixes or dtypes ("), message
+        assert reported("0", "lightning.pytorch", layout.trainer_version) in message, message
+        assert rank1 in message, message
     assert_nobody_trained(out, 2)
 
 
-def test_on_a_release_with_the_cast_built_in_ranks_agree_at_the_first_backward(tmp_path, layouts):
+def test_on_a_release_with_the_cast_built_in_ranks_agree_before_the_model_is_wrapped(tmp_path, layouts):
     """Trainer, 2 ranks, a Lightning that casts itself (the shim leaves its ``convert_module`` alone) and
-    lacks the recompute fix: the check runs at the first backward through the shim's wrapper, every
-    rank trains in bfloat16, and rank zero's one line names both fixes, the cast as Lightning's own."""
+    lacks the recompute fix: the check runs at the end of ``setup_environment`` through the recompute
+    fix's wrapper, every rank trains in bfloat16, and rank zero's one line names both fixes, the cast as
+    Lightning's own."""
     layout = fixed_layout(layouts)
     proc, out = torchrun_job(tmp_path, "fixed", 2, package=layout.package)
     results = scenario_results(out, 2)
@@ -463,8 +463,8 @@ def test_on_a_release_with_the_cast_built_in_ranks_agree_at_the_first_backward(t
 
 
 def test_on_a_release_with_the_cast_built_in_a_rank_without_the_shim_stops_the_job(tmp_path, layouts):
-    """The same job with rank 1 at ``FSDP_SHIM=0``: rank 0 stops at its first backward (its traceback
-    goes through the recompute wrapper, not the cast's), naming rank 1 and its own release."""
+    """The same job with rank 1 at ``FSDP_SHIM=0``: rank 0 stops in ``setup_environment`` (its traceback
+    goes through the recompute fix's check, not the cast's), naming rank 1 and its own release."""
     layout = fixed_layout(layouts)
     proc, out = torchrun_job(
         tmp_path,
@@ -479,7 +479,7 @@ def test_on_a_release_with_the_cast_built_in_a_rank_without_the_shim_stops_the_j
     (message,) = shim_errors(rank0)
     assert message.startswith("fsdp-shim: rank 1 of 2 did not report within 5 s which fixes it runs"), message
     assert f"half-patched ({reported('0', NAMESPACES[layout.package][0], layout.trainer_version)})." in message
-    assert "in backward_in_forward_dtype" in rank0 and "in convert_module_as_in_2_5" not in rank0
+    assert "in confirm_every_rank_after_setup" in rank0 and "in convert_module_as_in_2_5" not in rank0
     assert_nobody_trained(out, 2)
 
 

@@ -1,5 +1,6 @@
 """The recompute fix, with real Lightning, FSDP and DDP (gloo, CPU): a run with activation checkpointing
-equals the same run without it, bit for bit: the loss of every step and every rank's final parameters.
+equals the same run without it, bit for bit: the loss and the gradients of every step and every
+rank's final parameters.
 
 The runs are ``tests/scenarios/recompute.py``'s; every expectation is another run of it (the same
 case without checkpointing, or without the shim). Each block makes a tensor without an explicit dtype,
@@ -8,8 +9,8 @@ so a recompute outside the forward's dtype context differs from the forward.
 Where it runs: the whole matrix of issue 25 (Trainer and Fabric, 1 and 2 ranks, ``bf16-true`` and
 ``16-true``, every block and checkpointing mode) on the releases of ``PROOF_RELEASES``; one rank in
 ``bf16-true`` on every other release; and on every release, the bug without the shim, so that the day
-a Lightning release runs the backward in the forward's dtype itself, its session fails here and names
-the gate to bound.
+a Lightning release recomputes in the forward's dtype itself, its session fails here and names the gate
+to bound.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ MODES = ("policy", "nonreentrant", "reentrant")
 PROOF_RELEASES = {(2, 1, 4), (2, 4, 0), (2, 6, 6)}
 """Where the whole matrix runs (issue 25, item 4): the first release line, the last affected by the cast,
 and the newest."""
+WITHOUT_RECOMPUTE_FIX = {"FSDP_SHIM_DISABLED_FIXES": "recompute"}
 BUG = ("CheckpointError", "RuntimeError")
 """What torch raises when a recompute's tensors do not match the forward's."""
 
@@ -46,11 +48,13 @@ def run(
     shim: str = "on",
     package: str = "lightning",
     env: dict[str, str] | None = None,
+    direct_backward: bool = False,
 ) -> dict[int, dict[str, Any]]:
     """One scenario run (Lightning's own launcher starts the other ranks); every rank's results."""
     out = tmp_path / f"{api}-{strategy}-{devices}-{precision}-{shim}-{len(list(tmp_path.iterdir()))}"
     arguments = ["--api", api, "--strategy", strategy, "--devices", str(devices), "--precision", precision]
     arguments += ["--shim", shim, "--package", package, "--cases", ",".join(cases), "--out", str(out)]
+    arguments += ["--direct-backward"] if direct_backward else []
 
     def attempt(retry: bool) -> tuple[list[str], dict[str, str]]:  # every attempt draws its port anew
         return [sys.executable, str(SCRIPT), *arguments], clean_env(
@@ -81,9 +85,10 @@ def assert_like_the_run_without_checkpointing(results: dict[int, dict[str, Any]]
         assert by_case["_shim"]["active"] is True
         for case in cases:
             assert by_case[case]["error"] is None, (rank, case, by_case[case].get("traceback"))
-            block, _ = case.split(":")
-            reference = by_case[f"{block}:none"]
+            block, mode = case.split(":")
+            reference = by_case[f"{block}:{'loss-none' if mode.startswith('loss-') else 'none'}"]
             assert by_case[case]["losses"] == reference["losses"], (rank, case)
+            assert by_case[case]["gradients"] == reference["gradients"], (rank, case)
             assert by_case[case]["params"] == reference["params"], (rank, case)
 
 
@@ -119,8 +124,8 @@ def test_fsdp_with_checkpointing_equals_fsdp_without(
 def test_the_half_precision_plugin_gets_the_same_fix(
     api: str, strategy: str, devices: int, layouts: dict[str, Layout], tmp_path: Path
 ) -> None:
-    """``HalfPrecision``, the "true"-precision plugin of one device and of DDP, has the same gap and gets
-    the same wrapper. (DDP with reentrant checkpointing is torch's own restriction: not run.)"""
+    """``HalfPrecision``, the "true"-precision plugin of one device and of DDP, has the same gap and is
+    covered by the same wrappers. (DDP with reentrant checkpointing is torch's own restriction: not run.)"""
     layout = trainer_layout(layouts)
     if not in_proof_release(layout):
         pytest.skip(f"runs on {sorted(PROOF_RELEASES)}")
@@ -144,7 +149,7 @@ def test_without_the_shim_every_release_recomputes_in_float32(
     fixes it, this fails there and says which bound to set."""
     layout = trainer_layout(layouts)
     cases = [
-        "probe:none",
+        "probe:nonreentrant",
         "ones:none",
         "ones:policy",
         "ones:nonreentrant",
@@ -159,11 +164,13 @@ def test_without_the_shim_every_release_recomputes_in_float32(
         f"Lightning {version} recomputes in the forward's dtype itself: set RECOMPUTE.first_fixed in "
         "_fsdp_shim/config.py to its release, and keep the shim off that release"
     )
-    assert set(off["probe:none"]["backward_dtypes"]) == {"torch.float32"}, fixed_upstream
+    # the blocks' forwards in bfloat16, their recomputes in float32
+    assert set(off["probe:nonreentrant"]["block_dtypes"]) == {"torch.bfloat16", "torch.float32"}, fixed_upstream
     for case in ("ones:policy", "ones:nonreentrant", "mask:policy"):
         assert (off[case]["error"] or "").startswith(BUG), (case, off[case], fixed_upstream)
     assert off["castback:reentrant"]["error"] is None
-    assert off["castback:reentrant"]["params"] != off["castback:none"]["params"], fixed_upstream  # silently differs
+    # silently differs: in the gradients (in bfloat16 parameters, 3 small steps can round that away)
+    assert off["castback:reentrant"]["gradients"] != off["castback:none"]["gradients"], fixed_upstream
 
 
 def test_switching_the_fix_off_brings_the_bug_back_and_leaves_the_cast(
@@ -171,25 +178,79 @@ def test_switching_the_fix_off_brings_the_bug_back_and_leaves_the_cast(
 ) -> None:
     """``FSDP_SHIM_DISABLED_FIXES=recompute`` switches this fix off alone."""
     layout = trainer_layout(layouts)
-    cases = ["probe:none", "ones:policy"]
-    off = run(tmp_path, "trainer", cases, package=layout.package, env={"FSDP_SHIM_DISABLED_FIXES": "recompute"})[0]
+    cases = ["probe:nonreentrant", "ones:policy"]
+    off = run(tmp_path, "trainer", cases, package=layout.package, env=WITHOUT_RECOMPUTE_FIX)[0]
     assert off["_shim"]["active"] is True
-    assert set(off["probe:none"]["backward_dtypes"]) == {"torch.float32"}
+    assert "torch.float32" in off["probe:nonreentrant"]["block_dtypes"]
     assert off["ones:policy"]["error"].startswith(BUG)
     on = run(tmp_path, "trainer", cases, package=layout.package)[0]
-    assert set(on["probe:none"]["backward_dtypes"]) == {"torch.bfloat16"}
+    assert set(on["probe:nonreentrant"]["block_dtypes"]) == {"torch.bfloat16"}
     assert on["ones:policy"]["error"] is None
 
 
-@pytest.mark.parametrize(("precision", "backward_dtype"), [("16-true", "torch.float16"), ("32-true", "torch.float32")])
-def test_only_the_true_half_precisions_change_the_backwards_dtype(
-    precision: str, backward_dtype: str, layouts: dict[str, Layout], tmp_path: Path
+@pytest.mark.parametrize(("precision", "dtype"), [("16-true", "torch.float16"), ("32-true", "torch.float32")])
+def test_a_recompute_runs_in_its_forwards_dtype_and_nothing_else_changes(
+    precision: str, dtype: str, layouts: dict[str, Layout], tmp_path: Path
 ) -> None:
-    """The backward runs in the forward's default dtype for "16-true" too; "32-true" is left as it is
-    (so is every "*-mixed" precision: the wrapper passes it through untouched)."""
+    """Every recompute runs in the dtype its forward had ("16-true" too; in "32-true" both are float32).
+    Nothing else changes: the backward of an ``autograd.Function`` that makes a tensor without a dtype
+    runs in float32 as Lightning leaves it, and a run without checkpointing is the run without this fix,
+    bit for bit."""
     layout = trainer_layout(layouts)
-    result = run(tmp_path, "trainer", ["probe:none"], precision=precision, package=layout.package)[0]
-    assert set(result["probe:none"]["backward_dtypes"]) == {backward_dtype}
+    cases = ["probe:none", "probe:nonreentrant", "probe:reentrant"]
+    on = run(tmp_path, "trainer", cases, precision=precision, package=layout.package)[0]
+    off = run(  # the cast stays: on 2.1-2.4 it alone changes the run
+        tmp_path, "trainer", ["probe:none"], precision=precision, package=layout.package, env=WITHOUT_RECOMPUTE_FIX
+    )[0]
+    for case in cases:
+        assert on[case]["error"] is None, on[case]
+        assert set(on[case]["block_dtypes"]) == {dtype}, case
+        assert set(on[case]["backward_dtypes"]) == {"torch.float32"}, case
+    assert len(on["probe:nonreentrant"]["block_dtypes"]) == 2 * len(on["probe:none"]["block_dtypes"])  # recomputed
+    assert (on["probe:none"]["losses"], on["probe:none"]["params"]) == (
+        off["probe:none"]["losses"],
+        off["probe:none"]["params"],
+    )
+
+
+@pytest.mark.per_release
+@pytest.mark.parametrize("api", ["trainer", "fabric"])
+def test_a_checkpoint_outside_the_models_forward_recomputes_in_its_own_dtype(
+    api: str, layouts: dict[str, Layout], tmp_path: Path
+) -> None:
+    """A loss checkpointed in the training step: under Fabric it runs outside the model's forward, in
+    float32, and its recompute must too; under the Trainer the step is inside the forward's context."""
+    layout = trainer_layout(layouts)
+    if not in_proof_release(layout):
+        pytest.skip(f"runs on {sorted(PROOF_RELEASES)}")
+    cases = ["ones:loss-none", "ones:loss-nonreentrant", "ones:loss-reentrant"]
+    assert_like_the_run_without_checkpointing(run(tmp_path, api, cases, package=layout.package), cases)
+
+
+@pytest.mark.per_release
+@pytest.mark.parametrize(("precision", "direct_backward"), [("64-true", False), ("bf16-true", True)])
+def test_other_precisions_and_a_direct_backward_are_covered_too(
+    precision: str, direct_backward: bool, layouts: dict[str, Layout], tmp_path: Path
+) -> None:
+    """The fix sits in torch's checkpoint, not in a precision plugin: ``"64-true"`` (Lightning's
+    ``DoublePrecision``, the same gap in float64) and Fabric's ``loss.backward()`` (allowed on one
+    device) recompute in the forward's dtype as well."""
+    layout = trainer_layout(layouts)
+    if not in_proof_release(layout):
+        pytest.skip(f"runs on {sorted(PROOF_RELEASES)}")
+    cases = [
+        f"{block}:{mode}" for block in ("ones", "mask", "castback") for mode in ("none", "nonreentrant", "reentrant")
+    ]
+    on = run(
+        tmp_path,
+        "fabric",
+        cases,
+        strategy="single",
+        precision=precision,
+        package=layout.package,
+        direct_backward=direct_backward,
+    )
+    assert_like_the_run_without_checkpointing(on, cases)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")

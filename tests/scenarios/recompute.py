@@ -14,18 +14,25 @@ and float32 in a recompute that runs outside that context:
 * ``mask``: a causal mask from ``torch.full(..., -inf).triu(1)`` added to attention scores;
 * ``castback``: ``(h.float() * torch.tensor(0.1)).to(h.dtype)``: the result's dtype does not change,
   only its values (reentrant checkpointing, which checks nothing, then trains differently);
-* ``probe``: an identity whose backward records the default dtype it runs under;
+* ``probe``: records the default dtype at every run of its forward (the forward, and each recompute:
+  ``block_dtypes``) and in the backward of an ``autograd.Function`` (``backward_dtypes``), whose
+  backward also makes a tensor without an explicit dtype;
 * ``llama``: a tiny Hugging Face ``LlamaForCausalLM`` (its decoder layers are the blocks).
 
 Modes: ``none`` (no checkpointing), ``policy`` (Lightning's ``activation_checkpointing_policy``, FSDP
-only), ``nonreentrant`` and ``reentrant`` (``torch.utils.checkpoint`` in the model's own forward).
-APIs: ``trainer``, ``manual`` (the Trainer with manual optimization and ``manual_backward``), ``fabric``
-(``fabric.backward``). Strategies: ``fsdp`` (``FSDPPrecision``), ``ddp`` and ``single`` (one device;
-both ``HalfPrecision``).
+only), ``nonreentrant`` and ``reentrant`` (``torch.utils.checkpoint`` in the model's own forward), and
+``loss-nonreentrant`` / ``loss-reentrant`` (no block checkpointed: the loss is, in the training step,
+outside the model's forward; it makes ``torch.tensor(1 / 3)``). APIs: ``trainer``, ``manual`` (the
+Trainer with manual optimization and ``manual_backward``), ``fabric`` (``fabric.backward``; with
+``--direct-backward``, ``loss.backward()``, which Fabric allows without FSDP). Strategies: ``fsdp``
+(``FSDPPrecision``), ``ddp`` and ``single`` (one device; ``HalfPrecision``, or ``DoublePrecision`` for
+``64-true``).
 
 Each rank writes ``<out>.rank<N>.json``, one row per case as ``fsdp_train.py`` does: ``losses``,
-``params`` (a SHA-256 of this rank's parameters), ``backward_dtypes`` (the probe block's) and
-``error`` (``"Type: message"`` when training raised), then the rows ``_lightning`` and ``_shim``.
+``gradients`` (a SHA-256 of this rank's gradients before each step), ``params`` (a SHA-256 of its
+final parameters), ``block_dtypes`` and ``backward_dtypes`` (the probe
+block's) and ``error`` (``"Type: message"`` when training raised), then the rows ``_lightning`` and
+``_shim``.
 On one rank a case that raised is recorded and the next one runs; on more, the run stops there (the
 ranks could no longer agree on their collectives). ``--shim on`` imports fsdp_shim before
 Lightning; ``off`` never does. Nothing here knows what the answer should be: the tests compare runs.
@@ -52,8 +59,12 @@ FEATURES = 16
 SEQ = 8
 BATCH = 4
 STEPS = 3
+Run = tuple[list[float], list[str], str, int]
+"""What one case gives: losses and gradient hashes per step, the final parameters' hash, the rank."""
+BLOCK_DTYPES: list[str] = []
+"""The default dtype at every run of the ``probe`` block's forward (forwards and recomputes), in order."""
 BACKWARD_DTYPES: list[str] = []
-"""What the ``probe`` block's backward saw as the default dtype, in order."""
+"""What the ``probe`` block's ``autograd.Function`` saw as the default dtype in its backward."""
 
 
 class _RecordDefaultDtype(torch.autograd.Function):
@@ -64,7 +75,7 @@ class _RecordDefaultDtype(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         BACKWARD_DTYPES.append(str(torch.get_default_dtype()))
-        return grad
+        return grad * (1 - torch.tensor(0.3))  # made in the default dtype of the backward
 
 
 class Block(nn.Module):
@@ -74,6 +85,8 @@ class Block(nn.Module):
         self.lin = nn.Linear(FEATURES, FEATURES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kind == "probe":  # first: a recompute stops as soon as it has the tensors it needs
+            BLOCK_DTYPES.append(str(torch.get_default_dtype()))
         h = torch.relu(self.lin(x))
         if self.kind == "ones":
             return h * torch.ones(FEATURES)
@@ -102,7 +115,7 @@ class Net(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
         for block in self.blocks:
-            if self.mode in ("reentrant", "nonreentrant"):
+            if self.mode in ("reentrant", "nonreentrant"):  # not the loss-* modes
                 h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=self.mode == "reentrant")
             else:
                 h = block(h)
@@ -141,22 +154,36 @@ def batches(kind: str, count: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return list(zip(x, torch.randn(count, BATCH, SEQ, FEATURES, generator=generator)))
 
 
-def loss_of(model: nn.Module, kind: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def loss_of(model: nn.Module, kind: str, mode: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     if kind == "llama":
         logits = model(input_ids=x, use_cache=False).logits  # a cache would grow again in each recompute
         return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
-    return ((model(x).float() - y.float()) ** 2).mean()
+    out = model(x)
+    if mode.startswith("loss-"):
+        reentrant = mode == "loss-reentrant"
+        return torch.utils.checkpoint.checkpoint(weighted_loss, out, y, use_reentrant=reentrant)
+    return weighted_loss(out, y) if mode == "loss-none" else ((out.float() - y.float()) ** 2).mean()
 
 
-def parameters_hash(module: nn.Module) -> str:
-    """SHA-256 of this rank's parameters, in order: FSDP's flat (sharded) parameters where there are."""
+def weighted_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """A loss that makes a tensor without an explicit dtype (``loss-*`` modes)."""
+    return ((out.float() - y.float()) ** 2 * torch.tensor(1 / 3)).mean()  # a bfloat16 1/3 is 0.333984
+
+
+def parameters_hash(module: nn.Module, of: str = "data") -> str:
+    """SHA-256 of this rank's parameters (``of="grad"``: their gradients), in order: FSDP's flat
+    (sharded) parameters where there are."""
     from _fsdp_shim.verify import measure  # activates nothing
 
     tensors = measure.flat_parameters(module) or list(module.parameters())
     digest = hashlib.sha256()
     for tensor in tensors:
-        digest.update(str(tensor.dtype).encode())
-        digest.update(tensor.detach().float().cpu().numpy().tobytes())
+        value = tensor.detach() if of == "data" else tensor.grad
+        if value is None:
+            digest.update(b"no gradient")
+            continue
+        digest.update(str(value.dtype).encode())
+        digest.update(value.detach().float().cpu().numpy().tobytes())
     return digest.hexdigest()
 
 
@@ -167,7 +194,7 @@ def strategy_for(args: argparse.Namespace, namespace: str, mode: str, layers: se
     return fsdp(auto_wrap_policy=layers, activation_checkpointing_policy=layers if mode == "policy" else None)
 
 
-def run_trainer(args: argparse.Namespace, namespace: str, kind: str, mode: str) -> tuple[list[float], str, int]:
+def run_trainer(args: argparse.Namespace, namespace: str, kind: str, mode: str) -> Run:
     pl = importlib.import_module(namespace)
     net, layers = build(kind, mode)
     data = batches(kind, STEPS * args.devices)
@@ -178,10 +205,11 @@ def run_trainer(args: argparse.Namespace, namespace: str, kind: str, mode: str) 
             super().__init__()
             self.net = net
             self.losses: list[float] = []
+            self.gradients: list[str] = []
             self.automatic_optimization = not manual
 
         def training_step(self, batch: Any, batch_idx: int) -> Any:
-            loss = loss_of(self.net, kind, *batch)
+            loss = loss_of(self.net, kind, mode, *batch)
             self.losses.append(loss.item())
             if not manual:
                 return loss
@@ -190,6 +218,9 @@ def run_trainer(args: argparse.Namespace, namespace: str, kind: str, mode: str) 
             optimizer.step()
             optimizer.zero_grad()
             return None
+
+        def on_before_optimizer_step(self, optimizer: Any) -> None:
+            self.gradients.append(parameters_hash(self.trainer.strategy.model, "grad"))
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.trainer.model.parameters(), lr=0.05)
@@ -202,10 +233,10 @@ def run_trainer(args: argparse.Namespace, namespace: str, kind: str, mode: str) 
     )  # fmt: skip
     loader = torch.utils.data.DataLoader(data, batch_size=None)
     trainer.fit(model, loader)
-    return model.losses, parameters_hash(trainer.strategy.model), trainer.global_rank
+    return model.losses, model.gradients, parameters_hash(trainer.strategy.model), trainer.global_rank
 
 
-def run_fabric(args: argparse.Namespace, namespace: str, kind: str, mode: str) -> tuple[list[float], str, int]:
+def run_fabric(args: argparse.Namespace, namespace: str, kind: str, mode: str) -> Run:
     fabric = importlib.import_module(namespace).Fabric(
         accelerator="cpu",
         devices=args.devices,
@@ -216,14 +247,18 @@ def run_fabric(args: argparse.Namespace, namespace: str, kind: str, mode: str) -
     net, _ = build(kind, mode)
     model = fabric.setup_module(net)
     optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.05))
-    losses = []
+    losses, gradients = [], []
     for x, y in batches(kind, STEPS * args.devices)[fabric.global_rank :: args.devices]:
-        loss = loss_of(model, kind, x, y)
-        fabric.backward(loss)
+        loss = loss_of(model, kind, mode, x, y)
+        if args.direct_backward:
+            loss.backward()
+        else:
+            fabric.backward(loss)
+        gradients.append(parameters_hash(model._forward_module, "grad"))
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return losses, parameters_hash(model._forward_module), fabric.global_rank
+    return losses, gradients, parameters_hash(model._forward_module), fabric.global_rank
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -235,6 +270,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--precision", default="bf16-true")
     parser.add_argument("--cases", required=True, help="comma-separated BLOCK:MODE")
+    parser.add_argument("--direct-backward", action="store_true", help="Fabric: loss.backward()")
     parser.add_argument("--out", required=True)
     return parser.parse_args(argv)
 
@@ -259,12 +295,15 @@ def main(argv: list[str]) -> None:
     rank = int(os.environ.get("LOCAL_RANK", "0"))
     for case in args.cases.split(","):
         kind, mode = case.split(":")
+        BLOCK_DTYPES.clear()
         BACKWARD_DTYPES.clear()
         try:
-            losses, params, rank = run(args, namespace, kind, mode)
+            losses, gradients, params, rank = run(args, namespace, kind, mode)
             results[case] = {
                 "losses": losses,
+                "gradients": gradients,
                 "params": params,
+                "block_dtypes": list(BLOCK_DTYPES),
                 "backward_dtypes": list(BACKWARD_DTYPES),
                 "error": None,
             }
@@ -274,7 +313,8 @@ def main(argv: list[str]) -> None:
             if args.devices > 1:
                 break
     results["_lightning"] = {"version": importlib.import_module(namespace).__version__, "namespace": namespace}
-    results["_shim"] = {"active": "_fsdp_shim.activation" in sys.modules}
+    activation = sys.modules.get("_fsdp_shim.activation")  # imported by probe, which activates nothing
+    results["_shim"] = {"active": getattr(activation, "_active", None) is True}
     rows = [{"case": case, **row} for case, row in results.items()]
     Path(f"{args.out}.rank{rank}.json").write_text(json.dumps(rows, indent=1))
     if any(case.get("error") for case in results.values()) and args.devices > 1:
