@@ -59,6 +59,9 @@ _handed = {}
 """Namespace name -> the module object handed over (a namespace imported again is a new object)."""
 _inert = []
 """Non-empty once a hand-over found a package it does not match: the finder then stays out of the way."""
+_asking = set()
+"""Names the finder is asking the finders after it about: another finder that asks every finder (an
+older start-up file's watcher) must not send the question back round."""
 
 
 class FSDPShimWarning(RuntimeWarning):
@@ -99,18 +102,22 @@ def arm(source=ENVIRONMENT_SOURCE):
 def fsdp_shim_finder(name, path=None, target=None):
     """The finder, a function that is its own ``find_spec``. It answers for a namespace, and for any
     import once a namespace finished executing without it (a finder in front of it loaded it)."""
-    if _inert or (name not in NAMESPACES and not not_handed_over()):
+    if _inert or name in _asking or (name not in NAMESPACES and not not_handed_over()):
         return None
-    after_me = False
-    for finder in sys.meta_path:
-        if getattr(finder, "__name__", None) == "fsdp_shim_finder":
-            after_me = True  # the finders in front have already said no
-        elif after_me and hasattr(finder, "find_spec"):
-            spec = finder.find_spec(name, path, target)
-            if spec is not None:
-                _observe(spec.loader, name)
-                return spec
-    return None
+    _asking.add(name)
+    try:
+        after_me = False
+        for finder in sys.meta_path:
+            if getattr(finder, "__name__", None) == "fsdp_shim_finder":
+                after_me = True  # the finders in front have already said no
+            elif after_me and hasattr(finder, "find_spec"):
+                spec = finder.find_spec(name, path, target)
+                if spec is not None:
+                    _observe(spec.loader, name)
+                    return spec
+        return None
+    finally:
+        _asking.discard(name)
 
 
 fsdp_shim_finder.find_spec = fsdp_shim_finder

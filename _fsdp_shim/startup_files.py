@@ -146,8 +146,8 @@ def inspect(path: Path, text: str | None) -> Existing:
     content = read_bytes(path)
     if content is None and not os.path.lexists(path):
         return Existing(path, "missing")  # removed between the look and the read (a concurrent uninstall)
-    if text is not None and content == text.encode():
-        return Existing(path, "current")
+    if text is not None and content is not None and content.replace(b"\r\n", b"\n") == text.encode():
+        return Existing(path, "current")  # line endings aside: a file that went through an editor still arms
     if content is not None and content.startswith(MARKER.encode()):
         return Existing(path, "ours")
     return Existing(path, "foreign")

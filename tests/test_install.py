@@ -6,6 +6,7 @@ none, so that no interpreter is left printing an error at start-up."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -16,9 +17,21 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, PipVenv, Venv, child_json, clean_env, fsdp_shim, make_venv, run_command, site_packages_of
+from conftest import (
+    NAMESPACES,
+    ROOT,
+    PipVenv,
+    Venv,
+    child_json,
+    clean_env,
+    fsdp_shim,
+    make_venv,
+    run_command,
+    site_packages_of,
+)
 
 import _fsdp_shim as startup
+from _fsdp_shim import startup_files
 from _fsdp_shim.startup_files import COPY_FILE, ENVIRONMENT_FILE, MARKER, PTH_NAME, START_NAME, file_texts
 
 FILES = file_texts()
@@ -266,6 +279,17 @@ def test_a_file_that_is_not_fsdp_shims_is_not_replaced_and_makes_uninstall_remov
         assert quiet.stdout == "" and quiet.stderr == ""
 
 
+def test_a_startup_file_saved_with_windows_line_endings_is_current(tmp_path: Path) -> None:
+    """An editor that saves the files with CRLF line endings leaves files that still arm (site and the
+    import system read them in universal-newline mode): they are this version's, not "edited"."""
+    for name, text in dict(file_texts()).items():
+        path = tmp_path / name
+        path.write_bytes(text.replace("\n", "\r\n").encode())
+        assert startup_files.inspect(path, text).kind == "current", name
+        path.write_bytes(text.replace("\n", "\r\n").encode() + b"# edited\r\n")
+        assert startup_files.inspect(path, text).kind == "ours", name
+
+
 @pytest.mark.parametrize("kind", ["venv", "uv venv"])
 def test_an_edited_startup_file_is_still_fsdp_shims_and_uninstall_removes_every_file(kind: str, tmp_path: Path) -> None:
     """Configuration management appends a comment to ``fsdp_shim.pth``. Its first line is still the
@@ -353,6 +377,37 @@ def test_a_file_from_an_earlier_version_is_upgraded_and_removed_without_force(ve
     assert [name for name in FILES if (folder / name).exists()] == [] and compiled_copies(folder) == []
 
 
+@pytest.mark.parametrize("entry", ["pth", "start"])
+def test_the_files_of_0_2_0_still_patch_lightning_until_install_replaces_them(
+    entry: str, layouts, tmp_path: Path
+) -> None:
+    """An upgrade with pip alone keeps 0.2.0's start-up files: its ``.pth``'s watcher imports
+    ``_fsdp_shim_startup`` (and, where that is missing, let Lightning load unpatched without a word);
+    its ``.start`` (Python 3.15+) calls ``_fsdp_shim_startup:arm_from_startup_file``. This release keeps
+    both names: either arms it, every namespace is patched at its import, and status names the file."""
+    if not layouts:
+        pytest.skip("needs an installed Lightning")
+    (tmp_path / PTH_NAME).write_text(earlier_files("0.2.0")[PTH_NAME])
+    names = [name for layout in layouts.values() for name in NAMESPACES[layout.package]]
+    start = (
+        "site.addsitedir(sys.argv[1])"
+        if entry == "pth"
+        else "__import__('_fsdp_shim_startup').arm_from_startup_file()"  # what site does with the .start
+    )
+    code = (
+        f"import importlib, json, site, sys; {start}; "
+        "[importlib.import_module(name) for name in sys.argv[2:]]; "
+        "from _fsdp_shim.activation import status; s = status(); "
+        "print(json.dumps([s.sources, [(n.namespace, n.patched, n.activated_after_import) "
+        "for n in s.namespaces if n.imported]]))"
+    )
+    proc = run_command([sys.executable, "-W", "ignore", "-c", code, str(tmp_path), *names], env=clean_env())
+    assert proc.returncode == 0, proc.stderr
+    sources, namespaces = json.loads(proc.stdout)
+    assert sources == ["fsdp-shim 0.2.0's start-up file (`fsdp-shim install` replaces it)"]
+    assert sorted(namespaces) == sorted([name, True, False] for name in names)
+
+
 def test_status_names_a_module_the_startup_file_imports_in_place_of_its_copy(venv: Venv, tmp_path: Path) -> None:
     """``fsdp_shim.pth`` imports its copy by name: an earlier copy first on ``sys.path`` runs instead
     and arms nothing. No interpreter says so at start-up; ``fsdp-shim status`` names the file."""
@@ -437,6 +492,7 @@ def test_the_wheel_ships_the_start_up_file_and_pip_uninstall_removes_everything(
     for child in ("verify_probe.py", "python_check.py"):  # children run these files by path
         assert (installed.site_packages / "_fsdp_shim" / "children" / child).is_file()
     assert (installed.site_packages / "_fsdp_shim" / "bootstrap" / "sitecustomize.py").is_file()
+    assert (installed.site_packages / "_fsdp_shim_startup" / "__init__.py").is_file()  # for 0.2.0's file
     installed.pip("uninstall", "-y", "fsdp-shim")
     assert files_in(installed.site_packages) == installed.before
 
