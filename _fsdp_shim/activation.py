@@ -289,7 +289,9 @@ def _namespace_status(name: str, on: bool) -> NamespaceStatus:
     fixes = tuple(wrappers.status(name, fix) for fix in FIXES)
     if not on:
         off = f"switched off by {SHIM_VARIABLE}={os.environ.get(SHIM_VARIABLE, '')!r}"
-        fixes = tuple(FixStatus(f.fix, f.affected, False, off) if not f.patched and f.affected else f for f in fixes)
+        fixes = tuple(
+            FixStatus(f.fix, f.affected, False, off) if not f.patched and f.affected is not False else f for f in fixes
+        )
     affected = any(f.affected for f in fixes) if any(f.affected is not None for f in fixes) else None
     needed = [f for f in fixes if f.affected and not f.reason.startswith(f"switched off by {DISABLED_FIXES_VARIABLE}")]
     patched = bool(needed) and all(f.patched for f in needed)

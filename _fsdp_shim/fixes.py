@@ -1,46 +1,25 @@
 """THE FIXES: what each one wraps, per Lightning release, and the code that runs in the wrappers.
 
-**The cast** (Lightning 2.1.0-2.4.x). Those releases never cast the model to the dtype of
-`precision="bf16-true"` / `"16-true"` before FSDP wraps it: their `FSDPPrecision` inherits
-`Precision.convert_module`, the identity. Lightning PR #20323 ("Add convert_module to FSDP", first in
-2.5.0rc0) gave it a body: every `*-true` precision casts the module with
-`module.to(dtype=self._desired_input_dtype)` (so `"32-true"` also turns float64 parameters into
-float32), `*-mixed` returns it as it is. The shim adds that body to the releases that lack it.
+**The cast** (2.1.0-2.4.x): those releases' `FSDPPrecision` inherits the identity `convert_module`, so
+the model is never cast to the "true" precision's dtype before FSDP wraps it. The shim adds the body of
+Lightning PR #20323 (2.5.0rc0): every `*-true` precision casts with `module.to(dtype=...)`, `*-mixed`
+returns the module as it is.
 
-**The recompute** (every release from 2.1.0; no release has a fix). The "true" precisions set the
-default dtype (`torch.set_default_dtype`, Lightning's `_DtypeContextManager`) only around the forward
-(`forward_context`). Activation checkpointing recomputes checkpointed blocks during the backward, where
-the default dtype is float32 again, so a block that makes a tensor without an explicit dtype (a causal
-mask from `torch.full`, `torch.ones`, `torch.tensor(0.25)`) makes it in bfloat16 in the forward and in
-float32 in the recompute: torch's checkpoint raises `CheckpointError` (or a dtype mismatch), and
-reentrant checkpointing, which checks nothing, trains on different gradients.
+**The recompute** (every release from 2.1.0): the "true" precisions set the default dtype only around
+the forward, so activation checkpointing recomputes a block in float32 that its forward ran in bfloat16
+(`CheckpointError`, a dtype mismatch, or with reentrant checkpointing other gradients). torch's
+checkpoint restores autocast, RNG and device context for the recompute but not the default dtype: the
+shim wraps the two functions every `torch.utils.checkpoint` call goes through,
+`CheckpointFunction.forward` (reentrant) and `_checkpoint_without_reentrant_generator`, and pins the
+checkpointed function to the default dtype of its forward. That covers every checkpoint (Lightning's
+policy, the user's own, a loss checkpointed outside the forward), precision and backward call, and
+changes nothing where the dtype did not change. (Running the backward in the forward's context, tried
+first, recomputed a loss checkpointed outside the forward in the wrong dtype and changed backward
+hooks; a `context_fn` reaches only Lightning's policy, non-reentrant.) The torch wrappers are shared by
+every namespace that needs the fix; the last one unpatched removes them.
 
-The dtype a recompute needs is the one its own forward had, and only the checkpoint knows that: torch's
-checkpoint already saves the autocast state, the RNG state and the device context at the forward and
-restores them for the recompute; it forgets the default dtype. So the shim adds that one piece of state,
-where torch keeps the others: it wraps the two functions every `torch.utils.checkpoint` call goes
-through, `CheckpointFunction.forward` (reentrant) and `_checkpoint_without_reentrant_generator` (not
-reentrant), and hands each the checkpointed function pinned to the default dtype of that moment. Both
-are looked up in `torch.utils.checkpoint` at every call, so every checkpoint is covered: Lightning's
-`activation_checkpointing_policy` (torch's `checkpoint_wrapper`), the user's own `checkpoint` in a
-module or around a loss, and any precision plugin, backward call or strategy. Where the dtype did not
-change between forward and recompute (`*-mixed`, `"32-true"`, no Lightning at all) the pin does nothing,
-and a run without checkpointing never reaches it. Rejected: running the precision's `backward` in the
-forward context changes every tensor a backward makes (custom `autograd.Function`s, hooks), misses
-`loss.backward()` and other precisions, and recomputes in bfloat16 a block checkpointed outside the
-forward (a loss under Fabric) whose forward ran in float32; a `context_fn` for the checkpoint wrapper
-reaches only Lightning's policy, and only non-reentrant checkpointing.
-
-The wrappers on torch are shared: every namespace that needs the fix holds them, and the last one
-unpatched removes them.
-
-**The rank check** is no fix, but is patched like one (`RANK_CHECK`), wherever the shim is active: at
-the end of `FSDPStrategy.setup_environment`, where the process group exists and before any model is
-wrapped, every rank says which fixes it runs (`_fsdp_shim.rank_check`), so a rank whose fixes are
-switched off or built in is named too, and a job whose ranks disagree stops there.
-
-What the shim wraps, per release, in the Trainer's namespaces (`lightning.pytorch`, `pytorch_lightning`)
-and Fabric's (`lightning.fabric`, `lightning_fabric`), each gated and patched on its own, fix by fix:
+**The rank check** is no fix but is patched like one (`RANK_CHECK`) wherever the shim is active: at
+the end of `FSDPStrategy.setup_environment`, every rank says which fixes it runs (`_fsdp_shim.rank_check`).
 
 | Lightning | cast, Trainer | cast, Fabric | recompute | rank check |
 |---|---|---|---|---|
@@ -49,32 +28,20 @@ and Fabric's (`lightning.fabric`, `lightning_fabric`), each gated and patched on
 | 2.2.0-2.4.x | convert; `_setup_model` | convert; `setup_module` | checkpoint | `setup_environment` |
 | 2.5.0 and on | nothing: fixed upstream | nothing | checkpoint | `setup_environment` |
 
-("convert" is the FSDP precision class's `convert_module`: `FSDPPrecisionPlugin` in the Trainer of
-2.1.0, `FSDPPrecision` from 2.1.1 and in Fabric; the other methods are `FSDPStrategy`'s, in the Trainer
-and in Fabric; "checkpoint" is `torch.utils.checkpoint`'s `CheckpointFunction.forward` and
-`_checkpoint_without_reentrant_generator`, shared by every namespace.)
+("convert": the FSDP precision class's `convert_module`, `FSDPPrecisionPlugin` in 2.1.0's Trainer; the
+other methods are `FSDPStrategy`'s; "checkpoint": torch's two functions above.)
 
-**Why 2.1.x needs more than the cast's method.** From 2.2.0 (PR #19061) the Trainer calls
-`precision_plugin.convert_module(model)` in `FSDPStrategy.setup`, after `configure_model` and the
-`setup()` hook have built every layer and just before the FSDP wrap; Fabric calls it in
-`setup`/`setup_module` before the wrap in every release. 2.1.x calls it only in `Strategy.connect`,
-*before* the `setup()` hook and `configure_model`. With the method alone, layers added in those hooks
-stay float32, and worse: `connect` casts the `__init__` layers to bf16, `configure_model` then adds a
-float32 layer, and FSDP refuses the model ("Must flatten tensors with uniform dtype"). So on 2.1.x the
-shim also wraps `FSDPStrategy.connect` (inherited from `Strategy`; the wrapper sits on `FSDPStrategy`
-only, so other strategies are untouched) to hold the conversion back there, and `FSDPStrategy.setup` to
-convert just before its body runs, where 2.2.0+ converts.
+**2.1.x** calls `convert_module` only in `Strategy.connect`, before the `setup()` hook and
+`configure_model` build their layers (2.2.0, PR #19061, moved it into `FSDPStrategy.setup`, just before
+the wrap): the layers built later stay float32 and FSDP refuses the mix ("Must flatten tensors with
+uniform dtype"). So the shim holds the conversion back in `FSDPStrategy.connect` (the wrapper sits on
+`FSDPStrategy` only) and converts at the start of `FSDPStrategy.setup`. **2.1.0** names the Trainer's
+class `FSDPPrecisionPlugin`; from 2.2.0 that name is a deprecated subclass, so it is used on 2.1.0 only.
 
-**Why 2.1.0 has other class names.** 2.1.1 renamed the Trainer's `FSDPPrecisionPlugin` to
-`FSDPPrecision` (and `HalfPrecisionPlugin` to `HalfPrecision`); from 2.2.0 the old names are deprecated
-*subclasses*, and patching them would leave the classes the Trainer uses unfixed, so the old names are
-used on 2.1.0 only.
-
-Each wrapper body has wrapt's signature `(wrapped, instance, args, kwargs)`. `wrapped` is whatever the
-class held or inherited: Lightning's method, or another library's wrapper of it, which therefore still
-runs. When the shim's own glue fails (an attribute a future Lightning renamed), a body raises
-`GlueError` *before* changing anything and the wrapper falls back to `wrapped`; errors from the user's
-model, from `Module.to` or from the backward propagate exactly as they would without the shim.
+Bodies have wrapt's signature `(wrapped, instance, args, kwargs)`; `wrapped` is what the class held or
+inherited (another library's wrapper still runs). When the shim's own glue fails, a body raises
+`GlueError` before changing anything and the wrapper calls `wrapped`; the user's errors propagate as
+without the shim.
 """
 
 from __future__ import annotations

@@ -36,7 +36,7 @@ from typing import Any, Literal
 import wrapt
 
 from _fsdp_shim import failures
-from _fsdp_shim.config import DISABLED_FIXES_VARIABLE, Fix, base_release
+from _fsdp_shim.config import DISABLED_FIXES_VARIABLE, RANK_CHECK, Fix, base_release
 from _fsdp_shim.status import NOT_IMPORTED, FixStatus
 
 Body = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
@@ -104,10 +104,13 @@ class WrapperState:
     """Set when ``original`` is another library's object where Lightning ships none."""
     on: bool = True
     fallback: str | None = None
-    """Why a call fell back to Lightning's own method; status then stops saying "patched"."""
+    """Why a call fell back to the wrapped function; status then stops saying "patched"."""
 
     def __call__(self) -> bool:
         return self.on
+
+    def owners_own(self) -> str:
+        return "torch's own function" if self.shared else "Lightning's own method"
 
 
 class ShimWrapper(wrapt.FunctionWrapper):
@@ -187,7 +190,8 @@ def _install(owner: type | ModuleType, target: Target, function: Any, state: Wra
             state.fallback = str(error)
             failures.report(
                 f"fsdp-shim: {state.label} could not read what it needs ({error})",
-                f"Lightning's own method was used for this call, so it runs without the {state.fix} fix",
+                f"{state.owners_own()} was used for this call, so it runs without the "
+                + ("rank check" if state.fix == RANK_CHECK.name else f"{state.fix} fix"),
                 key=f"glue:{state.label}",
                 cause=error,
             )
@@ -460,7 +464,7 @@ def _inspect(wrappers: list[Any]) -> tuple[list[str], list[str]]:
                 f"its wrapper on {state.label} stays under {found_on_top(wrapper)} and passes calls through"
             )
         elif state.fallback is not None:
-            problems.append(f"{state.label} fell back to Lightning's own method at call time ({state.fallback})")
+            problems.append(f"{state.label} fell back to {state.owners_own()} at call time ({state.fallback})")
         else:
             if where == "under another wrapper":
                 notes.append(f"its wrapper on {state.label} is under {found_on_top(wrapper)}")

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import NAMESPACES as LAYOUT_NAMESPACES
 from conftest import (
     ROOT,
     Layout,
@@ -34,9 +35,9 @@ from conftest import (
 from _fsdp_shim import NAMESPACES as NAMESPACE_KINDS
 from _fsdp_shim import FSDPShimWarning, activation, config, failures, switch_state
 from _fsdp_shim._version import __version__
-from _fsdp_shim.config import CAST, DISABLED_FIXES_VARIABLE, FIX_NAMES, FIXES, RECOMPUTE, base_release
+from _fsdp_shim.config import CAST, DISABLED_FIXES_VARIABLE, FIX_NAMES, FIXES, RANK_CHECK, RECOMPUTE, base_release
 from _fsdp_shim.failures import FSDPShimError
-from _fsdp_shim.fixes import converts_only_in_connect, has_new_class_names
+from _fsdp_shim.fixes import converts_only_in_connect, has_new_class_names, plan_of
 
 QUIET = ("-W", "ignore::DeprecationWarning")
 
@@ -46,20 +47,37 @@ def child(target: str, arguments: dict | None = None, **env: str | None) -> Any:
 
 
 # ----------------------------------------------------------------------------- what each fix wraps
+SHARED = (
+    "torch.utils.checkpoint:CheckpointFunction.forward",
+    "torch.utils.checkpoint:_checkpoint_without_reentrant_generator",
+)
+"""torch's checkpoint entry points, as ``children.classes.snapshot`` keys them: one key (and one wrapper)
+for every namespace that needs the recompute fix."""
+
+
+BF16_RECOMPUTE = {"reentrant": "torch.bfloat16", "non_reentrant": "torch.bfloat16"}
+FLOAT32_RECOMPUTE = {"reentrant": "torch.float32", "non_reentrant": "torch.float32"}
+"""What ``children.classes.recompute_dtypes`` measures with the recompute fix and without it."""
+
+
 def expected_targets(namespace: str, version: str) -> dict[str, list[str]]:
-    """Per fix, the class attributes (``namespace:Class.attribute``, as ``children.classes.snapshot``
-    keys them) the shim must wrap in one namespace of one release: the table in ``_fsdp_shim/fixes.py``."""
+    """Per fix (and the rank check, patched like one), the class attributes (``namespace:Class.attribute``,
+    as ``children.classes.snapshot`` keys them) the shim must wrap in one namespace of one release: the
+    table in ``_fsdp_shim/fixes.py``. The recompute fix's torch targets (``SHARED``) are the same keys
+    for every namespace."""
     trainer = NAMESPACE_KINDS[namespace] == "trainer"
     suffix = "" if not trainer or has_new_class_names(version) else "Plugin"  # 2.1.0's Trainer names
-    fsdp, half = f"{namespace}:FSDPPrecision{suffix}", f"{namespace}:HalfPrecision{suffix}"
-    out: dict[str, list[str]] = {fix.name: [] for fix in FIXES}
+    fsdp = f"{namespace}:FSDPPrecision{suffix}"
+    out: dict[str, list[str]] = {fix.name: [] for fix in (*FIXES, RANK_CHECK)}
     if CAST.affects(version):
         wrap = "_setup_model" if trainer else "setup_module"
         out["cast"] = [f"{fsdp}.convert_module", f"{namespace}:FSDPStrategy.{wrap}"]
         if trainer and converts_only_in_connect(version):
             out["cast"] += [f"{namespace}:FSDPStrategy.connect", f"{namespace}:FSDPStrategy.setup"]
     if RECOMPUTE.affects(version):
-        out["recompute"] = [f"{fsdp}.backward", f"{half}.backward"]
+        out["recompute"] = list(SHARED)
+    if RANK_CHECK.affects(version):  # wherever the shim is active: FSDP_SHIM_DISABLED_FIXES cannot name it
+        out["rank-check"] = [f"{namespace}:FSDPStrategy.setup_environment"]
     return {fix: sorted(keys) for fix, keys in out.items()}
 
 
@@ -67,13 +85,37 @@ def expected_wrappers(namespace: str, version: str) -> list[str]:
     return sorted(key for keys in expected_targets(namespace, version).values() for key in keys)
 
 
+def expected_for(versions: dict[str, str]) -> list[str]:
+    """The keys wrapped in a process that imported these namespaces: each namespace's own, and the
+    shared torch keys once (a set: every namespace holds the same wrapper there)."""
+    return sorted({key for namespace, version in versions.items() for key in expected_wrappers(namespace, version)})
+
+
 def all_expected_wrappers(layouts: dict[str, Layout]) -> list[str]:
-    return sorted(k for ns, v in installed_versions(layouts).items() for k in expected_wrappers(ns, v))
+    return expected_for(installed_versions(layouts))
+
+
+def own_keys(keys: list[str], namespace: str) -> list[str]:
+    """The keys of ``namespace``'s own classes (not the shared torch keys, nor another namespace's)."""
+    return [key for key in keys if key.partition(":")[0] == namespace]
+
+
+def shared(keys: list[str]) -> list[str]:
+    return [key for key in keys if key in SHARED]
+
+
+def seen_by(keys: list[str], namespace: str) -> list[str]:
+    """The keys a namespace's fixes may wrap: its own and the shared torch keys."""
+    return sorted(own_keys(keys, namespace) + shared(keys))
 
 
 def key_of(label: str) -> str:
-    """``lightning.pytorch.plugins.precision.fsdp.FSDPPrecision.backward`` (a status target) as a
-    snapshot key, ``lightning.pytorch:FSDPPrecision.backward``."""
+    """A status target as a snapshot key: ``lightning.pytorch.plugins.precision.fsdp.FSDPPrecision.backward``
+    as ``lightning.pytorch:FSDPPrecision.backward``, ``torch.utils.checkpoint.CheckpointFunction.forward``
+    as ``torch.utils.checkpoint:CheckpointFunction.forward``."""
+    for key in SHARED:
+        if label == key.replace(":", "."):
+            return key
     namespace = max((ns for ns in NAMESPACE_KINDS if label.startswith(ns + ".")), key=len)
     return namespace + ":" + ".".join(label.rsplit(".", 2)[1:])
 
@@ -153,6 +195,21 @@ def test_only_2_1_converts_in_connect(version: str, expected: bool) -> None:
 )
 def test_only_2_1_0_has_the_old_trainer_class_names(version: str, expected: bool) -> None:
     assert has_new_class_names(version) is expected
+
+
+@pytest.mark.parametrize("version", ["2.0.9", "2.1.0", "2.1.4", "2.2.0", "2.4.0", "2.5.0rc0", "2.6.6"])
+def test_each_plan_wraps_what_the_table_says(version: str) -> None:
+    """The plans in ``_fsdp_shim.fixes`` name, per namespace and release, exactly the targets of the
+    table this file checks Lightning's classes against; only torch's are shared by every namespace,
+    and only ``convert_module`` and 2.1.x's ``connect`` are wrapped where the class inherits them."""
+    for namespace in NAMESPACE_KINDS:
+        expected = expected_targets(namespace, version)
+        for fix in (*FIXES, RANK_CHECK):
+            planned = plan_of(fix)(namespace, version) if fix.affects(version) else ()
+            assert sorted(key_of(target.label(namespace)) for target in planned) == expected[fix.name], (namespace, fix)
+            assert sorted(key_of(t.label(namespace)) for t in planned if t.shared) == shared(expected[fix.name])
+            assert {t.attribute for t in planned if t.inherited} <= {"convert_module", "connect"}
+            assert all(t.class_name == "" for t in planned if t.attribute.startswith("_checkpoint"))
 
 
 def test_base_release_pads_short_versions() -> None:
@@ -364,11 +421,16 @@ def test_import_patches_what_each_release_lacks_and_leaves_the_rest_alone(
 ) -> None:
     """Lightning first, then the shim: exactly the methods of the fixes each namespace lacks are
     replaced; on a release that ships the cast (2.5+) its methods are the very same objects, and the
-    recompute's wrappers are there; on 2.0.x nothing changes."""
+    recompute's wrappers are there (on torch's checkpoint, once for every namespace) with the rank
+    check's; no ``backward`` (Lightning's precision plugins', torch's ``CheckpointFunction``'s) is
+    touched; on 2.0.x nothing changes."""
     assert lifecycle["patched"] == all_expected_wrappers(layouts)
+    backward = [key for key in lifecycle["pristine_keys"] if key.endswith(".backward")]
+    assert "torch.utils.checkpoint:CheckpointFunction.backward" in backward and len(backward) > 1
+    assert not set(backward) & set(lifecycle["patched"])  # no wrapper of the shim's on any backward
     for namespace, version in installed_versions(layouts).items():
-        touched = {key for key in lifecycle["patched"] if key.startswith(namespace + ":")}
-        assert touched == set(expected_wrappers(namespace, version))
+        touched = set(own_keys(lifecycle["patched"], namespace))
+        assert touched == set(own_keys(expected_wrappers(namespace, version), namespace))
         if CAST.built_in(version):  # 2.5+ ships the cast: its convert_module and FSDP wrap are the same objects
             trainer = NAMESPACE_KINDS[namespace] == "trainer"
             own = [f"{namespace}:FSDPPrecision.convert_module"]
@@ -415,7 +477,8 @@ def test_activate_many_times_installs_one_layer(lifecycle: dict[str, Any], layou
 @pytest.mark.per_release
 def test_deactivate_puts_back_the_identical_objects(lifecycle: dict[str, Any], layouts: dict[str, Layout]) -> None:
     """After ``deactivate()`` every class attribute is the very object it was before the shim (an
-    inherited method is inherited again); ``activate()`` patches the same methods again."""
+    inherited method is inherited again, torch's ``CheckpointFunction.forward`` is its staticmethod
+    object itself); ``activate()`` patches the same methods again."""
     expected = all_expected_wrappers(layouts)
     assert lifecycle["restored"] == []
     assert lifecycle["repatched"] == expected
@@ -482,7 +545,7 @@ def test_import_order_does_not_matter(modules: list[str], layouts: dict[str, Lay
     if not needed <= available:
         pytest.skip(f"needs {sorted(needed - available)}")
     result = child("import_order", {"imports": modules})
-    expected = sorted(k for ns in result["imported"] for k in expected_wrappers(ns, versions[ns]))
+    expected = expected_for({ns: versions[ns] for ns in result["imported"]})
     assert expected and result["wrappers"] == expected
     assert result["warnings"] == []  # nothing went wrong, so nothing is said
 
@@ -490,7 +553,7 @@ def test_import_order_does_not_matter(modules: list[str], layouts: dict[str, Lay
 # ============================================================================= gates that fail
 @pytest.fixture(scope="module")
 def without_class(layouts: dict[str, Layout]) -> tuple[str, str, dict[str, Any]]:
-    namespace, version = an_affected_namespace(layouts, "trainer", fix="recompute")
+    namespace, version = an_affected_namespace(layouts, "trainer", fix="cast")  # the cast needs the class
     if not has_new_class_names(version):
         pytest.skip("2.1.0 has no FSDPPrecision; its FSDPPrecisionPlugin is the real class")
     return namespace, version, child("without_class", {"namespace": namespace, "class_name": "FSDPPrecision"})
@@ -501,22 +564,30 @@ def test_a_class_lightning_renamed_warns_once_per_fix_and_the_deprecated_subclas
 ) -> None:
     """From 2.2 on, FSDPPrecisionPlugin is a deprecated *subclass* of FSDPPrecision. When
     FSDPPrecision is missing, patching the subclass would leave the Trainer's class unfixed: every
-    fix that needs the class says so once, patches nothing in that namespace, and status says why."""
+    fix that needs the class (the cast) says so once, patches nothing of its own in that namespace,
+    and status says why; the recompute fix and the rank check, which do not need it, are applied."""
     namespace, version, result = without_class
-    own = [w for w in result["warnings"] if namespace in w]
+    own_warnings = [w for w in result["warnings"] if namespace in w]
     lacks = [fix for fix in FIXES if fix.affects(version)]
-    assert len(own) == len(lacks), result["warnings"]
-    for fix, warning in zip(lacks, own):
+    needs_the_class = [fix for fix in lacks if fix is CAST]
+    assert len(own_warnings) == len(needs_the_class), result["warnings"]
+    for fix, warning in zip(needs_the_class, own_warnings):
         assert warning == (
             f"fsdp-shim: cannot patch {namespace} {version} ({fix.name} fix): {namespace}.plugins.precision.fsdp "
             f"has no class FSDPPrecision; Lightning was left unchanged, so {fix.unfixed}"
         )
     assert f"{namespace}:FSDPPrecisionPlugin.convert_module" in result["keys"]  # the subclass was watched...
-    assert [k for k in result["changed"] if k.startswith(namespace + ":")] == []  # ...and nothing changed
+    targets = expected_targets(namespace, version)
+    applied = sorted(key for fix, keys in targets.items() if fix != CAST.name for key in keys)
+    assert seen_by(result["changed"], namespace) == applied  # ...and untouched
     assert result["status"]["patched"] is False
     assert result["status"]["reason"].startswith("not patched: ")
     for fix in lacks:
-        assert fix_status(result["status"], fix.name)["reason"].startswith("not patched: ")
+        entry = fix_status(result["status"], fix.name)
+        if fix in needs_the_class:
+            assert entry["reason"].startswith("not patched: ") and entry["patched"] is False, entry
+        else:
+            assert entry["reason"] == "patched" and entry["patched"] is True, entry
 
 
 def test_strict_error_from_a_later_activation_is_not_wrapped_twice(
@@ -525,24 +596,25 @@ def test_strict_error_from_a_later_activation_is_not_wrapped_twice(
     """The strict error surfaces as itself, not as "internal error ... FSDPShimError"."""
     namespace, version, result = without_class
     assert result["error_type"] == "fsdp_shim.errors.FSDPShimError"
-    first = next(fix for fix in FIXES if fix.affects(version))
     assert result["error"] == (
-        f"fsdp-shim: cannot patch {namespace} {version} ({first.name} fix): {namespace}.plugins.precision.fsdp "
+        f"fsdp-shim: cannot patch {namespace} {version} ({CAST.name} fix): {namespace}.plugins.precision.fsdp "
         "has no class FSDPPrecision (FSDP_SHIM_STRICT is on)"
     )
 
 
 def test_a_renamed_target_warns_once_at_the_users_import_line(layouts: dict[str, Layout]) -> None:
     """The cast's table names a class Lightning lacks: one warning, at the user's ``import`` line (not
-    in fsdp-shim's files), the cast left out in that namespace, the recompute fix still applied."""
+    in fsdp-shim's files), the cast left out in that namespace, the recompute fix and the rank check
+    still applied."""
     namespace, version = an_affected_namespace(layouts, fix="cast")
     result = child("with_renamed_target", {"namespace": namespace})
     own = [w for w in result["warnings"] if namespace in w]
     assert len(own) == 1, result["warnings"]
     assert "RenamedPrecision" in own[0] and version in own[0] and "(cast fix)" in own[0]
     assert own[0].endswith(f"Lightning was left unchanged, so {CAST.unfixed}")
-    mine = [k for k in result["wrappers"] if k.startswith(namespace + ":")]
-    assert mine == expected_targets(namespace, version)["recompute"]
+    mine = seen_by(result["wrappers"], namespace)
+    targets = expected_targets(namespace, version)
+    assert mine == sorted(targets["recompute"] + targets["rank-check"])
     assert result["status"]["patched"] is False
     assert result["status"]["reason"].startswith("not patched")
     assert fix_status(result["status"], "cast")["reason"].startswith("not patched: ")
@@ -614,7 +686,7 @@ def test_the_environment_toggle(
 ) -> None:
     namespace, version = lightest_patched_namespace(layouts)
     result = child("toggle", {"namespace": namespace, "set_in_script": set_in_script}, **env)
-    mine = [k for k in result["wrappers"] if k.startswith(namespace + ":")]
+    mine = seen_by(result["wrappers"], namespace)
     assert mine == (expected_wrappers(namespace, version) if expect_patched else [])
     if env.get("FSDP_SHIM") == "maybe":
         assert len(result["warnings"]) == 1
@@ -662,12 +734,14 @@ def test_a_fix_switched_off_is_left_as_lightning_ships_it_and_the_other_stays_pa
         assert set(result["disabled_fixes"]) == disabled and list(result["disabled_fixes"]) == [
             name for name in FIX_NAMES if name in disabled
         ]
-        expected = sorted(
-            key
-            for namespace, version in versions.items()
-            for fix, keys in expected_targets(namespace, version).items()
-            if fix not in disabled
-            for key in keys
+        expected = sorted(  # a set: the shared torch keys once; the rank check is never switched off
+            {
+                key
+                for namespace, version in versions.items()
+                for fix, keys in expected_targets(namespace, version).items()
+                if fix not in disabled
+                for key in keys
+            }
         )
         assert result["changed"] == expected, setting  # what is not wrapped is the very object it was
         assert result["wrappers"] == expected, setting
@@ -703,6 +777,173 @@ def test_an_unknown_fix_name_warns_once_and_is_ignored(disabled_fixes: list[dict
         f"fsdp-shim: {DISABLED_FIXES_VARIABLE} names 'bogus', which is no fix of fsdp-shim "
         f"(its fixes: {', '.join(FIX_NAMES)}); that name is ignored"
     )
+
+
+# ============================================================================= the recompute's shared wrappers
+THE_SHIMS = {"forward": "shim", "generator": "shim"}
+"""``children.activation.shared_wrappers``: torch's two targets hold wrappers of the shim's."""
+
+
+@pytest.fixture(scope="module")
+def shared_wrappers(layouts: dict[str, Layout]) -> tuple[dict[str, str], dict[str, Any]]:
+    """One interpreter (see ``children.activation.shared_wrappers``): the recompute fix switched off,
+    then on again; its torch wrappers held by every namespace and unpatched one namespace at a time;
+    ``torch.set_default_dtype`` counted around checkpoints."""
+    versions = installed_versions(layouts)
+    if not any(RECOMPUTE.affects(version) for version in versions.values()):
+        pytest.skip("no installed Lightning lacks the recompute fix")
+    return versions, child("shared_wrappers")
+
+
+def test_a_fix_switched_off_and_then_on_again_is_patched_and_status_says_so(
+    shared_wrappers: tuple[dict[str, str], dict[str, Any]],
+) -> None:
+    """Review C1: ``FSDP_SHIM_DISABLED_FIXES=recompute``, ``deactivate()``, ``activate()``, then the
+    variable deleted and ``activate()``: the recompute fix must be installed (torch's functions are the
+    shim's wrappers, checkpoints recompute in the forward's dtype) and status must say so. It used to
+    stay unpatched while status said "patched". While it is switched off, a namespace counts as patched
+    when every other fix it lacks is (``NamespaceStatus.patched``): the switched-off fix is not counted."""
+    versions, result = shared_wrappers
+    namespaces = result["namespaces"]
+    assert set(namespaces) == set(versions)
+    for step in ("switched_off", "switched_off_again"):
+        off = result[step]
+        assert off["torch"] == {"forward": "as shipped", "generator": "as shipped"}, step
+        assert off["recompute_dtypes"] == FLOAT32_RECOMPUTE
+        expected = expected_for(versions)
+        assert off["changed"] == [key for key in expected if key not in SHARED], step
+        for namespace in namespaces:
+            assert off["recompute"][namespace]["reason"] == f"switched off by {DISABLED_FIXES_VARIABLE}"
+            assert off["recompute"][namespace]["patched"] is False
+            others = [fix for fix in FIXES if fix is not RECOMPUTE and fix.affects(versions[namespace])]
+            assert off["patched"][namespace] is bool(others), (step, namespace)
+    on = result["switched_on"]
+    assert on["torch"] == THE_SHIMS
+    assert on["recompute_dtypes"] == BF16_RECOMPUTE
+    assert on["changed"] == expected_for(versions)
+    for namespace in namespaces:
+        entry = on["recompute"][namespace]
+        assert (entry["patched"], entry["reason"]) == (True, "patched"), (namespace, entry)
+        assert sorted(map(key_of, entry["targets"])) == list(SHARED)
+        assert on["patched"][namespace] is True
+
+
+def test_every_namespace_shares_torchs_wrappers_and_the_last_one_removes_them(
+    shared_wrappers: tuple[dict[str, str], dict[str, Any]],
+) -> None:
+    """With lightning 2.4.0 and pytorch_lightning 2.6.6 both imported, every namespace reports the
+    recompute fix patched with the very same wrapper objects on torch (one layer). ``unpatch`` (what
+    ``deactivate()`` runs, namespace by namespace) leaves them in place, still pinning the recompute,
+    while another namespace's live record holds them, and the last one puts back exactly what torch
+    shipped: ``CheckpointFunction``'s staticmethod object itself and the generator function."""
+    _, result = shared_wrappers
+    namespaces = result["namespaces"]
+    assert result["layers"] == {
+        "torch.utils.checkpoint:CheckpointFunction.forward": 1,
+        "torch.utils.checkpoint:CheckpointFunction.backward": 0,
+        "torch.utils.checkpoint:_checkpoint_without_reentrant_generator": 1,
+    }
+    assert result["held"] == {namespace: ["forward", "generator"] for namespace in namespaces}
+    steps = result["unpatched"]
+    assert [step["namespace"] for step in steps] == namespaces and len(steps) > 1
+    for number, step in enumerate(steps, 1):
+        last = number == len(steps)
+        done = set(namespaces[:number])
+        assert step["returned"] == (["forward", "generator"] if last else []), step["namespace"]
+        assert step["still_the_shims"] == {"forward": not last, "generator": not last}
+        assert step["torch"] == ({"forward": "as shipped", "generator": "as shipped"} if last else THE_SHIMS)
+        assert step["recompute_dtypes"] == (FLOAT32_RECOMPUTE if last else BF16_RECOMPUTE)
+        for namespace, entry in step["recompute"].items():
+            expected = ("deactivated", False) if namespace in done else ("patched", True)
+            assert (entry["reason"], entry["patched"]) == expected, (step["namespace"], namespace, entry)
+    assert result["restored"] == {"forward": True, "generator": True}
+    final = result["final"]  # after activate() and the public deactivate()
+    assert final == {"restored": {"forward": True, "generator": True}, "changed": [], "as_shipped": True}
+
+
+def test_the_pin_does_nothing_where_the_dtype_did_not_change(
+    shared_wrappers: tuple[dict[str, str], dict[str, Any]],
+) -> None:
+    """A checkpoint whose forward and backward both run in float32 (``32-true``, ``*-mixed``, no
+    Lightning) recomputes in float32 and the shim never calls ``torch.set_default_dtype``; the count
+    sees the pin where the dtype did change (a bfloat16 forward: more calls than the same checkpoint
+    makes without the shim)."""
+    _, result = shared_wrappers
+    counted = result["set_default_dtype"]
+    assert counted["same"] == {
+        "recompute_dtypes": FLOAT32_RECOMPUTE,
+        "calls": 0,
+    }
+    assert counted["changed"]["recompute_dtypes"] == BF16_RECOMPUTE
+    assert counted["changed_unpatched"]["recompute_dtypes"] == {
+        "reentrant": "torch.float32",
+        "non_reentrant": "torch.float32",
+    }
+    assert counted["changed"]["calls"] > counted["changed_unpatched"]["calls"] > 0, counted
+
+
+# ============================================================================= armed at start-up, then switched off
+@pytest.fixture(scope="module")
+def armed_at_startup(layouts: dict[str, Layout]) -> tuple[tuple[str, ...], tuple[str, ...], dict[str, Any]]:
+    """Both layouts: the first one's namespaces patched at their import, the second one's imported while
+    the shim is off (``children.activation.armed_at_startup``)."""
+    if len(layouts) < 2:
+        pytest.skip("needs both Lightning layouts")
+    first, second = (LAYOUT_NAMESPACES[package] for package in layouts)
+    arguments = {"patched_at_import": first[0], "imported_while_off": second[0]}
+    return first, second, child("armed_at_startup", arguments, FSDP_SHIM="1")
+
+
+def test_a_namespace_patched_at_its_import_is_not_late(
+    armed_at_startup: tuple[tuple[str, ...], tuple[str, ...], dict[str, Any]],
+) -> None:
+    """Review C2: ``FSDP_SHIM=1`` arms the shim at start-up, so ``import lightning.pytorch`` (and the Fabric
+    it imports) is patched at its import; a later ``import fsdp_shim`` must not call it activated after
+    its import (no model can have been set up unpatched). A namespace imported while ``FSDP_SHIM=0`` and
+    activated afterwards is."""
+    first, second, result = armed_at_startup
+    assert result["armed_by_at_start"] and result["on"]["sources"][0] == result["armed_by_at_start"][0]
+    for namespace in first:
+        assert own_keys(result["at_import"], namespace), namespace  # patched at its import
+    for namespace in second:
+        assert own_keys(result["while_off"], namespace) == [], namespace  # not handed over while off
+        assert own_keys(result["on"]["wrappers"], namespace), namespace  # patched at the activation
+    statuses = result["on"]["statuses"]
+    assert {ns for ns, status in statuses.items() if status["imported"]} == {*first, *second}
+    for namespace in (*first, *second):
+        status = statuses[namespace]
+        assert status["activated_after_import"] is (namespace in second), (namespace, status)
+        assert status["patched"] is True, status
+
+
+def test_fsdp_shim_0_after_patching_says_what_stays(
+    armed_at_startup: tuple[tuple[str, ...], tuple[str, ...], dict[str, Any]],
+) -> None:
+    """Review C3: ``FSDP_SHIM=0`` set after Lightning was patched: the first line of ``status()`` says the
+    shim is switched off and that what it patched stays patched until ``deactivate()``, naming no way it
+    was armed (it is not armed any more); the wrappers stay (identity); a fix a release already contains
+    keeps saying so; ``deactivate()`` then removes everything."""
+    _, _, result = armed_at_startup
+    off = result["off"]
+    lines = off["text"].splitlines()
+    assert lines[0] == (
+        f"fsdp-shim {__version__}: switched off by FSDP_SHIM (what it patched before stays patched; "
+        "fsdp_shim.deactivate() removes it)"
+    )
+    assert " via " not in lines[0] and off["enabled"] is False
+    assert off["wrappers"] == result["on"]["wrappers"]
+    for namespace, status in off["statuses"].items():
+        if not status["imported"]:
+            continue
+        version = status["version"]
+        for fix in FIXES:
+            entry = fix_status(status, fix.name)
+            if fix.affects(version):
+                assert (entry["patched"], entry["reason"]) == (True, "patched"), (namespace, entry)
+            else:
+                assert entry["reason"] == fix.unaffected_reason(version), (namespace, entry)
+                assert "already contains it" in entry["reason"] or "nothing to fix" in entry["reason"]
+    assert result["deactivated"] == {"wrappers": [], "as_shipped": True}
 
 
 # ============================================================================= logging
@@ -752,45 +993,61 @@ def glue(layouts: dict[str, Layout]) -> tuple[str, dict[str, Any]]:
     return namespace, child("glue_fallback", {"namespace": namespace})
 
 
+FELL_BACK = "was used for this call, so it runs without {}"
+
+
 def test_a_call_that_falls_back_is_reported_and_status_stops_saying_patched(
     glue: tuple[str, dict[str, Any]],
 ) -> None:
-    """A Lightning attribute a wrapper reads went missing at call time: ``_desired_input_dtype`` for
-    the cast, ``forward_context`` raising or ``precision`` missing for the recompute. The call runs
-    Lightning's own method (no cast; backward in float32), each wrapper warns once, status stops
-    saying patched for that fix, and healthy plugins keep both fixes."""
+    """What a wrapper reads went missing at call time: ``_desired_input_dtype`` for the cast (a Lightning
+    rename), the checkpointed function as the first positional argument of torch's generator for the
+    recompute (torch changing its calling convention: the function by keyword), ``precision`` for the
+    rank check at ``setup_environment``. Each call runs the function the shim wrapped (no cast; the
+    recompute in the backward's float32; Lightning's ``setup_environment`` without the rank check),
+    each wrapper warns once, status stops saying patched for that fix, and healthy calls keep every
+    fix: a plain checkpoint afterwards still recomputes in its forward's dtype."""
     namespace, result = glue
-    assert result["dtypes"] == {
+    assert result["results"] == {
         "cast": ["torch.float32", "torch.float32"],  # Lightning's own (identity) convert_module
-        "forward_context": ["torch.float32", "torch.float32"],  # Lightning's own backward
-        "precision": ["torch.float32", "torch.float32"],
+        "checkpoint": ["torch.float32", "torch.float32"],  # torch's own generator, unpinned
+        "setup_environment": ["rank checks: 0", "rank checks: 0"],  # Lightning's own: the group is up, no check
     }
     assert len(result["warnings"]) == 3, result["warnings"]  # one per wrapper, not per call
-    cast, context, precision = result["warnings"]
-    fsdp = f"{namespace}.plugins.precision.fsdp.FSDPPrecision"
-    half = f"{namespace}.plugins.precision.half.HalfPrecision"
-    assert cast.startswith(f"fsdp-shim: {fsdp}.convert_module could not read what it needs (AttributeError: ")
-    assert cast.endswith("Lightning's own method was used for this call, so it runs without the cast fix")
-    assert context.startswith(f"fsdp-shim: {fsdp}.backward could not read what it needs (RuntimeError: forward_context")
-    assert precision.startswith(f"fsdp-shim: {half}.backward could not read what it needs (AttributeError: 'precision'")
-    for warning in (context, precision):
-        assert warning.endswith("Lightning's own method was used for this call, so it runs without the recompute fix")
+    cast, checkpoint, setup = result["warnings"]
+    assert cast.startswith(
+        f"fsdp-shim: {namespace}.plugins.precision.fsdp.FSDPPrecision.convert_module could not read what it needs "
+        "(AttributeError: "
+    )
+    assert cast.endswith("Lightning's own method " + FELL_BACK.format("the cast fix"))
+    assert checkpoint.startswith(
+        "fsdp-shim: torch.utils.checkpoint._checkpoint_without_reentrant_generator could not read what it needs "
+        "(TypeError: expected the checkpointed function as the first positional argument)"
+    )
+    assert checkpoint.endswith("torch's own function " + FELL_BACK.format("the recompute fix"))
+    assert setup.startswith(
+        f"fsdp-shim: {namespace}.strategies.fsdp.FSDPStrategy.setup_environment could not read what it needs "
+        "(AttributeError: 'precision' is gone"
+    )
+    assert setup.endswith("Lightning's own method " + FELL_BACK.format("the rank check"))
     status = result["status"]
     assert status["patched"] is False
     for fix in ("cast", "recompute"):
         entry = fix_status(status, fix)
         assert entry["patched"] is False
-        assert "fell back to Lightning's own method at call time" in entry["reason"]
+        assert "fell back to" in entry["reason"] and "at call time" in entry["reason"], entry
+    assert "_checkpoint_without_reentrant_generator fell back" in fix_status(status, "recompute")["reason"]
     assert result["healthy"] == {
         "cast": "torch.bfloat16",
-        "fsdp_backward": "torch.bfloat16",
-        "half_backward": "torch.bfloat16",
+        "reentrant": "torch.bfloat16",
+        "non_reentrant": "torch.bfloat16",
+        "setup_environment": [[namespace, "torch.bfloat16"]],  # the rank check ran, for this namespace
     }
 
 
 def test_strict_glue_error_does_not_claim_to_fall_back(glue: tuple[str, dict[str, Any]]) -> None:
     _, result = glue
     assert result["strict_warnings"] == []
+    assert set(result["strict_errors"]) == {"cast", "checkpoint", "setup_environment"}
     for name, errors in result["strict_errors"].items():
         assert len(errors) == 2, (name, errors)
         for error in errors:
@@ -819,34 +1076,50 @@ def reimport(layouts: dict[str, Layout]) -> tuple[str, str, dict[str, Any]]:
 @pytest.mark.per_release
 def test_a_namespace_imported_again_gets_its_new_classes_patched(reimport: tuple[str, str, dict[str, Any]]) -> None:
     """Lightning removed from ``sys.modules`` and imported again (test frameworks, reloaders): the new
-    classes get every fix the release lacks, and status describes them."""
+    classes get every fix the release lacks, torch's checkpoint keeps the very same wrappers (one layer),
+    and status describes the new classes."""
     namespace, version, result = reimport
     expected = expected_wrappers(namespace, version)
     assert result["new_class"] is True
-    assert [k for k in result["first_wrappers"] if k.startswith(namespace + ":")] == expected
-    assert [k for k in result["wrappers"] if k.startswith(namespace + ":")] == expected
+    assert seen_by(result["first_wrappers"], namespace) == expected
+    assert seen_by(result["wrappers"], namespace) == expected
+    assert result["same_torch_wrappers"] is True
     assert result["convert_dtype"] == "torch.bfloat16"  # the shim's cast, or the release's own
-    assert result["backward_dtype"] == "torch.bfloat16"
+    assert result["recompute_dtypes"] == BF16_RECOMPUTE
     assert result["status"]["patched"] is True and result["status"]["reason"].startswith("patched"), result["status"]
 
 
 def test_status_reads_the_classes_in_sys_modules_now(reimport: tuple[str, str, dict[str, Any]]) -> None:
     """Only the module that holds the FSDP precision class is imported again: until ``activate()`` its
-    new class runs unpatched, and status says so instead of reading the shim's records."""
+    new class runs unpatched (no cast), and status says so for the cast instead of reading the shim's
+    records. Then the strategy's module too: its new ``FSDPStrategy`` has no wrapper of the shim's (no
+    FSDP wrap of the cast's, no rank check) until ``activate()``. The recompute fix, whose targets are
+    torch's and were never imported again, stays patched and says so: checkpoints recompute in the
+    forward's dtype throughout."""
     namespace, version, result = reimport
+    expected = expected_targets(namespace, version)
     stale = result["one_module"]
     assert stale["new_class"] is True
     assert stale["convert_dtype"] == ("torch.float32" if CAST.affects(version) else "torch.bfloat16")
-    assert stale["backward_dtype"] == "torch.float32"
-    assert stale["status"]["patched"] is False
-    assert "was imported again after fsdp-shim patched it" in stale["status"]["reason"], stale
-    assert "fsdp_shim.activate()" in stale["status"]["reason"]
-    for fix in FIXES:
-        if fix.affects(version):
-            assert "was imported again" in fix_status(stale["status"], fix.name)["reason"]
+    strategy = [key for key in own_keys(expected_wrappers(namespace, version), namespace) if ":FSDPStrategy." in key]
+    assert own_keys(stale["wrappers"], namespace) == strategy  # the strategy's wrappers: its class is the same
+    assert stale["status"]["patched"] is not CAST.affects(version), stale["status"]
+    if CAST.affects(version):
+        assert "was imported again after fsdp-shim patched it" in stale["status"]["reason"], stale
+        assert "fsdp_shim.activate()" in stale["status"]["reason"]
+        assert "was imported again" in fix_status(stale["status"], CAST.name)["reason"]
+    both = result["two_modules"]
+    assert both["new_class"] is True
+    assert own_keys(both["wrappers"], namespace) == []
+    assert both["status"]["patched"] is not CAST.affects(version), both["status"]
+    for step in (stale, both):
+        assert shared(step["wrappers"]) == shared(expected["recompute"]) and step["same_torch_wrappers"] is True
+        assert step["recompute_dtypes"] == BF16_RECOMPUTE
+        assert fix_status(step["status"], RECOMPUTE.name)["reason"] == "patched"
     after = result["after_activate"]
-    assert [k for k in after["wrappers"] if k.startswith(namespace + ":")] == expected_wrappers(namespace, version)
-    assert (after["convert_dtype"], after["backward_dtype"]) == ("torch.bfloat16", "torch.bfloat16")
+    assert seen_by(after["wrappers"], namespace) == expected_wrappers(namespace, version)
+    assert after["same_torch_wrappers"] is True  # switched on again, not stacked
+    assert (after["convert_dtype"], after["recompute_dtypes"]) == ("torch.bfloat16", BF16_RECOMPUTE)
     assert after["status"]["patched"] is True, after
 
 

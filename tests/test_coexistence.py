@@ -1,11 +1,13 @@
-"""The shim next to other code that patches the same methods or imports Lightning itself, with real
+"""The shim next to other code that patches the same functions or imports Lightning itself, with real
 Lightning in fresh interpreters (``tests/children/coexistence.py`` and ``foreign.py``).
 
 Other wrappers: the shim composes with what was there, never takes another library's wrapper for its
-own, never removes one, and says so when it cannot simply remove its own. Each check runs on a target
-of each fix in one process: the cast's ``convert_module`` (inherited from ``Precision``), and the
-recompute's ``backward`` on Fabric's FSDP precision class (which defines it) and on the Trainer's
-(which inherits it); the classes are read directly, by identity.
+own, never removes one, and says so when it cannot simply remove its own. Each check runs in one
+process on a target of each kind the shim wraps: the cast's ``convert_module`` (inherited from
+``Precision``), and the recompute's ``CheckpointFunction.forward`` (a staticmethod in torch's class dict)
+and ``_checkpoint_without_reentrant_generator`` (a function of the module ``torch.utils.checkpoint``),
+which every namespace that needs the fix shares; the classes and the module are read directly, by
+identity. And a library that wraps the base class of an inherited target after the shim.
 
 A finder in front of the shim's that loads Lightning itself (instrumenting import hooks): the shim
 notices at the next import, patches then, and says so; a real FSDP fit shows the result.
@@ -21,56 +23,57 @@ from typing import Any
 import pytest
 from conftest import ROOT, Layout, an_affected_namespace, child_json, clean_env, installed_versions, make_venv
 
-from _fsdp_shim import NAMESPACES as NAMESPACE_KINDS
 from _fsdp_shim.config import CAST, RECOMPUTE
+from _fsdp_shim.fixes import plan_of, precision_class
 from _fsdp_shim.startup_files import write_files
 
 QUIET = ("-W", "ignore::DeprecationWarning")
 DTYPE_ON, DTYPE_OFF = "torch.bfloat16", "torch.float32"
-"""What each target gives a bf16-true plugin with the fix (the cast dtype, or the backward in the
-forward's dtype) and without it (Lightning's own: no cast, backward in float32)."""
+"""What each target gives with the fix (a bf16-true plugin's cast dtype, or a checkpoint's recompute in
+its forward's bfloat16) and without it (Lightning's own: no cast; torch's own: recompute in float32)."""
+KINDS = {
+    "convert": (CAST, "convert_module"),
+    "reentrant": (RECOMPUTE, "forward"),
+    "non_reentrant": (RECOMPUTE, "_checkpoint_without_reentrant_generator"),
+}
+"""Each kind of target: the fix that wraps it and the attribute (see ``children/coexistence.py``)."""
 
 
 def child(target: str, arguments: dict) -> Any:
     return child_json(f"coexistence:{target}", arguments, env=clean_env(), python_args=QUIET)
 
 
-def targets(layouts: dict[str, Layout]) -> list[dict[str, str]]:
-    """One target per method kind, where an installed release lacks its fix: the cast's
-    ``convert_module``, the recompute's ``backward`` that Fabric defines and the one the Trainer
-    inherits. Skips where there is none (2.0.x)."""
+def targets(layouts: dict[str, Layout]) -> list[dict[str, Any]]:
+    """One target per kind, where an installed release lacks its fix, with the shim's label for it and
+    whether the shim wraps it where the class inherits it (from the fix's plan). Skips where there is
+    none (2.0.x)."""
     versions = installed_versions(layouts)
     found = []
-    for fix, kind in ((CAST, "any"), (RECOMPUTE, "fabric"), (RECOMPUTE, "trainer")):
-        namespace = next(
-            (ns for ns, v in versions.items() if fix.affects(v) and kind in ("any", NAMESPACE_KINDS[ns])), None
-        )
+    for kind, (fix, attribute) in KINDS.items():
+        namespace = next((ns for ns, v in versions.items() if fix.affects(v)), None)
         if namespace is not None:
-            found.append({"fix": fix.name, "namespace": namespace})
+            [target] = [t for t in plan_of(fix)(namespace, versions[namespace]) if t.attribute == attribute]
+            found.append(
+                {
+                    "fix": fix.name,
+                    "namespace": namespace,
+                    "kind": kind,
+                    "label": target.label(namespace),
+                    "inherited": target.inherited,
+                }
+            )
     if not found:
         pytest.skip("no installed Lightning lacks a fix")
     return found
 
 
-def key(target: dict[str, str]) -> str:
-    return f"{target['fix']}:{target['namespace']}"
-
-
-def about(target: dict[str, str], warnings: list[str]) -> list[str]:
+def about(target: dict[str, Any], warnings: list[str]) -> list[str]:
     """The warnings about the shim's wrapper on ``target`` (they name it by its label)."""
-    attribute = {"cast": "convert_module", "recompute": "backward"}[target["fix"]]
-    label = f"{target['namespace']}.plugins.precision.fsdp.FSDPPrecision"  # 2.1.0's Trainer: ...PrecisionPlugin
-    return [w for w in warnings if label in w and f".{attribute} " in w]
-
-
-def defined_by_lightning(target: dict[str, str]) -> bool:
-    """Whether Lightning's class defines the method itself (Fabric's ``FSDPPrecision.backward``), so
-    whatever the class holds looks like Lightning's own, rather than inheriting it."""
-    return target["fix"] == "recompute" and NAMESPACE_KINDS[target["namespace"]] == "fabric"
+    return [w for w in warnings if f" {target['label']} " in w]
 
 
 # ----------------------------------------------------------------------------- other wrappers
-# Which class holds the method and whether the cast applies differs per release (2.1.0, 2.1.x,
+# Which class holds the cast's method and whether the cast applies differs per release (2.1.0, 2.1.x,
 # 2.2-2.4, 2.5+): the wrapt kind runs on every release; the rest of this file is the shim's own logic
 # and runs once, in the default session.
 @pytest.mark.parametrize("kind", ["plain", pytest.param("wrapt", marks=pytest.mark.per_release)])
@@ -80,29 +83,32 @@ def test_a_wrapper_put_there_first_is_composed_with_not_mistaken_for_the_fix(
     found = targets(layouts)
     result = child("foreign_wrapper_first", {"targets": found, "kind": kind})
     for target in found:
-        one = result[key(target)]
+        one = result[target["kind"]]
         assert one["dtype_on"] == DTYPE_ON, target  # the fix applies...
         assert one["their_calls_on"] == 1, target  # ...and their code still runs
         status = one["status_on"]
         assert status["affected"] is True and status["patched"] is True, (target, status)
-        if defined_by_lightning(target):  # the class defines it: a hot-fix there looks like Lightning's own
-            assert status["reason"] == "patched", (target, status)
-        else:
+        if target["inherited"]:  # Lightning ships nothing there: the shim says whose object it wraps
             assert "wraps" in status["reason"] and "which was there before" in status["reason"], (target, status)
+        else:  # the class or module defines it: a hot-fix there looks like the shipped function
+            assert status["reason"] == "patched", (target, status)
         assert one["theirs_restored"] is True, target  # deactivate() puts back their object itself
         assert one["dtype_off"] == DTYPE_OFF, target
         assert one["their_calls_off"] == 1, target
 
 
 def test_a_wrapper_put_on_top_is_never_taken_for_the_shims_own(layouts: dict[str, Layout]) -> None:
+    """Their wrapt wrapper on top of the shim's: ``deactivate()`` switches the shim's off in place (one
+    warning per target; for torch's, shared, when the last namespace lets it go) and every namespace's
+    status says it is deactivated, and one at least names the wrapper left in place; ``activate()``
+    switches it back on."""
     found = targets(layouts)
     result = child("foreign_wrapper_on_top", {"targets": found})
-    # deactivate(): their wrapper stays on each class, the shim's (under it) passes calls through.
     assert len(result["deactivate_warnings"]) == len(found), result["deactivate_warnings"]
     for target in found:
         [warning] = about(target, result["deactivate_warnings"])
         assert "has wrapped it since" in warning and "passes every call through" in warning
-        one = result["targets"][key(target)]
+        one = result["targets"][target["kind"]]
         assert one["foreign_counts_as_shim_wrapper"] is False
         assert one["status_on"]["patched"] is True
         assert "is under a " in one["status_on"]["reason"]
@@ -110,8 +116,11 @@ def test_a_wrapper_put_on_top_is_never_taken_for_the_shims_own(layouts: dict[str
         assert one["foreign_still_on_class"] is True
         assert one["dtype_off"] == DTYPE_OFF
         assert one["status_off"]["patched"] is False
-        assert one["status_off"]["reason"].startswith("deactivated; ")
-        assert "passes calls through" in one["status_off"]["reason"]
+        assert one["status_off"]["reason"].startswith("deactivated"), one["status_off"]
+        assert all(entry["patched"] is False for entry in one["statuses_off"])
+        saying = [e for e in one["statuses_off"] if target["label"] in e["reason"]]
+        assert saying and all(e["reason"].startswith("deactivated; ") for e in saying), one["statuses_off"]
+        assert all("passes calls through" in e["reason"] for e in saying)
         # activate(): the buried wrapper is switched back on, nothing is stacked or adopted.
         assert one["foreign_still_on_class_after_activate"] is True
         assert one["shim_layers"] == 1
@@ -129,10 +138,33 @@ def test_a_replaced_wrapper_is_reported_and_the_replacement_kept(layouts: dict[s
     for target in found:
         [warning] = about(target, result["deactivate_warnings"])
         assert "already been replaced" in warning
-        one = result["targets"][key(target)]
+        one = result["targets"][target["kind"]]
         assert one["status"]["patched"] is False
         assert "other code replaced its wrapper" in one["status"]["reason"]
         assert one["replacement_kept"] is True
+
+
+def test_a_library_that_wraps_the_base_class_after_the_shim_still_runs(layouts: dict[str, Layout]) -> None:
+    """Review B2: the FSDP precision class inherits ``convert_module`` (2.1-2.4), the shim wrapped it on
+    that class, and then another library (a tracer) wraps the base class's ``Precision.convert_module``
+    with wrapt. Without the shim their wrapper would run for every FSDP plugin; with it, it still does,
+    and the shim's cast too (its wrapper looks the inherited method up at every call, not once).
+    ``deactivate()`` restores inheritance and leaves their wrapper alone. Trainer and Fabric: their
+    ``Precision`` classes differ (the Trainer's inherits the method from Fabric's)."""
+    layout = next((lay for lay in layouts.values() if CAST.affects(lay.trainer_version)), None)
+    if layout is None:
+        pytest.skip("needs a Lightning release that lacks the cast (its FSDP precision class inherits it)")
+    versions = {ns: v for ns, v in installed_versions({layout.package: layout}).items() if CAST.affects(v)}
+    result = child("base_class_wrapped_after", {"namespaces": list(versions)})
+    for namespace, version in versions.items():
+        one = result[namespace]
+        fsdp_class = precision_class(namespace, version)
+        assert one["inherited_as_shipped"] is True and one["derives_from_base"] is True, one
+        assert one["shim_on_the_class"] is True
+        assert (one["dtype_on"], one["their_calls_on"]) == (DTYPE_ON, [fsdp_class]), one
+        assert one["status_on"]["fix"] == CAST.name and one["status_on"]["patched"] is True
+        assert one["inherited_again"] is True and one["theirs_kept"] is True
+        assert (one["dtype_off"], one["their_calls_off"]) == (DTYPE_OFF, [fsdp_class]), one
 
 
 # ----------------------------------------------------------------------------- a finder in front

@@ -4,6 +4,7 @@ function decides its own import order (nothing here imports Lightning or fsdp_sh
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -15,13 +16,14 @@ import warnings
 from typing import Any
 
 from children.classes import (
+    NAMESPACES,
     as_shipped,
-    backward_dtype,
     changed,
     converted_dtype,
     import_all,
     layers,
     precision_class,
+    recompute_dtypes,
     shim_warnings,
     snapshot,
     statuses,
@@ -198,7 +200,6 @@ def import_order(imports: list[str]) -> dict[str, Any]:
         warnings.simplefilter("always")
         for name in imports:
             importlib.import_module(name)
-    from children.classes import NAMESPACES
 
     return {
         "wrappers": wrappers(),
@@ -354,6 +355,138 @@ def disabled_fixes(settings: list[str]) -> list[dict[str, Any]]:
     return results
 
 
+# ----------------------------------------------------------------------------- the recompute's shared wrappers
+def _torch_targets() -> dict[str, Any]:
+    """What ``torch.utils.checkpoint`` holds now, in the class and module dicts (a staticmethod itself)."""
+    from torch.utils import checkpoint
+
+    return {
+        "forward": checkpoint.CheckpointFunction.__dict__["forward"],
+        "generator": checkpoint.__dict__["_checkpoint_without_reentrant_generator"],
+    }
+
+
+def _recompute_entries(namespaces: list[str]) -> dict[str, dict[str, Any]]:
+    found = statuses()
+    return {ns: next(fix for fix in found[ns]["fixes"] if fix["fix"] == "recompute") for ns in namespaces}
+
+
+def shared_wrappers() -> dict[str, Any]:
+    """The recompute fix's wrappers on torch, shared by every namespace that needs it, in one process:
+
+    1. ``FSDP_SHIM_DISABLED_FIXES=recompute`` at ``import fsdp_shim``, then ``deactivate()`` and
+       ``activate()``; then the variable deleted and ``activate()`` again (review C1: the fix stayed
+       unpatched while status said "patched").
+    2. Which wrapper objects each namespace's record holds; then ``unpatch`` (what ``deactivate()``
+       runs per namespace) namespace by namespace: torch's objects stay until the last one.
+    3. ``activate()``, and ``torch.set_default_dtype`` counted: a checkpoint whose forward and backward
+       both run in float32, one whose forward ran in bfloat16, and the latter after ``deactivate()``.
+
+    torch's objects are compared with the very ones it shipped (read before anything else ran)."""
+    import torch
+
+    originals = _torch_targets()
+    imported = import_all()
+    pristine = snapshot()
+    namespaces = [name for name in NAMESPACES if name in sys.modules]
+    os.environ["FSDP_SHIM_DISABLED_FIXES"] = "recompute"
+    import fsdp_shim
+    from _fsdp_shim import wrappers as layer
+    from _fsdp_shim.config import RECOMPUTE
+
+    def state() -> dict[str, Any]:
+        now = _torch_targets()
+        return {
+            "torch": {
+                key: "as shipped" if obj is originals[key] else "shim" if layer.is_shim_wrapper(obj) else "other"
+                for key, obj in now.items()
+            },
+            "changed": changed(pristine, snapshot()),
+            "recompute": _recompute_entries(namespaces),
+            "patched": {ns: status["patched"] for ns, status in statuses().items() if ns in namespaces},
+            "recompute_dtypes": recompute_dtypes(),
+        }
+
+    out: dict[str, Any] = {"imported": imported, "namespaces": namespaces, "switched_off": state()}
+    fsdp_shim.deactivate()
+    fsdp_shim.activate()
+    out["switched_off_again"] = state()
+    del os.environ["FSDP_SHIM_DISABLED_FIXES"]
+    fsdp_shim.activate()
+    out["switched_on"] = state()
+    on_torch = _torch_targets()
+    out["layers"] = {key: n for key, n in layers().items() if key.startswith("torch.")}
+    out["held"] = {  # the very objects on torch, in each namespace's record (the shim's bookkeeping)
+        ns: [key for key, obj in on_torch.items() if any(w is obj for w in layer._records[(ns, "recompute")].wrappers)]
+        for ns in namespaces
+    }
+    steps = []
+    for ns in namespaces:
+        returned = layer.unpatch(ns, RECOMPUTE)
+        steps.append(
+            {
+                "namespace": ns,
+                "returned": [key for key, obj in on_torch.items() if any(w is obj for w, _ in returned)],
+                "still_the_shims": {key: obj is on_torch[key] for key, obj in _torch_targets().items()},
+                **state(),
+            }
+        )
+    out["unpatched"] = steps
+    out["restored"] = {key: obj is originals[key] for key, obj in _torch_targets().items()}
+
+    fsdp_shim.activate()
+    calls: list[str] = []
+    real = torch.set_default_dtype
+
+    def counting(dtype: Any) -> None:
+        calls.append(str(dtype))
+        real(dtype)
+
+    torch.set_default_dtype = counting  # type: ignore[assignment]
+    counted: dict[str, Any] = {}
+    for name, forward in (("same", "torch.float32"), ("changed", "torch.bfloat16")):
+        calls.clear()
+        counted[name] = {"recompute_dtypes": recompute_dtypes(forward, "torch.float32"), "calls": len(calls)}
+    fsdp_shim.deactivate()
+    calls.clear()
+    counted["changed_unpatched"] = {"recompute_dtypes": recompute_dtypes(), "calls": len(calls)}
+    torch.set_default_dtype = real  # type: ignore[assignment]
+    out["set_default_dtype"] = counted
+    out["final"] = {
+        "restored": {key: obj is originals[key] for key, obj in _torch_targets().items()},
+        "changed": changed(pristine, snapshot()),
+        "as_shipped": all(as_shipped(snapshot()).values()),
+    }
+    return out
+
+
+# ----------------------------------------------------------------------------- armed at start-up
+def armed_at_startup(patched_at_import: str, imported_while_off: str) -> dict[str, Any]:
+    """``FSDP_SHIM=1`` in the environment (the ``.pth`` file arms the finder at start-up): the first
+    namespace is imported and patched at its import; the second is imported with ``FSDP_SHIM=0`` set in
+    the script (not handed over); then ``FSDP_SHIM=1`` again and ``import fsdp_shim`` (review C2). Then
+    ``FSDP_SHIM=0`` set after Lightning was patched (review C3): what ``status()`` says, and that
+    ``deactivate()`` still removes everything."""
+    import _fsdp_shim
+
+    out: dict[str, Any] = {"armed_by_at_start": list(_fsdp_shim.ARMED_BY)}
+    importlib.import_module(patched_at_import)
+    out["at_import"] = wrappers()
+    os.environ["FSDP_SHIM"] = "0"
+    importlib.import_module(imported_while_off)
+    out["while_off"] = wrappers()
+    os.environ["FSDP_SHIM"] = "1"
+    import fsdp_shim
+
+    out["on"] = {"statuses": statuses(), "wrappers": wrappers(), "sources": list(fsdp_shim.status().sources)}
+    os.environ["FSDP_SHIM"] = "0"
+    status = fsdp_shim.status()
+    out["off"] = {"text": str(status), "statuses": statuses(), "wrappers": wrappers(), "enabled": status.enabled}
+    fsdp_shim.deactivate()
+    out["deactivated"] = {"wrappers": wrappers(), "as_shipped": all(as_shipped(snapshot()).values())}
+    return out
+
+
 # ----------------------------------------------------------------------------- logging
 def logs(namespace: str) -> None:
     """The INFO and DEBUG records at import (logging configured, to stdout); then, with logging
@@ -378,66 +511,127 @@ def logs(namespace: str) -> None:
 
 
 # ----------------------------------------------------------------------------- glue that fails at call time
-def _raising_forward_context() -> Any:
-    raise RuntimeError("forward_context is gone (what a Lightning rename looks like)")
+def _checkpoint_by_keyword(block: Any, x: Any) -> Any:
+    """A non-reentrant checkpoint written against another calling convention of torch's generator (its
+    function by keyword), the way ``torch.utils.checkpoint.checkpoint`` drives it: what a torch that
+    changed its convention looks like to the shim's wrapper."""
+    from torch.utils import checkpoint
+
+    generator = checkpoint._checkpoint_without_reentrant_generator(fn=block, preserve_rng_state=True, x=x)
+    next(generator)
+    out = block(x=x)
+    with contextlib.suppress(StopIteration):
+        next(generator)
+    return out
+
+
+def _recompute_by_keyword() -> str:
+    """``recompute_dtype(reentrant=False)`` through ``_checkpoint_by_keyword``."""
+    import torch
+
+    from children.classes import default_dtype
+
+    seen: list[str] = []
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        seen.append(str(torch.get_default_dtype()))
+        return torch.sin(x)
+
+    x = torch.ones(2, requires_grad=True)
+    with default_dtype("torch.bfloat16"):
+        out = _checkpoint_by_keyword(block, x)
+    out.sum().backward()
+    forward, recompute = seen
+    assert forward == "torch.bfloat16", forward
+    return recompute
+
+
+def _strategy(namespace: str, plugin: Any) -> Any:
+    """Fabric's FSDP strategy on this CPU with ``plugin``, as Fabric's connector builds it."""
+    import torch
+
+    accelerator = importlib.import_module(f"{namespace}.accelerators").CPUAccelerator()
+    environment = importlib.import_module(f"{namespace}.plugins.environments").LightningEnvironment()
+    fsdp = importlib.import_module(f"{namespace}.strategies.fsdp")
+    return fsdp.FSDPStrategy(
+        accelerator=accelerator,
+        parallel_devices=[torch.device("cpu")],
+        cluster_environment=environment,
+        precision=plugin,
+    )
 
 
 def glue_fallback(namespace: str) -> dict[str, Any]:
-    """Plugins missing what the shim's wrappers read (what a renamed Lightning attribute looks like): a
-    cast whose plugin lost ``_desired_input_dtype``, a backward whose plugin's ``forward_context``
-    raises, and one whose plugin has no ``precision``. Each call falls back to Lightning's own method,
-    once said; healthy plugins keep the fixes. Then the same in strict mode: errors, and no claim of
-    falling back. Fabric's plugins: their ``backward`` needs no Trainer."""
+    """What the shim's wrappers read went missing at call time: a cast whose plugin lost
+    ``_desired_input_dtype`` (a renamed Lightning attribute), a non-reentrant checkpoint that hands
+    torch's generator its function by keyword (torch changed its calling convention), and Fabric's
+    ``FSDPStrategy.setup_environment`` whose precision plugin has no ``precision``. Each call falls back
+    to the function the shim wrapped, once said; healthy calls keep both fixes. Then the same in
+    strict mode: errors, and no claim of falling back. The rank check is counted where the shim's body
+    calls it (``rank_check.confirm_every_rank``: in one process it returns at once)."""
+    import torch
+
     import fsdp_shim
+    from _fsdp_shim import rank_check
 
     importlib.import_module(namespace)
-    fsdp_class, half_class = precision_class(namespace), precision_class(namespace, "half")
+    fsdp_class = precision_class(namespace)
+    confirmed: list[list[str]] = []
+    confirm = rank_check.confirm_every_rank
 
-    class WithoutPrecision(half_class):  # type: ignore[misc, valid-type]
+    def counting(where: str, dtype: Any) -> None:
+        confirmed.append([where, str(dtype)])
+        confirm(where, dtype)
+
+    rank_check.confirm_every_rank = counting  # type: ignore[assignment]
+
+    class WithoutPrecision(fsdp_class):  # type: ignore[misc, valid-type]
         @property
         def precision(self) -> str:
             raise AttributeError("'precision' is gone (what a Lightning rename looks like)")
 
-        @precision.setter
-        def precision(self, value: str) -> None:
-            pass
+    def without_precision() -> Any:
+        plugin = fsdp_class(precision="bf16-true")  # its __init__ reads `precision`: the class changes after
+        plugin.__class__ = WithoutPrecision
+        return plugin
 
-    def broken_plugins() -> dict[str, Any]:
-        cast = fsdp_class(precision="bf16-true")
-        del cast._desired_input_dtype  # instance-only: `precision` has a class default
-        context = fsdp_class(precision="bf16-true")
-        context.forward_context = _raising_forward_context
-        return {"cast": cast, "forward_context": context, "precision": WithoutPrecision(precision="bf16-true")}
+    def without_dtype() -> Any:
+        plugin = fsdp_class(precision="bf16-true")
+        del plugin._desired_input_dtype  # instance-only: `precision` has a class default
+        return plugin
 
-    def call(name: str, plugin: Any) -> str:
-        import torch
-
+    def call(name: str) -> Any:
         if name == "cast":
-            return str(plugin.convert_module(torch.nn.Linear(2, 2)).weight.dtype)
-        return backward_dtype(plugin)
+            return str(without_dtype().convert_module(torch.nn.Linear(2, 2)).weight.dtype)
+        if name == "checkpoint":
+            return _recompute_by_keyword()
+        before = len(confirmed)
+        _strategy(namespace, without_precision()).setup_environment()
+        return f"rank checks: {len(confirmed) - before}"
 
+    names = ("cast", "checkpoint", "setup_environment")
     results: dict[str, list[str]] = {}
     errors: dict[str, list[str]] = {}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for name, plugin in broken_plugins().items():
-            results[name] = [call(name, plugin) for _ in range(2)]
-    out: dict[str, Any] = {"dtypes": results, "warnings": shim_warnings(caught)}
-    status = fsdp_shim.status().namespace(namespace)
-    out["status"] = status.as_dict()
+        for name in names:
+            results[name] = [call(name) for _ in range(2)]
+    out: dict[str, Any] = {"results": results, "warnings": shim_warnings(caught)}
+    out["status"] = fsdp_shim.status().namespace(namespace).as_dict()
+    _strategy(namespace, fsdp_class(precision="bf16-true")).setup_environment()
     out["healthy"] = {
         "cast": converted_dtype(fsdp_class),
-        "fsdp_backward": backward_dtype(fsdp_class(precision="bf16-true")),
-        "half_backward": backward_dtype(half_class(precision="bf16-true")),
+        **recompute_dtypes(),
+        "setup_environment": confirmed,
     }
     os.environ["FSDP_SHIM_STRICT"] = "1"
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for name, plugin in broken_plugins().items():
+        for name in names:
             errors[name] = []
             for _ in range(2):
                 try:
-                    call(name, plugin)
+                    call(name)
                 except fsdp_shim.FSDPShimError as error:
                     errors[name].append(str(error))
     out.update(strict_errors=errors, strict_warnings=shim_warnings(caught))

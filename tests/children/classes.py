@@ -6,9 +6,11 @@ activates nothing): each child decides its own import order.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import sys
 import types
+from collections.abc import Iterator
 from typing import Any
 
 from _fsdp_shim import NAMESPACES as NAMESPACE_KINDS
@@ -26,7 +28,15 @@ TARGETS = (
         ("convert_module", "backward"),
     ),
     ("plugins.precision.half", ("HalfPrecision", "HalfPrecisionPlugin"), ("backward",)),
-    ("strategies.fsdp", ("FSDPStrategy",), ("setup", "connect", "_setup_model", "setup_module")),
+    ("strategies.fsdp", ("FSDPStrategy",), ("setup", "connect", "_setup_model", "setup_module", "setup_environment")),
+)
+SHARED_MODULE = "torch.utils.checkpoint"
+# torch's checkpoint entry points the recompute fix wraps (one wrapper for every namespace), keyed
+# ``torch.utils.checkpoint:Class.attribute`` or ``torch.utils.checkpoint:function``; the class's
+# ``backward`` is there to prove it stays untouched.
+SHARED_TARGETS = (
+    ("CheckpointFunction", ("forward", "backward")),
+    ("", ("_checkpoint_without_reentrant_generator",)),
 )
 
 
@@ -44,8 +54,17 @@ def import_all() -> list[str]:
 
 def snapshot() -> dict[str, Any]:
     """Every class attribute the shim could touch in the imported namespaces, as the objects themselves
-    (``MISSING`` where the class inherits it), keyed ``namespace:Class.attribute``."""
+    (``MISSING`` where the class inherits it), keyed ``namespace:Class.attribute``; once torch is
+    imported, also torch's checkpoint entry points (``SHARED_TARGETS``), the objects in the class or
+    module dict (a staticmethod is the staticmethod object itself)."""
     out = {}
+    if "torch" in sys.modules:
+        checkpoint = importlib.import_module(SHARED_MODULE)
+        for class_name, attributes in SHARED_TARGETS:
+            owner = checkpoint.__dict__[class_name] if class_name else checkpoint
+            for attribute in attributes:
+                name = ".".join(filter(None, (class_name, attribute)))
+                out[f"{SHARED_MODULE}:{name}"] = owner.__dict__.get(attribute, MISSING)
     for namespace in NAMESPACES:
         if namespace not in sys.modules:
             continue
@@ -70,13 +89,19 @@ def changed(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
 
 
 def as_shipped(objects: dict[str, Any]) -> dict[str, bool]:
-    """Per key: is it what Lightning ships, i.e. inherited (nothing in the class dict) or a plain
-    function of that namespace? A wrapt proxy of a function is neither."""
-    return {
-        key: obj is MISSING
-        or (type(obj) is types.FunctionType and obj.__module__.startswith(key.partition(":")[0] + "."))
-        for key, obj in objects.items()
-    }
+    """Per key: is it what Lightning (or torch) ships, i.e. inherited (nothing in the class dict), or a
+    plain function of that namespace or module, or a ``staticmethod`` of one? A wrapt proxy of either
+    is neither."""
+
+    def ships(key: str, obj: Any) -> bool:
+        if obj is MISSING:
+            return True
+        if type(obj) is staticmethod:
+            obj = obj.__func__
+        home = key.partition(":")[0]
+        return type(obj) is types.FunctionType and (obj.__module__ == home or obj.__module__.startswith(home + "."))
+
+    return {key: ships(key, obj) for key, obj in objects.items()}
 
 
 def wrappers() -> list[str]:
@@ -119,30 +144,57 @@ def converted_dtype(plugin_class: type, precision: str = "bf16-true") -> str:
     return str(plugin_class(precision=precision).convert_module(torch.nn.Linear(2, 2)).weight.dtype)
 
 
-def backward_dtype(plugin: Any) -> str:
-    """The default dtype the autograd engine sees while ``plugin.backward`` runs (what a checkpointed
-    block that makes a tensor without an explicit dtype gets in its recompute)."""
+def recompute_dtype(
+    reentrant: bool, forward_dtype: str = "torch.bfloat16", backward_dtype: str = "torch.float32"
+) -> str:
+    """The default dtype a checkpointed block sees in its recompute, when its forward runs with the
+    default dtype ``forward_dtype`` (what Lightning's "true" precisions set around the forward) and
+    the backward with ``backward_dtype`` (what they leave outside it): the forward's with the recompute
+    fix, the backward's without it. ``reentrant`` picks ``CheckpointFunction`` or the generator.
+
+    The block records the dtype as its FIRST statement: a non-reentrant recompute stops as soon as it
+    has recomputed every tensor the backward needs (``torch.sin`` saves its input), so a record after
+    that would never be made."""
+    import torch
+    from torch.utils.checkpoint import checkpoint
+
+    seen: list[torch.dtype] = []
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        seen.append(torch.get_default_dtype())
+        return torch.sin(x)
+
+    x = torch.ones(2, dtype=torch.float32, requires_grad=True)
+    with default_dtype(forward_dtype):
+        out = checkpoint(block, x, use_reentrant=reentrant)
+    with default_dtype(backward_dtype):
+        out.sum().backward()
+    forward, recompute = seen  # one forward, one recompute
+    assert str(forward) == forward_dtype, (forward, forward_dtype)
+    return str(recompute)
+
+
+def recompute_dtypes(forward_dtype: str = "torch.bfloat16", backward_dtype: str = "torch.float32") -> dict[str, str]:
+    """``recompute_dtype`` for both kinds of checkpoint: ``{"reentrant": ..., "non_reentrant": ...}``."""
+    return {
+        "reentrant": recompute_dtype(True, forward_dtype, backward_dtype),
+        "non_reentrant": recompute_dtype(False, forward_dtype, backward_dtype),
+    }
+
+
+@contextlib.contextmanager
+def default_dtype(name: str) -> Iterator[None]:
+    """The default dtype ``name`` (``"torch.bfloat16"``) inside, as Lightning's ``_DtypeContextManager``
+    sets it; nothing is called where it is the default dtype already."""
     import torch
 
-    seen: list[str] = []
-
-    class Probe(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, tensor: torch.Tensor) -> torch.Tensor:
-            return tensor.clone()
-
-        @staticmethod
-        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-            seen.append(str(torch.get_default_dtype()))
-            return grad
-
-    loss = Probe.apply(torch.ones(2, requires_grad=True)).sum()
-    namespace = next(  # of the Lightning class it is or derives from
-        name for cls in type(plugin).__mro__ for name in NAMESPACES if cls.__module__.startswith(name + ".")
-    )
-    if NAMESPACE_KINDS[namespace] == "trainer":  # Trainer: backward(tensor, model, optimizer) -> model.backward
-        plugin.backward(loss, importlib.import_module(namespace).LightningModule(), None)
-    else:
-        plugin.backward(loss, None)
-    [dtype] = seen
-    return dtype
+    dtype = getattr(torch, name.removeprefix("torch."))
+    previous = torch.get_default_dtype()
+    if dtype == previous:
+        yield
+        return
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)

@@ -1,10 +1,13 @@
-"""Another library patching the same methods as the shim: a tracer, a profiler, a team's hot-fix.
+"""Another library patching the same functions as the shim: a tracer, a profiler, a team's hot-fix.
 
-Each function takes a list of targets, ``{"fix": "cast" | "recompute", "namespace": ...}``: the cast's
-``convert_module`` or the recompute's ``backward`` on the namespace's FSDP precision class. They are
-different class attributes, so one process checks several without one disturbing another. ``dtype``
-is what the target does for a bf16-true plugin: the weight dtype ``convert_module`` gives, or the
-default dtype the backward runs in (the forward's under the recompute fix, float32 without it).
+Each function takes a list of targets, ``{"fix": ..., "namespace": ..., "kind": ...}``, one per kind of
+function the shim wraps: ``convert`` (the cast's ``convert_module`` on the namespace's FSDP precision
+class, which inherits it), ``reentrant`` (the recompute's ``CheckpointFunction.forward``, a staticmethod
+in torch's class dict) and ``non_reentrant`` (the recompute's ``_checkpoint_without_reentrant_generator``,
+a function of the module ``torch.utils.checkpoint``). They are different attributes, so one process
+checks several without one disturbing another. ``dtype`` is what the target does: the weight dtype
+``convert_module`` gives a bf16-true plugin's model, or the default dtype a checkpointed block is
+recomputed in when its forward ran in bfloat16 (the forward's under the recompute fix, float32 without).
 """
 
 from __future__ import annotations
@@ -13,30 +16,40 @@ import importlib
 import warnings
 from typing import Any
 
-from children.classes import backward_dtype, converted_dtype, precision_class, shim_warnings, statuses
-
-ATTRIBUTE = {"cast": "convert_module", "recompute": "backward"}
+from children.classes import converted_dtype, precision_class, recompute_dtype, shim_warnings, statuses
 
 
 class Target:
-    def __init__(self, fix: str, namespace: str) -> None:
+    def __init__(self, fix: str, namespace: str, kind: str) -> None:
         importlib.import_module(namespace)
-        self.fix, self.namespace = fix, namespace
-        self.cls = precision_class(namespace)
-        self.attribute = ATTRIBUTE[fix]
+        self.fix, self.namespace, self.kind = fix, namespace, kind
+        checkpoint = importlib.import_module("torch.utils.checkpoint")
+        self.owner: Any
+        if kind == "convert":
+            self.owner, self.attribute = precision_class(namespace), "convert_module"
+        elif kind == "reentrant":
+            self.owner, self.attribute = checkpoint.CheckpointFunction, "forward"
+        else:
+            self.owner, self.attribute = checkpoint, "_checkpoint_without_reentrant_generator"
         self.calls: list[str] = []
 
     def dtype(self) -> str:
-        if self.fix == "cast":
-            return converted_dtype(self.cls)
-        return backward_dtype(self.cls(precision="bf16-true"))
+        if self.kind == "convert":
+            return converted_dtype(self.owner)
+        return recompute_dtype(reentrant=self.kind == "reentrant")
 
     def on_class(self) -> Any:
-        return self.cls.__dict__.get(self.attribute)
+        """What the class (or module) dict holds: for a staticmethod, the object itself."""
+        return self.owner.__dict__.get(self.attribute)
 
     def status(self) -> dict[str, Any]:
         [fix] = [fix for fix in statuses()[self.namespace]["fixes"] if fix["fix"] == self.fix]
         return fix
+
+    def statuses_of_every_namespace(self) -> list[dict[str, Any]]:
+        """The fix's status in every imported namespace (the recompute's torch wrappers are shared)."""
+        found = [status for status in statuses().values() if status["imported"]]
+        return [fix for status in found for fix in status["fixes"] if fix["fix"] == self.fix]
 
     def tracer(self, wrapped: Any, instance: Any, args: Any, kwargs: Any) -> Any:
         self.calls.append("theirs")
@@ -45,22 +58,24 @@ class Target:
     def wrap_with_wrapt(self) -> None:
         import wrapt
 
-        wrapt.wrap_function_wrapper(self.cls, self.attribute, self.tracer)
+        wrapt.wrap_function_wrapper(self.owner, self.attribute, self.tracer)
 
     def replace_with_plain_function(self) -> None:
-        """What a hot-fix does: a function that calls what the class had (Lightning's own, inherited or not)."""
-        previous = getattr(self.cls, self.attribute)
+        """What a hot-fix does: a function that calls what was there (Lightning's or torch's own,
+        inherited or not), a staticmethod where that was one."""
+        previous = getattr(self.owner, self.attribute)
         calls = self.calls
 
-        def theirs(plugin: Any, *args: Any, **kwargs: Any) -> Any:
+        def theirs(*args: Any, **kwargs: Any) -> Any:
             calls.append("theirs")
-            return previous(plugin, *args, **kwargs)
+            return previous(*args, **kwargs)
 
-        setattr(self.cls, self.attribute, theirs)
+        static = isinstance(self.owner.__dict__.get(self.attribute), staticmethod)
+        setattr(self.owner, self.attribute, staticmethod(theirs) if static else theirs)
 
 
 def _targets(targets: list[dict[str, str]]) -> dict[str, Target]:
-    return {f"{t['fix']}:{t['namespace']}": Target(t["fix"], t["namespace"]) for t in targets}
+    return {t["kind"]: Target(t["fix"], t["namespace"], t["kind"]) for t in targets}
 
 
 def foreign_wrapper_first(targets: list[dict[str, str]], kind: str) -> dict[str, Any]:
@@ -115,6 +130,7 @@ def foreign_wrapper_on_top(targets: list[dict[str, str]]) -> dict[str, Any]:
             foreign_still_on_class=target.on_class() is out[key]["foreign"],
             dtype_off=target.dtype(),
             status_off=target.status(),
+            statuses_off=target.statuses_of_every_namespace(),
         )
     fsdp_shim.activate()
     for key, target in found.items():
@@ -143,11 +159,12 @@ def shim_wrapper_replaced(targets: list[dict[str, str]]) -> dict[str, Any]:
     replacements = {}
     for key, target in found.items():
 
-        def replacement(plugin: Any, *args: Any, **kwargs: Any) -> Any:
+        def replacement(*args: Any, **kwargs: Any) -> Any:
             raise AssertionError("never called")
 
-        setattr(target.cls, target.attribute, replacement)
-        replacements[key] = replacement
+        static = target.kind == "reentrant"  # CheckpointFunction.forward: a staticmethod, replaced by one
+        replacements[key] = staticmethod(replacement) if static else replacement
+        setattr(target.owner, target.attribute, replacements[key])
     out: dict[str, Any] = {key: {"status": target.status()} for key, target in found.items()}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -155,3 +172,51 @@ def shim_wrapper_replaced(targets: list[dict[str, str]]) -> dict[str, Any]:
     for key, target in found.items():
         out[key]["replacement_kept"] = target.on_class() is replacements[key]
     return {"targets": out, "deactivate_warnings": shim_warnings(caught)}
+
+
+def base_class_wrapped_after(namespaces: list[str]) -> dict[str, Any]:
+    """Review B2: after the shim patched a release whose FSDP precision class inherits ``convert_module``,
+    another library wraps the BASE class's ``convert_module`` (the namespace's ``Precision``) with wrapt.
+    The shim's wrapper looks the inherited method up at every call, so a bf16-true plugin's
+    ``convert_module`` runs their wrapper and the shim's cast; ``deactivate()`` restores inheritance and
+    leaves their wrapper on the base class."""
+    import wrapt
+
+    for namespace in namespaces:
+        importlib.import_module(namespace)
+    shipped = {ns: "convert_module" not in precision_class(ns).__dict__ for ns in namespaces}
+    import fsdp_shim
+
+    out: dict[str, Any] = {}
+    calls: dict[str, list[str]] = {ns: [] for ns in namespaces}
+    theirs = {}
+    for namespace in namespaces:
+        fsdp_class = precision_class(namespace)
+        base = importlib.import_module(f"{namespace}.plugins.precision").Precision
+
+        def tracer(wrapped: Any, instance: Any, args: Any, kwargs: Any, seen: list[str] = calls[namespace]) -> Any:
+            seen.append(type(instance).__name__)
+            return wrapped(*args, **kwargs)
+
+        wrapt.wrap_function_wrapper(base, "convert_module", tracer)
+        theirs[namespace] = base.__dict__["convert_module"]
+        out[namespace] = {
+            "inherited_as_shipped": shipped[namespace],
+            "derives_from_base": issubclass(fsdp_class, base) and fsdp_class is not base,
+            "shim_on_the_class": "convert_module" in fsdp_class.__dict__,
+            "dtype_on": converted_dtype(fsdp_class),
+            "their_calls_on": list(calls[namespace]),
+            "status_on": statuses()[namespace]["fixes"][0],
+        }
+    fsdp_shim.deactivate()
+    for namespace in namespaces:
+        fsdp_class = precision_class(namespace)
+        base = importlib.import_module(f"{namespace}.plugins.precision").Precision
+        calls[namespace].clear()
+        out[namespace].update(
+            inherited_again="convert_module" not in fsdp_class.__dict__,
+            theirs_kept=base.__dict__.get("convert_module") is theirs[namespace],
+            dtype_off=converted_dtype(fsdp_class),
+            their_calls_off=list(calls[namespace]),
+        )
+    return out

@@ -8,8 +8,8 @@ copied); only the CPU guards are lifted, here in the training program and nowher
 
 Each rank prints ``train_both: rank R node N FSDP_SHIM=V`` first, ``train_both: rank R failed: ...``
 if it fails, and writes ``<out>.rank<N>.json``: its rank, node, the Trainer's and Fabric's measurements,
-and what the shim did to the classes (read from the classes; empty where ``_fsdp_shim.activation``
-was never loaded: every activation mode loads it, only one imports ``fsdp_shim``). ``--shim before``
+and what the shim did to the classes (read from the classes; empty where the shim was never
+activated: every activation mode activates it, only one imports ``fsdp_shim``). ``--shim before``
 imports fsdp_shim before Lightning (the ``import fsdp_shim`` mode); ``off`` never imports it, so any
 shim seen comes from the launcher, the start-up file or ``FSDP_SHIM``.
 """
@@ -93,7 +93,7 @@ def train(argv: list[str]) -> None:
         "node": node_name(),
         "trainer": trainer,
         "fabric": fsdp_train.run_fabric_case(fabric, CASE, args.precision),
-        "shim": fsdp_train.shim_facts(trainer_ns, fabric_ns) if "_fsdp_shim.activation" in sys.modules else {},
+        "shim": fsdp_train.shim_facts(trainer_ns, fabric_ns) if fsdp_train.shim_active() else {},
         "lightning": pl.__version__,
         "seconds": round(time.monotonic() - started, 1),
     }

@@ -24,10 +24,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from scenario_exit import leave_process_group
 from torch import nn
 
 from _fsdp_shim.verify import cpu_guards, measure  # importing _fsdp_shim activates nothing
+from _fsdp_shim.verify.probe import leave_process_group
 
 flat_parameters = measure.flat_parameters
 grad_bytes = measure.sharded_grad_bytes
@@ -165,8 +165,10 @@ def fail_first_attempt_if_asked(args: argparse.Namespace) -> None:
         os._exit(1)  # as a node that died: no finalization, no barrier
 
 
-def delay_if_asked(delay: str | None) -> None:
-    """Sleep on one rank between the process group's start and the FSDP setup (a slow rank)."""
+def delay_after_joining(delay: str | None) -> None:
+    """Make one rank sleep right after it joins the process group, inside the strategy's
+    ``setup_environment``, before the rank check at its end (a slow rank): torch's
+    ``init_process_group``, which Lightning calls by attribute, sleeps on its way out, once."""
     if delay is None:
         return
     import time
@@ -174,8 +176,16 @@ def delay_if_asked(delay: str | None) -> None:
     import torch.distributed as dist
 
     rank, seconds = delay.split(":")
-    if dist.is_initialized() and dist.get_rank() == int(rank):
-        time.sleep(float(seconds))
+    join = dist.init_process_group
+
+    def join_then_sleep(*args: Any, **kwargs: Any) -> Any:
+        dist.init_process_group = join
+        result = join(*args, **kwargs)
+        if dist.get_rank() == int(rank):
+            time.sleep(float(seconds))
+        return result
+
+    dist.init_process_group = join_then_sleep
 
 
 def namespaces(package: str) -> tuple[str, str]:
@@ -196,6 +206,12 @@ def figures(fsdp_root: nn.Module, optimizer: torch.optim.Optimizer, grads: int) 
         "optimizer_state_bytes": optimizer_state_bytes(optimizer),
         "param_dtypes": sorted({str(p.dtype) for p in fsdp_root.parameters()}),
     }
+
+
+def shim_active() -> bool:
+    """Whether the shim was activated in this process (``_fsdp_shim.activation`` is imported by the
+    probe module too, which activates nothing)."""
+    return getattr(sys.modules.get("_fsdp_shim.activation"), "_active", None) is True
 
 
 def shim_facts(trainer_ns: str, fabric_ns: str) -> dict[str, Any]:
@@ -241,7 +257,6 @@ def run_trainer_case(
     devices: int,
     ckpt_dir: str | None,
     num_nodes: int = 1,
-    delay: str | None = None,
     stages: tuple[str, ...] = ("fit",),
     strategy_kwargs: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
@@ -250,9 +265,6 @@ def run_trainer_case(
     transformer_class = importlib.import_module(f"{pl.__name__}.demos").Transformer
 
     class Probe(pl.LightningModule):
-        delays = True
-        """Whether ``configure_model`` sleeps for ``--delay-rank`` (the models of later stages do not)."""
-
         def __init__(self) -> None:
             super().__init__()
             self.body: nn.Module | None = None
@@ -270,10 +282,6 @@ def run_trainer_case(
                 self.head = make_head()
 
         def configure_model(self) -> None:
-            # Here, not in setup(): the Trainer holds a barrier right after the setup hooks, which
-            # would absorb the delay before the FSDP setup and its rank check.
-            if self.delays:
-                delay_if_asked(delay)
             if kind == "pretrained" and self.body is None:
                 self.body = make_body().float()  # what from_pretrained does: fp32 weights
             if kind in ("pretrained", "init+pretrained") and self.head is None:
@@ -330,7 +338,6 @@ def run_trainer_case(
     result.update(figures(trainer.strategy.model, trainer.optimizers[0], model.grad_bytes))
     for stage in stages[1:]:  # in the same process group, each with a Trainer and a model of its own
         evaluated = ProbeWithStages()
-        evaluated.delays = False
         getattr(pl.Trainer(strategy=strategy_cls(**strategy_kwargs), **common), stage)(evaluated, loader)
     if len(stages) > 1:
         result["stages"] = list(stages)
@@ -392,11 +399,8 @@ def train_plain(model: nn.Module, optimizer: torch.optim.Optimizer, backward: An
     return grads
 
 
-def run_fabric_case(
-    fabric: Any, kind: str, precision: str, delay: str | None = None, extra_model_on_rank: int | None = None
-) -> dict[str, Any]:
+def run_fabric_case(fabric: Any, kind: str, precision: str, extra_model_on_rank: int | None = None) -> dict[str, Any]:
     model = Plain(build_plain_model(kind, getattr(fabric, "init_module", None)))  # 2.0.x has none
-    delay_if_asked(delay)
     if extra_model_on_rank is not None and fabric.global_rank == extra_model_on_rank:
         # A model only this rank sets up (an EMA copy, a teacher on rank zero): one more conversion here.
         fabric.setup_module(Plain(build_plain_model("init", getattr(fabric, "init_module", None))))
@@ -471,6 +475,7 @@ def main(argv: list[str]) -> None:
             cases = [(kind, other) for kind, _ in cases]
     trainer_ns, fabric_ns = namespaces(args.package)
     configure_this_rank(args)
+    delay_after_joining(args.delay_rank)
     if args.shim_off_rank is not None and os.environ.get("RANK") == str(args.shim_off_rank):
         os.environ["FSDP_SHIM"] = "0"  # what a node exported with FSDP_SHIM=0 looks like to its ranks
     if args.shim == "before":
@@ -503,7 +508,6 @@ def main(argv: list[str]) -> None:
                     args.devices,
                     args.checkpoint_dir,
                     args.num_nodes,
-                    args.delay_rank,
                     tuple(args.stages.split(",")),
                     strategy_kwargs,
                 )
@@ -521,11 +525,11 @@ def main(argv: list[str]) -> None:
                     precision=precision,
                 )
                 fabric.launch()
-                result = run_fabric_case(fabric, kind, precision, args.delay_rank, args.extra_model_on_rank)
+                result = run_fabric_case(fabric, kind, precision, args.extra_model_on_rank)
                 results.append({"case": f"{kind}:{precision}", **result})
                 fail_first_attempt_if_asked(args)
                 rank = fabric.global_rank
-        active = "_fsdp_shim.activation" in sys.modules
+        active = shim_active()
         results.append({"case": "_shim", **(shim_facts(trainer_ns, fabric_ns) if active else {})})
         results.append({"case": "_versions", "trainer": pl.__version__, "fabric": fabric_module.__version__})
     Path(f"{args.out}.rank{rank}.json").write_text(json.dumps(results, indent=1))
