@@ -1,9 +1,6 @@
-"""``fsdp-shim verify``'s probe process: ``python <this file> REQUEST_JSON`` runs
-:func:`_fsdp_shim.verify.probe.main`.
-
-Run by its path (see ``_fsdp_shim/children/__init__.py``), so nothing from the current folder runs in
-the probe. Lightning's launcher re-runs ``sys.argv`` on every other rank, that is this same file with
-the same request, so every rank starts here.
+"""``fsdp-shim verify``'s probe: ``python <this file> REQUEST_JSON`` runs ``_fsdp_shim.verify.probe.main``.
+Run by its path (see ``__init__.py``); Lightning's launcher re-runs ``sys.argv``, this same file with the
+same request, on every other rank, so every rank starts here.
 """
 
 from __future__ import annotations
@@ -18,10 +15,9 @@ PACKAGE_ROOT = os.path.dirname(os.path.dirname(HERE))
 
 def main() -> None:
     sys.path[:] = [entry for entry in sys.path if os.path.realpath(entry or os.curdir) != HERE]
+    # Uninstalled (a clone): first, so the probe imports the fsdp_shim that started it. Real paths: an
+    # environment under a symbolic link is already there, and site-packages first would shadow the stdlib.
     if PACKAGE_ROOT not in {os.path.realpath(entry or os.curdir) for entry in sys.path}:
-        # fsdp-shim run from a clone without being installed: first, so the probe imports the fsdp_shim
-        # that started it. (Real paths: an environment under a symbolic link is already on the path,
-        # and putting site-packages first would put it ahead of the standard library.)
         sys.path.insert(0, PACKAGE_ROOT)
     os.environ.setdefault("PYTHONWARNINGS", "ignore")
     from _fsdp_shim.verify.probe import main as probe

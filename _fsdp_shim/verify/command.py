@@ -1,29 +1,44 @@
-"""``fsdp-shim verify``: read the installed Lightning once (the gate probe), decide from the gates what
-needs no training, train the rest with the shim off and on, and print a verdict per fix. It never
-answers for the wrong package: every installed Trainer namespace is checked, one that fails to import
-is a FAILED verdict naming the cause, and a release that has the cast is "not needed" straight from
-the gates (``--measure`` trains anyway, and so does ``--activation-checkpointing``: no release has the
-recompute). Exit codes: 0 every verdict is "fixed" or "not needed"; 1 a FAILED verdict, or the user's
-model raised (their traceback is printed); 2 a usage problem or an environment verify cannot run in.
+"""``fsdp-shim verify`` (exit codes: docs/verify.md): read every installed Trainer namespace once (the
+gate probe), decide from the gates what needs no training, train the rest with the shim off and on, and
+print a verdict per fix. Each step is a probe: a fresh interpreter running ``children/verify_probe.py``
+by its path (so nothing from the current folder runs in it) with a ``records.ProbeRequest`` as JSON,
+writing files, never stdout: ``gate.json``, one ``<out>.rank<N>.json`` per rank, or
+``<out>.rank<N>.error.json`` when the user's code raised or was unusable, which ends verify (:class:`Stop`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
+import os
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
+from subprocess import PIPE
+from typing import Any
 
 from _fsdp_shim.config import CAST, FIXES, RECOMPUTE, TRAINER_NAMESPACES, base_release
 from _fsdp_shim.distributions import describe_import_failure, installed_packages
 from _fsdp_shim.verify.output import Progress, render
-from _fsdp_shim.verify.protocol import GATE_STEP, Stop, run_gate, run_measure
-from _fsdp_shim.verify.records import NamespaceGate, Options, RankResult
+from _fsdp_shim.verify.records import Options, ProbeRequest, RankResult, to_json
 from _fsdp_shim.verify.verdict import Section, fix_entries, judge, judge_recompute, overall
+
+PROBE_SCRIPT = Path(__file__).resolve().parent.parent / "children" / "verify_probe.py"
+GATE_STEP = "reading the installed Lightning"
+
+
+class Stop(Exception):
+    """End verify with ``code`` and ``message`` (the user's code raised, or a usage problem)."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
 
 
 def environment_problem() -> str | None:
@@ -70,33 +85,83 @@ def main(options: Options) -> int:
     return 1 if verdict == "FAILED" else 0
 
 
-def _decided(namespace: str, info: NamespaceGate, options: Options) -> Section | None:
-    """A section decided from the gates alone, or ``None`` when the namespace must be trained."""
-    if info.import_failure is not None:
-        return Section(namespace, None, "FAILED", describe_import_failure(namespace, info.import_failure))
-    version, release = info.version, base_release(info.version)
+def run_probe(request: ProbeRequest, shim: str, step: str) -> str:
+    """Run one probe; ``""``, or why it failed. It and every process it starts (the ranks, their workers)
+    share one session, killed whatever happens: after it ends, past ``--timeout``, on Ctrl-C (SIGINT
+    reaches only verify's own group), when verify fails; SIGKILL, as a rank hung in a collective survives
+    SIGTERM. Only a probe for modules the user named gets a folder (``--model-path``, else the current one).
+    """
+    options = request.options
+    user_modules = options.model or options.datamodule or options.activation_checkpointing
+    folder = (options.model_path or os.getcwd()) if user_modules else None
+    probe = replace(request, options=replace(options, model_path=folder))
+    command = [sys.executable, str(PROBE_SCRIPT), to_json(probe)]
+    env = dict(os.environ, FSDP_SHIM=shim, PYTHONWARNINGS="ignore")
+    proc = subprocess.Popen(command, stdout=PIPE, stderr=PIPE, text=True, env=env, start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=options.timeout)
+    except subprocess.TimeoutExpired:
+        raise Stop(
+            1,
+            f"fsdp-shim verify: {step} did not finish within {options.timeout:g} s, so verify stopped it and every "
+            "process it started; --timeout SECONDS allows longer",
+        ) from None
+    except KeyboardInterrupt:
+        raise Stop(130, f"fsdp-shim verify: interrupted while {step}; every process it started was stopped") from None
+    finally:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)  # its own session: the group's id is its pid
+        if proc.returncode is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.communicate(timeout=30)
+    out = Path(request.out)
+    for error in sorted(out.parent.glob(f"{out.name}.rank*.error.json"))[:1]:
+        record = json.loads(error.read_text())
+        if record["kind"] == "usage":
+            raise Stop(2, f"fsdp-shim verify: {record['message']}")
+        raise Stop(
+            1,
+            f"{record['traceback'].rstrip()}\n\nfsdp-shim verify: your code raised while {record['phase']} "
+            f"(shim {'off' if shim == '0' else 'on'}); the traceback above is from your model, not from fsdp-shim.",
+        )
+    if proc.returncode == 0:
+        return ""
+    return f"failed (exit {proc.returncode}): {(stderr.strip().splitlines() or ['(no output)'])[-1]}"
+
+
+def _decided(namespace: str, info: dict[str, Any], options: Options) -> Section | None:
+    """A section decided from the gate's ``info`` alone, or ``None`` when the namespace must be trained:
+    a release with the cast is "not needed" unless --measure or --activation-checkpointing (no release
+    has the recompute) asks for training."""
+    if info["import_failure"] is not None:
+        return Section(namespace, None, "FAILED", describe_import_failure(namespace, info["import_failure"]))
+    version, release = info["version"], base_release(info["version"])
     verdicts = {fix.name: ("not needed", fix.unaffected_reason(version)) for fix in FIXES if not fix.affects(version)}
     reason = CAST.unaffected_reason(version)
     if release is None or release >= CAST.first_affected:  # 2.0.x has no "true" precisions: never trained
         if CAST.affects(version) or options.measure or options.activation_checkpointing:
             return None
         reason += "; nothing was trained (--measure trains anyway)"
-    fixes = fix_entries(info.fixes, {**verdicts, CAST.name: ("not needed", reason)})
+    fixes = fix_entries(info["fixes"], {**verdicts, CAST.name: ("not needed", reason)})
     return Section(namespace, version, "not needed", reason, fixes)
 
 
 def _measured(options: Options, workdir: Path, progress: Progress, namespace: str | None, label: str) -> Section:
-    """Train with the shim off and on (and each with checkpointing, with ``--activation-checkpointing``),
-    and judge every fix the runs show."""
+    """Train with the shim off and on (each also with checkpointing, with ``--activation-checkpointing``)
+    and judge every fix the runs show. A run fails when its probe failed or a rank wrote no result; a
+    checkpointed run that raised ends on the first rank that wrote so: enough."""
     runs: dict[tuple[str, bool], list[RankResult]] = {}
     for ac in (False, True) if options.activation_checkpointing else (False,):
         for shim, state in (("0", "off"), ("1", "on")):
             step = f"{label}: training with the shim {state}" + (", with activation checkpointing" if ac else "")
             progress.phase(step)
-            results, error = run_measure(options, workdir, namespace, shim, step, ac)
-            if error:
+            out = workdir / f"{namespace or 'model'}-shim{shim}{'-ac' if ac else ''}"
+            failed = run_probe(ProbeRequest("measure", str(out), options, namespace, ac), shim, step)
+            results = [RankResult(**json.loads(p.read_text())) for p in workdir.glob(f"{out.name}.rank*.json")]
+            if failed or (len(results) != options.devices and not any(result.error for result in results)):
+                error = f"the run with FSDP_SHIM={shim} {failed or 'wrote no result on some rank'}"
                 return Section(namespace or "model", None, "FAILED", error, [], runs.get(("0", False)), results or None)
-            runs[shim, ac] = results
+            runs[shim, ac] = sorted(results, key=lambda result: result.rank)
     off, on = runs["0", False], runs["1", False]
     verdicts = {CAST.name: judge(off, on, options.precision, seed_model=options.model is None)}
     if options.activation_checkpointing:
@@ -107,27 +172,28 @@ def _measured(options: Options, workdir: Path, progress: Progress, namespace: st
 
 
 def verify(options: Options, workdir: Path) -> list[Section]:
-    """Every section, in the order of ``TRAINER_NAMESPACES`` (the user's model last); probes write
-    their files in ``workdir``."""
+    """Every section, in the order of ``TRAINER_NAMESPACES`` (the user's model last); probes write in ``workdir``."""
+    out = workdir / "gate.json"
     with Progress(not options.as_json) as progress:
         progress.phase(GATE_STEP)
-        gate, error = run_gate(options, workdir)
-    if error:
-        return [Section("Lightning", None, "FAILED", error)]
+        failed = run_probe(ProbeRequest("gate", str(out), options), "1", GATE_STEP)
+    if failed or not out.exists():
+        return [Section("Lightning", None, "FAILED", f"{GATE_STEP} {failed or 'wrote nothing'}")]
+    gate = json.loads(out.read_text())
     sections: list[Section] = []
     to_measure: list[tuple[str | None, str]] = []
-    for namespace, info in gate.namespaces.items():
-        if options.model is not None and info.import_failure is None:
+    for namespace, info in gate["namespaces"].items():
+        if options.model is not None and info["import_failure"] is None:
             continue  # with --model, the model's own namespace is judged below; a broken one is still reported
         decided = _decided(namespace, info, options)
         if decided is not None:
             sections.append(decided)
         else:
-            to_measure.append((namespace, f"{namespace} {info.version}"))
+            to_measure.append((namespace, f"{namespace} {info['version']}"))
     if options.model is not None:
-        importable = [ns for ns in gate.model_namespaces if ns in gate.namespaces and gate.importable(ns)]
-        decided_all = [_decided(ns, gate.namespaces[ns], options) for ns in importable]
-        if importable and all(decided_all):
+        importable = {ns: info for ns, info in gate["namespaces"].items() if info["import_failure"] is None}
+        decided_all = [_decided(ns, importable[ns], options) for ns in gate["model_namespaces"] if ns in importable]
+        if decided_all and all(decided_all):
             sections += [d for d in decided_all if d is not None]
         else:
             to_measure.append((None, options.model))

@@ -1,15 +1,9 @@
-"""Let real FSDP run on CPU with gloo, in processes that exist only to measure: verify's probes on a
-machine without CUDA, the benchmarks and the test scenarios, never a training process. It lifts
-exactly two guards, and only for FSDP strategy instances:
-
-* torch refuses CPU modules in ``FullyShardedDataParallel`` unless ``device_id`` is
-  ``torch.device("cpu")``; Lightning passes ``root_device.index``, which is ``None`` on CPU.
-* Lightning's Trainer and Fabric connectors raise in ``_check_strategy_and_fallback`` for FSDP without
-  a GPU (2.1.x/2.2.x via ``isinstance``, so a subclass does not help). For a strategy passed as an
-  instance the rest of that method does nothing, so it is skipped for FSDP instances.
-
-Self-contained (torch and the named Lightning namespaces), so runs without the shim use it too.
-Lifting twice changes nothing.
+"""Let real FSDP run on CPU with gloo in processes that only measure (verify's probes, benchmarks, test
+scenarios), never in training. Lifted, for FSDP strategy instances only: torch refuses CPU modules unless
+``device_id`` is ``torch.device("cpu")`` (Lightning passes ``root_device.index``, ``None`` on CPU);
+Lightning's connectors raise in ``_check_strategy_and_fallback`` for FSDP without a GPU (2.1.x/2.2.x via
+``isinstance``: a subclass does not help), which does nothing else for a strategy instance. Uses only
+torch and Lightning, so runs without the shim use it too; lifting twice changes nothing.
 """
 
 from __future__ import annotations
@@ -23,9 +17,7 @@ import torch
 from torch.distributed.fsdp import FullyShardedDataParallel
 
 _LIFTED = "_fsdp_shim_cpu_guard_lifted"
-
-# Lightning's names, per kind of namespace: (connector module, connector class).
-CONNECTORS = {
+CONNECTORS = {  # per kind of namespace: (connector module, connector class)
     "trainer": ("trainer.connectors.accelerator_connector", "_AcceleratorConnector"),
     "fabric": ("connector", "_Connector"),
 }

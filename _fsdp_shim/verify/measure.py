@@ -1,11 +1,7 @@
-"""What a verify run measures, as a Lightning Callback, so the user's module is run unchanged: exact
-byte counts (``numel × element_size``) of FSDP's sharded flat parameters, their gradients and
-the optimizer's tensor state (0-dim counters such as Adam's ``step`` are left out: they are float32
-whatever the model), the training losses, and the peak memory: ``torch.cuda.max_memory_allocated``
-on CUDA, and on CPU the peak RSS above the RSS once torch and Lightning are imported (the interpreter
-and the libraries are most of a small model's RSS, and do not change with the shim). For the recompute
-fix, what two runs must share bit for bit: every loss, and a hash of every rank's parameter shards.
-torch is imported where it is used: verify's own process (its verdicts use ``finite``) never loads it.
+"""What a verify run measures, as a Lightning Callback so that the user's module runs unchanged: exact
+byte counts (``numel × element_size``), dtypes, losses, peak memory (docs/verify.md) and a hash of every
+rank's parameter shards. torch is imported where it is used: verify's own process (its verdicts use
+``finite``) never loads it.
 """
 
 from __future__ import annotations
@@ -13,10 +9,9 @@ from __future__ import annotations
 import hashlib
 import math
 import resource
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from _fsdp_shim.verify.records import RankResult
+from _fsdp_shim.verify.records import RankResult
 
 
 def flat_parameters(root: Any) -> list[Any]:
@@ -38,6 +33,7 @@ def sharded_grad_bytes(root: Any) -> int:
 
 
 def optimizer_state_bytes(optimizer: Any) -> int:
+    """Without 0-dim counters such as Adam's ``step``: they are float32 whatever the model."""
     import torch
 
     return nbytes([v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0])
@@ -52,8 +48,8 @@ def finite(values: list[float | None]) -> bool:
     return all(v is not None and math.isfinite(v) for v in values)
 
 
+# What Lightning's, FSDP's and the checkpoint wrappers add to parameter names (torch's ``clean_tensor_name``).
 WRAPPER_PREFIXES = ("_forward_module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
-"""What Lightning's, FSDP's and the checkpoint wrappers add to parameter names (torch's ``clean_tensor_name``)."""
 
 
 def parameter_hashes(root: Any) -> dict[str, str]:
@@ -71,8 +67,8 @@ def parameter_hashes(root: Any) -> dict[str, str]:
 
 
 def measuring_callback(pl: Any, count: tuple[type, ...] = ()) -> Any:
-    """A ``pl.Callback`` subclass for the namespace ``pl`` (its Callback class is its own); ``count``:
-    the classes whose modules it counts when training starts (``checkpointed``)."""
+    """A ``pl.Callback`` for the namespace ``pl`` (each has its own Callback class); it counts the
+    modules of the ``count`` classes when training starts (``checkpointed``)."""
 
     class Measure(pl.Callback):  # type: ignore[misc, name-defined]
         def __init__(self) -> None:
@@ -90,11 +86,9 @@ def measuring_callback(pl: Any, count: tuple[type, ...] = ()) -> Any:
             self.losses.append(float(loss.detach().float().item()) if hasattr(loss, "detach") else None)
 
         def report(self, trainer: Any, baseline_rss: int, units: dict[str, Any], fixes: dict[str, Any]) -> RankResult:
-            """Rank-local figures after ``trainer.fit``. ``units`` names sub-modules whose FSDP unit is
-            reported on its own (the seed's two models); ``fixes`` is what the shim did, per fix."""
+            """Rank-local figures after ``trainer.fit``; ``units``: sub-modules whose FSDP unit is
+            reported on its own (the seed's two models); ``fixes``: what the shim did, per fix."""
             import torch
-
-            from _fsdp_shim.verify.records import RankResult
 
             flat, cuda = flat_parameters(trainer.strategy.model), torch.cuda.is_available()
             return RankResult(

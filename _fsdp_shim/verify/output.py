@@ -1,8 +1,6 @@
 """What verify shows a person: a status line on stderr while it runs, so that a run of minutes never
-looks hung (on a terminal redrawn every 0.2 s with the seconds spent, elsewhere one plain line per
-phase, none with ``--json``), and the text report, which fits 100 columns: per section a table of rank
-0's figures, the fixes the release lacks and each fix's verdict, then the terms used and the overall
-verdict. (``--json`` prints the sections as they are.)
+looks hung, and the text report, which fits a 100-column terminal (``--json`` prints the sections as
+they are).
 """
 
 from __future__ import annotations
@@ -18,9 +16,7 @@ from _fsdp_shim.verify import seed
 from _fsdp_shim.verify.records import Options
 from _fsdp_shim.verify.verdict import Section, overall
 
-WIDTH = 100
-"""verify's output fits a 100-column terminal: the table, the verdicts (wrapped) and the terms."""
-LABEL, VALUE = 46, 22
+WIDTH, LABEL, VALUE = 100, 46, 22
 
 TERMS = {
     "GPU guards lifted": "Lightning refuses FSDP without a GPU; verify lifts that check in its own processes only, "
@@ -33,9 +29,9 @@ TERMS = {
 
 
 class Progress:
-    """One status line on stderr with the phase ("[1/2] ...") and the seconds spent on it; with
-    ``total`` 0 (the gate, before the number of runs is known) the phase is not numbered, so the
-    counter never reads "[1/1]" and then starts again."""
+    """The phase ("[1/2] ...") on stderr: on a terminal redrawn every 0.2 s with the seconds spent,
+    elsewhere one line per phase. With ``total`` 0 (the gate, before the runs are counted) the phase is
+    not numbered, so the counter never reads "[1/1]" and then starts again."""
 
     def __init__(self, enabled: bool, total: int = 0) -> None:
         self.enabled, self.total, self.done, self.label, self.start = enabled, total, 0, "", 0.0
@@ -67,8 +63,7 @@ class Progress:
         self.stop.set()
         if self.thread is not None:
             self.thread.join()
-            sys.stderr.write("\r" + " " * WIDTH + "\r")
-            sys.stderr.flush()
+            print("\r" + " " * WIDTH + "\r", end="", file=sys.stderr, flush=True)
 
 
 def _cell(key: str, value: Any) -> str:

@@ -1,13 +1,8 @@
-"""The verify child process (``_fsdp_shim/children/verify_probe.py REQUEST_JSON`` runs :func:`main`).
-``gate`` imports every installed Lightning Trainer namespace (and the modules the user names) with the
-shim on and reports versions, import failures and what the shim decided per fix: enough to answer
-"not needed" without training, and to refuse a module that cannot train before anything does.
-``measure`` trains a few steps with FSDP and writes one ``records.RankResult`` per rank; Lightning's
-launcher re-runs the entry script, with the same request, on every other rank.
-
-Exit codes: 0 done (a checkpointed run that raised is a finding, written as its result); 1 the user's
-code raised (the traceback is in the report); 2 a usage problem (a ``--model`` that is no
-LightningModule, a module without training data). Anything else is a failure of the check itself.
+"""The verify probe process (``children/verify_probe.py REQUEST_JSON`` runs :func:`main`). ``gate`` reads
+every installed Trainer namespace with the shim on, and refuses a module the user names that cannot train
+before anything does; ``measure`` trains with FSDP and writes one ``records.RankResult`` per rank (every
+rank runs this: Lightning's launcher re-runs the entry script). Exit codes: 0 done (a checkpointed run
+that raised is a finding, written as its result), 1 the user's code raised, 2 a usage problem.
 """
 
 from __future__ import annotations
@@ -22,7 +17,7 @@ from typing import Any
 
 from _fsdp_shim.activation import status
 from _fsdp_shim.config import TRAINER_NAMESPACES
-from _fsdp_shim.verify.records import GateResult, NamespaceGate, Options, ProbeRequest, RankResult, to_json
+from _fsdp_shim.verify.records import Options, ProbeRequest, RankResult, to_json
 
 USER_ERROR, USAGE_ERROR = 1, 2
 
@@ -44,19 +39,16 @@ def usage_error(message: str) -> ProbeStop:
 
 
 def resolve(spec: str) -> Any:
-    """``package.module:attribute`` (or ``:Class.factory``) -> the attribute. Importing the user's
-    module runs their code."""
+    """``package.module:attribute`` (or ``:Class.factory``) -> the attribute; importing runs the user's code."""
     module_name, _, attribute = spec.partition(":")
     try:
         target: Any = importlib.import_module(module_name)
-    except ModuleNotFoundError as error:
-        if error.name and module_name.startswith(error.name):
+    except Exception as error:
+        if isinstance(error, ModuleNotFoundError) and error.name and module_name.startswith(error.name):
             raise usage_error(
                 f"cannot import {module_name!r} (from {spec!r}): run verify where it is importable "
                 "(the current folder, --model-path DIR, or PYTHONPATH)"
             ) from error
-        raise user_error(f"importing {module_name}") from error
-    except Exception as error:
         raise user_error(f"importing {module_name}") from error
     for index, name in enumerate(attribute.split(".")):
         try:
@@ -68,8 +60,7 @@ def resolve(spec: str) -> Any:
 
 
 def trainer_namespace_of(obj: Any, kind: str) -> str | None:
-    """The Lightning Trainer namespace whose ``kind`` base class (LightningModule, LightningDataModule)
-    ``obj`` (a class or an instance) derives from."""
+    """The Trainer namespace whose ``kind`` class (LightningModule...) ``obj`` (class or instance) derives from."""
     cls = obj if isinstance(obj, type) else type(obj)
     for namespace in TRAINER_NAMESPACES:
         base = getattr(sys.modules.get(namespace), kind, None)
@@ -89,8 +80,7 @@ def checked(spec: str, kind: str) -> Any:
 
 
 def check_training_data(spec: str, model: Any, namespace: str) -> None:
-    """A LightningModule (class or instance) without its own ``train_dataloader``, and no
-    ``--datamodule``, cannot train."""
+    """Without ``--datamodule``, a LightningModule (class or instance) needs its own ``train_dataloader``."""
     cls = model if isinstance(model, type) else type(model)
     if cls.train_dataloader is sys.modules[namespace].LightningModule.train_dataloader:
         raise usage_error(f"{spec} has no train_dataloader; pass --datamodule module:attr")
@@ -119,14 +109,16 @@ def checkpointed_classes(specs: list[str]) -> set[type]:
 
 
 def fix_states(namespace: str) -> dict[str, dict[str, Any]]:
-    """What the shim decided in this process for every fix in ``namespace`` (``fsdp_shim.status()``)."""
     return {fix.fix: fix.as_dict() for fix in status().namespace(namespace).fixes}
 
 
-def gate(options: Options) -> GateResult:
+def gate(options: Options) -> dict[str, Any]:
+    """``namespaces``: every installed Trainer namespace (in the order of ``TRAINER_NAMESPACES``), its
+    ``version``, the shim's ``fixes`` (``FixStatus`` per fix) or its ``import_failure``; with ``--model``,
+    ``model_namespaces``: the namespace of the model's class, or those imported with it."""
     from _fsdp_shim.distributions import import_failure, installed_packages
 
-    result = GateResult()
+    namespaces, model_namespaces = {}, []
     if options.model is not None:
         target = checked(options.model, "LightningModule")
         own = trainer_namespace_of(target, "LightningModule") if isinstance(target, type) else None
@@ -134,7 +126,7 @@ def gate(options: Options) -> GateResult:
             checked(options.datamodule, "LightningDataModule")
         elif own is not None:
             check_training_data(options.model, target, own)
-        result.model_namespaces.extend([own] if own else [ns for ns in TRAINER_NAMESPACES if ns in sys.modules])
+        model_namespaces = [own] if own else [ns for ns in TRAINER_NAMESPACES if ns in sys.modules]
     checkpointed_classes(options.activation_checkpointing)
     for namespace in TRAINER_NAMESPACES:
         if namespace.partition(".")[0] not in installed_packages():
@@ -142,16 +134,15 @@ def gate(options: Options) -> GateResult:
         try:
             version = getattr(importlib.import_module(namespace), "__version__", None) or "(unknown)"
         except Exception as error:
-            result.namespaces[namespace] = NamespaceGate(import_failure=import_failure(error))
+            namespaces[namespace] = {"version": "", "fixes": {}, "import_failure": import_failure(error)}
         else:
-            result.namespaces[namespace] = NamespaceGate(version, fix_states(namespace))
-    return result
+            namespaces[namespace] = {"version": version, "fixes": fix_states(namespace), "import_failure": None}
+    return {"namespaces": namespaces, "model_namespaces": model_namespaces}
 
 
 def train_and_measure(request: ProbeRequest) -> None:
-    """Train ``--steps`` steps with FSDP (the seed's model for ``request.namespace``, or the user's
-    ``--model``), with Lightning's activation checkpointing where ``request.checkpointing``, and write
-    this rank's figures to ``<out>.rank<N>.json``."""
+    """Train the seed's model for ``request.namespace`` (or ``--model``) with FSDP, with Lightning's
+    activation checkpointing where ``request.checkpointing``; write this rank's ``<out>.rank<N>.json``."""
     import torch
 
     from _fsdp_shim.verify import cpu_guards, measure, seed
@@ -217,14 +208,11 @@ def train_and_measure(request: ProbeRequest) -> None:
 
 
 def leave_process_group(code: int = 0, barrier: bool = True) -> None:
-    """Leave together, then end this process without interpreter finalization: verify's probes, the
-    tests' training programs and the benchmarks' children end here.
-
-    Every rank has written its results before the barrier. Finalization can free objects that still
-    hold torch.distributed state after the interpreter is half gone; a C++ thread that needs the GIL
-    then aborts the process ("terminate called without an active exception"), intermittently, after
-    a run whose results were complete (seen in CI in 3 of 15 matrix sessions). Only ever a process of
-    fsdp-shim's own, never the user's. After an error the barrier is skipped: other ranks may be gone.
+    """Leave together (every rank has written its results; after an error other ranks may be gone: no
+    barrier), then end without interpreter finalization: verify's probes, the tests' training programs
+    and the benchmarks' children, never a user's process. Finalization can free objects holding
+    torch.distributed state after the interpreter is half gone; a C++ thread that needs the GIL then
+    aborts ("terminate called without an active exception"), after complete results (CI: 3 of 15 sessions).
     """
     torch = sys.modules.get("torch")
     if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
@@ -240,12 +228,13 @@ def main(argv: list[str]) -> None:
     """Run the probe that ``argv[0]`` (a ``records.ProbeRequest`` as JSON) asks for; never returns."""
     import fsdp_shim  # noqa: F401  (activates, before Lightning is imported, unless FSDP_SHIM=0)
 
-    request = ProbeRequest.read(argv[0])
+    data = json.loads(argv[0])
+    request = ProbeRequest(**{**data, "options": Options(**data["options"])})
     if request.options.model_path is not None:  # only for the modules the user named, from their folder
         sys.path.insert(0, request.options.model_path)
     try:
         if request.mode == "gate":
-            Path(request.out).write_text(to_json(gate(request.options)))
+            Path(request.out).write_text(json.dumps(gate(request.options)))
         else:
             train_and_measure(request)
     except ProbeStop as stop:

@@ -1,9 +1,6 @@
-"""The model verify trains when no ``--model`` is given: two copies of Lightning's demo Transformer.
-
-One is built on the meta device in ``configure_model``, as in the Lightning PR discussion: Lightning's
-init contexts already make it half precision on affected releases, and only ``LightningModule.dtype``
-is wrong. The other is loaded in float32, as ``from_pretrained`` does: the memory bug, which the fix
-halves exactly. Each is its own FSDP unit (one flat parameter cannot mix dtypes), so both are reported.
+"""The model verify trains when no ``--model`` is given: two copies of Lightning's demo Transformer, one
+built in ``configure_model``, one loaded in float32 as ``from_pretrained`` does (docs/verify.md). Each
+is its own FSDP unit (one flat parameter cannot mix dtypes), so both are reported.
 """
 
 from __future__ import annotations
@@ -11,13 +8,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-VOCAB = 256
-SEQUENCE = 32
-BATCH = 4
-UNITS = {
-    "pretrained": "model loaded in float32 (from_pretrained)",
-    "model": "seed model, built in configure_model",
-}
+VOCAB, SEQUENCE, BATCH = 256, 32, 4
+UNITS = {"pretrained": "model loaded in float32 (from_pretrained)", "model": "seed model, built in configure_model"}
 
 
 def build(pl: Any, namespace: str, steps: int, devices: int) -> tuple[Any, Any, dict[str, Any]]:
@@ -53,8 +45,7 @@ def build(pl: Any, namespace: str, steps: int, devices: int) -> tuple[Any, Any, 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.Adam(self.trainer.model.parameters(), lr=1e-4)
 
-    tokens = torch.randint(
-        0, VOCAB, (BATCH * steps * devices, SEQUENCE + 1), generator=torch.Generator().manual_seed(0)
-    )
+    shape = (BATCH * steps * devices, SEQUENCE + 1)
+    tokens = torch.randint(0, VOCAB, shape, generator=torch.Generator().manual_seed(0))
     loader = DataLoader(TensorDataset(tokens), batch_size=BATCH)
     return SeedModel(), loader, {"auto_wrap_policy": {transformer}}

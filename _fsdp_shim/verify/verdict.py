@@ -1,8 +1,5 @@
-"""The verdicts per fix, "fixed", "not needed" or "FAILED" with the reason in words: what verify
-promises, in one place. The cast is ``fixed`` on every rank, exactly, and ``not needed`` only where the
-shim measurably changes nothing. The recompute is ``fixed`` when, with the shim, checkpointing changes
-nothing (every loss, every rank's parameter shards, bit for bit) while without it the checkpointed run
-raised or trained differently. Each checkpointed run is compared with the run without checkpointing
+"""The verdicts per fix ("fixed", "not needed" or "FAILED", with the reason in words): what verify
+promises, in one place. The recompute compares each checkpointed run with the run without checkpointing
 in the same shim state: on 2.1-2.4 the cast alone makes shim-off and shim-on runs differ.
 """
 
@@ -22,8 +19,7 @@ NOT_CHECKED = "not checked: --activation-checkpointing CLASSES trains your check
 
 @dataclass
 class Section:
-    """The verdicts for one Lightning namespace (or the user's model), with every figure behind them:
-    ``verdict`` and ``reason`` are the cast's (as before there were others), ``fixes`` has every fix."""
+    """One namespace (or the user's model): ``verdict`` and ``reason`` are the cast's, ``fixes`` every fix's."""
 
     namespace: str
     version: str | None
@@ -37,9 +33,7 @@ class Section:
 
 
 def fix_entries(states: dict[str, dict[str, Any]], verdicts: dict[str, tuple[str, str]]) -> list[dict[str, Any]]:
-    """Per fix: its verdict (``None`` where not checked) and reason, and what the shim decided
-    (``shim``: its ``FixStatus``, read in a probe: whether the release lacks the fix, whether it is
-    patched and why)."""
+    """Per fix: its verdict (``None`` where not checked), reason, and ``shim``: its ``FixStatus`` read in a probe."""
     entries = []
     for fix in FIXES:
         verdict, reason = verdicts.get(fix.name, (None, NOT_CHECKED))
@@ -53,7 +47,8 @@ def _same_figures(off: list[RankResult], on: list[RankResult]) -> bool:
 
 
 def judge(off: list[RankResult], on: list[RankResult], precision: str, seed_model: bool) -> tuple[str, str]:
-    """The cast's verdict from both runs, every rank. ``fixed`` must hold on every rank, exactly."""
+    """The cast's verdict from both runs: ``fixed`` must hold on every rank, exactly; ``not needed`` only
+    where the shim measurably changes nothing."""
     version, want = on[0].lightning, DTYPES[precision]
     short = want.removeprefix("torch.")
     if not CAST.affects(version):
@@ -121,7 +116,9 @@ def what_changed(plain: list[RankResult], checkpointed: list[RankResult]) -> str
 def judge_recompute(
     off: list[RankResult], on: list[RankResult], off_ac: list[RankResult], on_ac: list[RankResult], classes: str
 ) -> tuple[str, str]:
-    """The recompute's verdict from the four runs; "FAILED" names the first step or parameter that differs."""
+    """The recompute's verdict from the four runs: ``fixed`` when, with the shim, checkpointing changes
+    nothing bit for bit while without it the checkpointed run raised or differed; "FAILED" names the first
+    step or parameter that differs."""
     blocks = f"checkpointing {classes} ({on_ac[0].checkpointed or off_ac[0].checkpointed} modules)"
     state = on_ac[0].fixes[RECOMPUTE.name]
     problems = [] if state["patched"] else [f"the shim did not apply it to {on[0].namespace}: {state['reason']}"]
