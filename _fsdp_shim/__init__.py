@@ -59,8 +59,8 @@ _handed = {}
 """Namespace name -> the module object handed over (a namespace imported again is a new object)."""
 _inert = []
 """Non-empty once a hand-over found a package it does not match: the finder then stays out of the way."""
-_asking = set()
-"""Names the finder is asking the finders after it about: another finder that asks every finder (an
+_asking = {}
+"""Names (keys) the finder is asking the finders after it about: another finder that asks every finder (an
 older start-up file's watcher) must not send the question back round."""
 
 
@@ -104,7 +104,7 @@ def fsdp_shim_finder(name, path=None, target=None):
     import once a namespace finished executing without it (a finder in front of it loaded it)."""
     if _inert or name in _asking or (name not in NAMESPACES and not not_handed_over()):
         return None
-    _asking.add(name)
+    _asking[name] = None
     try:
         after_me = False
         for finder in sys.meta_path:
@@ -117,7 +117,7 @@ def fsdp_shim_finder(name, path=None, target=None):
                     return spec
         return None
     finally:
-        _asking.discard(name)
+        _asking.pop(name, None)
 
 
 fsdp_shim_finder.find_spec = fsdp_shim_finder

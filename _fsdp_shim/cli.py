@@ -11,12 +11,12 @@ from typing import Any
 
 from _fsdp_shim import startup_files
 from _fsdp_shim._version import __version__
-from _fsdp_shim.verify.records import PROBE_TIMEOUT, Options
+from _fsdp_shim.verify.records import PROBE_TIMEOUT, Options  # standard library only: install runs in bare envs
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
-    """Descriptions and examples as written, and every option's default in its help (an option whose
-    default is "absent" says what that means in its own words)."""
+    """Descriptions as written, and each option's default in its help (one whose default is "absent"
+    says what that means in its own words)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
@@ -152,7 +152,7 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument(
         "--timeout",
         type=_positive_number,
-        default=command_timeout(),
+        default=PROBE_TIMEOUT,
         metavar="SECONDS",
         help="how long one probe (reading Lightning, or one training run) may take before verify stops it and "
         "every process it started, and exits 1",
@@ -181,33 +181,23 @@ def _positive_number(text: str) -> float:
     return value
 
 
-def command_timeout() -> float:
-    """verify's default --timeout, in seconds (``verify/records.py`` imports only the standard library,
-    so building the parser still imports nothing beyond it: install runs in bare environments)."""
-    return PROBE_TIMEOUT
+def _is_module_attribute(text: str) -> bool:
+    module, _, attribute = text.partition(":")  # an empty part splits into [""], no identifier
+    return all(part.isidentifier() for part in [*module.split("."), *attribute.split(".")])
 
 
 def _module_attribute(text: str) -> str:
-    module, _, attribute = text.partition(":")
-    if (
-        not module
-        or not attribute
-        or not all(part.isidentifier() for part in [*module.split("."), *attribute.split(".")])
-    ):
+    if not _is_module_attribute(text):
         raise argparse.ArgumentTypeError(f"{text!r} is not MODULE:ATTR (e.g. my_project.model:MyModule)")
     return text
 
 
 def _class_list(text: str) -> list[str]:
-    """``--activation-checkpointing``: comma-separated ``MODULE:CLASS``, each spelled as ``--model`` is."""
+    """Comma-separated ``MODULE:CLASS``, each spelled as ``--model`` is."""
     items = [item.strip() for item in text.split(",")]
     for item in items:
-        try:
-            _module_attribute(item)
-        except argparse.ArgumentTypeError:
-            raise argparse.ArgumentTypeError(
-                f"{item!r} is not MODULE:CLASS (e.g. torch.nn:TransformerEncoderLayer)"
-            ) from None
+        if not _is_module_attribute(item):
+            raise argparse.ArgumentTypeError(f"{item!r} is not MODULE:CLASS (e.g. torch.nn:TransformerEncoderLayer)")
     return items
 
 
@@ -304,8 +294,8 @@ def _status(args: argparse.Namespace) -> int:
     except environment.NoTemporaryFolder as error:
         print(f"fsdp-shim status: --python-check needs {error}", file=sys.stderr)
         return 2
-    print(json.dumps(report.as_dict(), indent=2) if args.json else environment.render(report))
-    return 0 if report.consistent else 1
+    print(json.dumps(report, indent=2) if args.json else environment.render(report))
+    return 0 if report["consistent"] else 1
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -334,11 +324,9 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; its exit code.
-
-    Output never crashes the command: characters the terminal's encoding cannot show are escaped
-    (``PYTHONIOENCODING=ascii``), and a reader that goes away (``fsdp-shim status | head -1``) ends it
-    quietly with 141, as a shell reports a tool that SIGPIPE stopped."""
+    """Run one command; its exit code. Output never crashes it: characters the terminal cannot show are
+    escaped (``PYTHONIOENCODING=ascii``), and a reader that goes away (``fsdp-shim status | head -1``)
+    ends it quietly with 141, as a shell reports a tool that SIGPIPE stopped."""
     for stream in (sys.stdout, sys.stderr):
         reconfigure = getattr(stream, "reconfigure", None)
         if reconfigure is not None:

@@ -1,10 +1,7 @@
 """``fsdp-shim status``: what this environment holds, what would arm the shim here, and whether the
-pieces agree (exit code 1 with a PROBLEM line when they do not).
-
-Without ``--python-check`` nothing is imported: Lightning versions come from package metadata and the
-verdicts from the fixes' release gates alone. ``--python-check`` starts a fresh interpreter that
-imports Lightning the way a training script would (without activating the shim itself), so it shows
-what the start-up files, ``FSDP_SHIM`` or ``fsdp-shim run`` actually achieve.
+pieces agree. Without ``--python-check`` nothing is imported (versions from package metadata, verdicts
+from the fixes' release gates); with it, a fresh interpreter imports Lightning as a training script
+does, to show what the start-up activations actually achieve.
 """
 
 from __future__ import annotations
@@ -15,7 +12,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,40 +34,10 @@ from _fsdp_shim.config import (
 from _fsdp_shim.distributions import describe_import_failure, distribution_of, namespaces_of
 from _fsdp_shim.run import BOOTSTRAP_DIRECTORY, bootstrap_on_pythonpath
 
-PYTHON_CHECK = Path(__file__).resolve().parent / "children" / "python_check.py"
-"""The ``--python-check`` child, run by its path: it imports Lightning as a training script does and
-writes what the shim did to a file of its own (see the script)."""
+PYTHON_CHECK = Path(__file__).resolve().parent / "children" / "python_check.py"  # run by its path
+# Where pip puts this installation's ``fsdp_shim_env.pth``: next to the package.
 OWN_ENVIRONMENT_FILE = Path(_fsdp_shim.__file__).resolve().parent.parent / startup_files.ENVIRONMENT_FILE
-"""Where pip put this installation's ``fsdp_shim_env.pth``: next to the package."""
-
-
-@dataclass
-class EnvironmentReport:
-    shim_version: str = __version__
-    python: str = sys.executable
-    toggles: dict[str, str | None] = field(default_factory=dict)
-    environment_file: dict[str, Any] = field(default_factory=dict)
-    """Where ``fsdp_shim_env.pth`` is, and whether this interpreter reads it (``FSDP_SHIM=1`` arms)."""
-    startup_files: list[dict[str, Any]] = field(default_factory=list)
-    bootstrap_on_pythonpath: list[str] = field(default_factory=list)
-    fixes: list[dict[str, Any]] = field(default_factory=list)
-    """Each fix: its name, the releases it applies to, what it changes, and whether it is switched off."""
-    lightning: list[dict[str, Any]] = field(default_factory=list)
-    child: dict[str, Any] | None = None
-    problems: list[str] = field(default_factory=list)
-
-    @property
-    def consistent(self) -> bool:
-        return not self.problems
-
-    @property
-    def armed_here(self) -> bool:
-        """Whether anything in this environment arms the shim in a fresh interpreter."""
-        by_variable = self.environment_file.get("read") and shim_state() == "on"
-        return bool(by_variable or self.startup_files or self.bootstrap_on_pythonpath)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "consistent": self.consistent}
+Report = dict[str, Any]
 
 
 def _switched_off() -> str | None:
@@ -107,39 +73,39 @@ def _installed_lightning() -> list[dict[str, Any]]:
     return sorted(rows, key=lambda row: row["namespace"])
 
 
-def _check_toggles(report: EnvironmentReport) -> None:
+def _check_toggles(report: Report) -> None:
     for name in (SHIM_VARIABLE, STRICT_VARIABLE, DISABLED_FIXES_VARIABLE, RANK_CHECK_TIMEOUT_VARIABLE):
-        report.toggles[name] = os.environ.get(name)
+        report["toggles"][name] = os.environ.get(name)
     for name, state, meaning in (
         (SHIM_VARIABLE, shim_state(), "the shim is OFF"),
         (STRICT_VARIABLE, strict_state(), "strict mode is ON"),
     ):
         if state == "invalid":
             raw = os.environ.get(name)
-            report.problems.append(f"{name}={raw!r} is not a valid value ({valid_switch_values()}); {meaning}")
+            report["problems"].append(f"{name}={raw!r} is not a valid value ({valid_switch_values()}); {meaning}")
     _, unknown = disabled_fixes()
     if unknown:
         names = ", ".join(fix.name for fix in FIXES)
-        report.problems.append(
+        report["problems"].append(
             f"{DISABLED_FIXES_VARIABLE} names {', '.join(map(repr, unknown))}, no fix of fsdp-shim ({names})"
         )
     _, problem = rank_check_timeout()
     if problem is not None:
-        report.problems.append(f"{problem}; the rank check waits as long as the process group's timeout")
+        report["problems"].append(f"{problem}; the rank check waits as long as the process group's timeout")
 
 
-def _check_environment_file(report: EnvironmentReport) -> None:
+def _check_environment_file(report: Report) -> None:
     """``FSDP_SHIM=1`` arms the shim only where ``site`` reads this installation's start-up file, which
     a ``PYTHONPATH`` folder (``pip install --target``) or a clone never is."""
     read = [d / startup_files.ENVIRONMENT_FILE for d in startup_files.site_directories()]
     found = next((path for path in read if path.is_file()), None)
-    report.environment_file = {
+    report["environment_file"] = {
         "path": str(found or OWN_ENVIRONMENT_FILE),
         "exists": found is not None or _installed_by_pip(),
         "read": found is not None,
     }
-    if found is None and shim_state() == "on" and not (report.startup_files or report.bootstrap_on_pythonpath):
-        report.problems.append(
+    if found is None and shim_state() == "on" and not (report["startup_files"] or report["bootstrap_on_pythonpath"]):
+        report["problems"].append(
             f"{SHIM_VARIABLE}={os.environ.get(SHIM_VARIABLE)!r} arms nothing in this interpreter: no folder it reads "
             f"start-up files from holds {startup_files.ENVIRONMENT_FILE} ({_why_not_read()}). Install fsdp-shim "
             "into this environment with pip, run `fsdp-shim install`, or use `fsdp-shim run`"
@@ -162,32 +128,32 @@ def _why_not_read() -> str:
     )
 
 
-def _check_activations(report: EnvironmentReport) -> None:
+def _check_activations(report: Report) -> None:
     for found in startup_files.find():
-        report.startup_files.append({"path": str(found.path), "current": found.kind == "current"})
+        report["startup_files"].append({"path": str(found.path), "current": found.kind == "current"})
         if found.kind != "current":
-            report.problems.append(
+            report["problems"].append(
                 f"{found.path} is fsdp-shim's but not what this version writes (an earlier version's, or edited "
                 "since): run `fsdp-shim install` to rewrite it"
             )
         elif found.path.name == startup_files.PTH_NAME:
             instead = startup_files.copy_imported_instead(found.path.parent)
             if instead is not None and not instead.exists():
-                report.problems.append(
+                report["problems"].append(
                     f"{found.path} imports {_fsdp_shim.COPY_NAME}, which is missing ({instead}), so it arms "
                     "nothing and every interpreter start prints an error: run `fsdp-shim install` again"
                 )
             elif instead is not None:
-                report.problems.append(
+                report["problems"].append(
                     f"{found.path} imports {_fsdp_shim.COPY_NAME} by name and finds {instead}, not this "
                     "version's copy, so it arms nothing: remove that file, or run `fsdp-shim install` where it is"
                 )
     for entry in bootstrap_on_pythonpath(os.environ):
-        report.bootstrap_on_pythonpath.append(entry)
+        report["bootstrap_on_pythonpath"].append(entry)
         if not os.path.isdir(entry):
-            report.problems.append(f"PYTHONPATH holds an fsdp-shim bootstrap folder that does not exist: {entry}")
+            report["problems"].append(f"PYTHONPATH holds an fsdp-shim bootstrap folder that does not exist: {entry}")
         elif os.path.realpath(entry) != BOOTSTRAP_DIRECTORY:
-            report.problems.append(
+            report["problems"].append(
                 f"PYTHONPATH holds another fsdp-shim's bootstrap ({entry}), not this one's ({BOOTSTRAP_DIRECTORY})"
             )
 
@@ -196,120 +162,116 @@ class NoTemporaryFolder(Exception):
     """``--python-check`` needs a temporary folder for its child's report, and has none."""
 
 
-def _run_child_check() -> tuple[subprocess.CompletedProcess[str], dict[str, Any] | None]:
+def _check_child(report: Report) -> None:
     try:
         folder = tempfile.mkdtemp(prefix="fsdp-shim-status-")
     except OSError as error:
         raise NoTemporaryFolder(f"no usable temporary folder ({type(error).__name__}: {error}); set TMPDIR") from None
+    out = Path(folder, "report.json")
     try:
-        out = Path(folder, "report.json")
         proc = subprocess.run(
             [sys.executable, str(PYTHON_CHECK), str(out)], capture_output=True, text=True, timeout=600
         )
         try:
-            return proc, json.loads(out.read_text())
+            child = json.loads(out.read_text())
         except (OSError, ValueError):
-            return proc, None
+            child = None
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-
-
-def _check_child(report: EnvironmentReport) -> None:
-    proc, child = _run_child_check()
     if proc.returncode != 0 or child is None:
         tail = proc.stderr.strip()[-500:] or f"exit {proc.returncode}, no report"
-        report.problems.append(f"a fresh interpreter failed to import Lightning: {tail}")
+        report["problems"].append(f"a fresh interpreter failed to import Lightning: {tail}")
         return
-    report.child = child
+    report["child"] = child
     for package, failure in child.get("failed", {}).items():
-        report.problems.append(describe_import_failure(package, failure))
+        report["problems"].append(describe_import_failure(package, failure))
     if _switched_off():
         return
-    if report.armed_here and child["imported"] and not child["shim_loaded"]:
-        report.problems.append("a start-up activation is present but a fresh interpreter did not load the shim")
+    by_variable = report["environment_file"].get("read") and shim_state() == "on"
+    armed_here = by_variable or report["startup_files"] or report["bootstrap_on_pythonpath"]
+    if armed_here and child["imported"] and not child["shim_loaded"]:
+        report["problems"].append("a start-up activation is present but a fresh interpreter did not load the shim")
     for namespace in (child.get("status") or {}).get("namespaces", []):
         for fix in namespace.get("fixes", []):
-            if (
-                namespace["imported"]
-                and fix["affected"]
-                and not fix["patched"]
-                and not fix["reason"].startswith(f"switched off by {DISABLED_FIXES_VARIABLE}")
-            ):
-                report.problems.append(
+            switched_off = fix["reason"].startswith(f"switched off by {DISABLED_FIXES_VARIABLE}")
+            if namespace["imported"] and fix["affected"] and not fix["patched"] and not switched_off:
+                report["problems"].append(
                     f"{namespace['namespace']} {namespace['version']} lacks the {fix['fix']} fix, and it was not "
                     f"applied: {fix['reason']}"
                 )
 
 
-def collect(python_check: bool = False) -> EnvironmentReport:
-    report = EnvironmentReport()
+def collect(python_check: bool = False) -> Report:
+    """What ``status --json`` prints, in this key order; ``render`` writes it as text."""
+    skipped, _ = disabled_fixes()
+    report: Report = {
+        "shim_version": __version__,
+        "python": sys.executable,
+        "toggles": {},
+        "environment_file": {},  # where fsdp_shim_env.pth is, and whether this interpreter reads it
+        "startup_files": [],
+        "bootstrap_on_pythonpath": [],
+        "fixes": [
+            {"name": fix.name, "releases": fix.releases(), "changes": fix.changes, "switched_off": fix.name in skipped}
+            for fix in FIXES
+        ],
+        "lightning": _installed_lightning(),
+        "child": None,
+        "problems": [],
+    }
     _check_toggles(report)
     _check_activations(report)
     _check_environment_file(report)
-    skipped, _ = disabled_fixes()
-    report.fixes = [
-        {"name": fix.name, "releases": fix.releases(), "changes": fix.changes, "switched_off": fix.name in skipped}
-        for fix in FIXES
-    ]
-    report.lightning = _installed_lightning()
     if python_check:
         _check_child(report)
+    report["consistent"] = not report["problems"]
     return report
 
 
-def render(report: EnvironmentReport) -> str:
-    lines = [f"fsdp-shim {report.shim_version}  (python: {report.python})", ""]
-    shim = report.toggles.get(SHIM_VARIABLE)
+def render(report: Report) -> str:
+    lines = [f"fsdp-shim {report['shim_version']}  (python: {report['python']})", ""]
+    shim = report["toggles"].get(SHIM_VARIABLE)
     off = _switched_off() is not None
     if shim is None:
         lines.append(f"{SHIM_VARIABLE} unset (shim on)")
     else:
         lines.append(f"{SHIM_VARIABLE}={shim!r}" + (" (the shim is OFF: Lightning runs as shipped)" if off else ""))
-    strict = report.toggles.get(STRICT_VARIABLE)
+    strict = report["toggles"].get(STRICT_VARIABLE)
     lines.append(f"{STRICT_VARIABLE}={strict!r}" if strict is not None else f"{STRICT_VARIABLE} unset (strict off)")
     for name in (DISABLED_FIXES_VARIABLE, RANK_CHECK_TIMEOUT_VARIABLE):
-        if report.toggles.get(name) is not None:
-            lines.append(f"{name}={report.toggles[name]!r}")
+        if report["toggles"].get(name) is not None:
+            lines.append(f"{name}={report['toggles'][name]!r}")
     lines += ["", "Activations:"]
-    env = report.environment_file
+    env = report["environment_file"]
     if env.get("read"):
         lines.append(f"  FSDP_SHIM=1    {env['path']}  (arms every interpreter where {SHIM_VARIABLE} is set)")
     else:
         lines.append(f"  FSDP_SHIM=1    arms nothing here: {_why_not_read()}")
-    if report.startup_files:
-        lines += [
-            f"  start-up file  {f['path']}" + ("" if f["current"] else "  (not this version's)")
-            for f in report.startup_files
-        ]
-    else:
-        lines.append("  start-up file  not installed (`fsdp-shim install`)")
-    if report.bootstrap_on_pythonpath:
-        lines += [f"  fsdp-shim run  bootstrap on PYTHONPATH: {entry}" for entry in report.bootstrap_on_pythonpath]
-    else:
-        lines.append("  fsdp-shim run  not active in this shell")
+    lines += [
+        f"  start-up file  {f['path']}" + ("" if f["current"] else "  (not this version's)")
+        for f in report["startup_files"]
+    ] or ["  start-up file  not installed (`fsdp-shim install`)"]
+    bootstraps = [f"  fsdp-shim run  bootstrap on PYTHONPATH: {entry}" for entry in report["bootstrap_on_pythonpath"]]
+    lines += bootstraps or ["  fsdp-shim run  not active in this shell"]
     lines += ["", f"Fixes (switch one off with {DISABLED_FIXES_VARIABLE}=NAME):"]
-    for fix in report.fixes:
-        off = "  [switched off]" if fix["switched_off"] else ""
-        lines += [f"  {fix['name']:<10} Lightning {fix['releases']}{off}", f"  {'':<10} {fix['changes']}"]
+    for fix in report["fixes"]:
+        mark = "  [switched off]" if fix["switched_off"] else ""
+        lines += [f"  {fix['name']:<10} Lightning {fix['releases']}{mark}", f"  {'':<10} {fix['changes']}"]
     lines += ["", "Lightning (from package metadata):"]
-    if not report.lightning:
+    if not report["lightning"]:
         lines.append("  none installed")
-    for row in report.lightning:
+    for row in report["lightning"]:
         lines.append(f"  {row['namespace']:<18} {row['version']}")
         lines += [f"    {name:<10} {verdict}" for name, verdict in row["fixes"].items()]
-    if report.child is not None:
+    if report["child"] is not None:
         lines += ["", "A fresh interpreter (imports Lightning, not fsdp_shim):"]
-        if not report.child["shim_loaded"]:
+        if not report["child"]["shim_loaded"]:
             why = f"{SHIM_VARIABLE}={shim!r} switches it off" if off else "no start-up activation reached it"
             lines.append(f"  shim not loaded: {why}")
-        for namespace in (report.child.get("status") or {}).get("namespaces", []):
+        for namespace in (report["child"].get("status") or {}).get("namespaces", []):
             if namespace["imported"]:
                 lines.append(f"  {namespace['namespace']:<18} {namespace['version'] or '-':<10} {namespace['reason']}")
     lines.append("")
-    ok = (
-        f"OK: consistent; the shim is OFF ({SHIM_VARIABLE}={shim!r}), so nothing is patched"
-        if off
-        else "OK: consistent"
-    )
-    lines += [f"PROBLEM: {p}" for p in report.problems] or [ok]
+    ok = "OK: consistent" + (f"; the shim is OFF ({SHIM_VARIABLE}={shim!r}), so nothing is patched" if off else "")
+    lines += [f"PROBLEM: {p}" for p in report["problems"]] or [ok]
     return "\n".join(lines)

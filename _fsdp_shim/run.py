@@ -1,13 +1,9 @@
-"""``fsdp-shim run CMD ...``: run a command with the shim armed in every Python process it starts.
+"""``fsdp-shim run CMD ...``: exec a command with the shim armed in every Python process it starts.
 
-Two ways in, because launchers lose one or the other: ``FSDP_SHIM=1`` (set when unset), which arms
-the shim in any interpreter that has fsdp-shim installed (its ``fsdp_shim_env.pth``), even where a
-job script overwrites ``PYTHONPATH``; and the bootstrap ``sitecustomize`` first on ``PYTHONPATH``,
-for interpreters of another environment that has no fsdp-shim. A command that drops the environment
-altogether (``srun --export=...``, ``env -i``, ``sudo``) is warned about before it starts.
-
-The command replaces this process (``exec``), so its exit code and the signals sent to it are its
-own, exactly as if it had been started directly.
+Two ways in, because launchers lose one or the other: ``FSDP_SHIM=1`` (set when unset) arms any
+interpreter with fsdp-shim installed, even where a job script overwrites ``PYTHONPATH``; the bootstrap
+``sitecustomize`` first on ``PYTHONPATH`` arms one of another environment. A launcher that drops both
+(``srun --export=...``, ``env -i``, ``sudo``) is warned about before the exec (docs/activation.md).
 """
 
 from __future__ import annotations
@@ -18,7 +14,7 @@ import shutil
 import sys
 from collections.abc import Mapping
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 from _fsdp_shim.config import SHIM_VARIABLE, switch_state
 from _fsdp_shim.startup_files import ENVIRONMENT_FILE, site_directories
@@ -36,35 +32,28 @@ SKIPPING_FLAGS = {
 }
 
 
-def _same_directory(entry: str, directory: str) -> bool:
-    return bool(entry) and os.path.realpath(entry) == directory
-
-
 def bootstrap_pythonpath(environ: Mapping[str, str]) -> str:
-    """PYTHONPATH with the bootstrap folder first, once, and every other entry kept as written.
-
-    An empty entry means the current directory (``export PYTHONPATH=$PYTHONPATH:/x`` makes one), so
-    it is kept; an unset or empty PYTHONPATH adds nothing but the bootstrap folder.
-    """
+    """PYTHONPATH with the bootstrap folder first, once, and every other entry kept as written: an
+    empty one is the current directory (``export PYTHONPATH=$PYTHONPATH:/x`` makes one)."""
     current = environ.get("PYTHONPATH", "")
     if not current:
         return BOOTSTRAP_DIRECTORY
-    entries = [e for e in current.split(os.pathsep) if not _same_directory(e, BOOTSTRAP_DIRECTORY)]
+    entries = [e for e in current.split(os.pathsep) if not (e and os.path.realpath(e) == BOOTSTRAP_DIRECTORY)]
     return os.pathsep.join([BOOTSTRAP_DIRECTORY, *entries])
 
 
 def bootstrap_on_pythonpath(environ: Mapping[str, str]) -> list[str]:
-    """Entries of PYTHONPATH that look like an fsdp-shim bootstrap folder (this one or another)."""
-    found = []
-    for entry in environ.get("PYTHONPATH", "").split(os.pathsep):
-        if entry and Path(entry).name == "bootstrap" and Path(entry).parent.name in ("_fsdp_shim", "fsdp_shim"):
-            found.append(entry)  # existing or not: a stale entry is worth reporting too
-    return found
+    """Entries of PYTHONPATH that look like an fsdp-shim bootstrap folder (this one or another), existing
+    or not: a stale entry is worth reporting too."""
+    return [
+        entry
+        for entry in environ.get("PYTHONPATH", "").split(os.pathsep)
+        if entry and Path(entry).name == "bootstrap" and Path(entry).parent.name in ("_fsdp_shim", "fsdp_shim")
+    ]
 
 
 def python_command(command: list[str]) -> list[str] | None:
-    """The interpreter and its arguments if ``command`` starts Python, directly or through a script's
-    ``#!`` line; ``None`` otherwise."""
+    """The interpreter and its arguments if ``command`` starts Python, directly or by a ``#!`` line."""
     if _PYTHON_EXECUTABLE.match(os.path.basename(command[0])):
         return command
     path = shutil.which(command[0])
@@ -87,23 +76,17 @@ def python_command(command: list[str]) -> list[str] | None:
     return [*words, *command[1:]]
 
 
-def _has_this_fsdp_shim(command: list[str]) -> bool:
-    """Whether the command's Python is this very interpreter (not resolved through links: a virtual
-    environment's python links to its base) and this one has the start-up file pip installs."""
-    python = python_command(command)
-    if python is None:
-        return False
+def _has_this_fsdp_shim(python: list[str]) -> bool:
+    """Whether ``python`` is this very interpreter (links not resolved: a virtual environment's python
+    links to its base) and this one has the start-up file pip installs."""
     found = shutil.which(python[0])
     if found is None or os.path.abspath(found) != os.path.abspath(sys.executable):
         return False
     return any((directory / ENVIRONMENT_FILE).is_file() for directory in site_directories())
 
 
-def flags_skipping_the_bootstrap(command: list[str]) -> list[str]:
-    """The python options in ``command`` that keep the bootstrap from running (``-I``, ``-E``, ``-S``)."""
-    python = python_command(command)
-    if python is None:
-        return []
+def flags_skipping_the_bootstrap(python: list[str]) -> list[str]:
+    """The options of a python command line that keep the bootstrap from running (``-I``, ``-E``, ``-S``)."""
     found = []
     arguments = iter(python[1:])
     for argument in arguments:
@@ -126,11 +109,10 @@ def flags_skipping_the_bootstrap(command: list[str]) -> list[str]:
     return found
 
 
-# The launchers `environment_warnings` follows, and how each reads its arguments: as getopt_long with
-# "+" does (options end at the first word that is not one), from the programs' own option tables. For
-# each: the short options that take a value (the rest of their word, else the next word); the long
-# options that never take the next word (every other one does, `--user bob`; any takes `--name=value`;
-# a name the launcher does not know makes it refuse to start, so only its own names matter); and
+# The launchers `environment_warnings` follows, each read as getopt_long with "+" reads it (options end
+# at the first word that is not one), from its own option table: the short options that take a value
+# (the rest of their word, else the next word); the long options that never take the next word (every
+# other one does; an unknown name makes the launcher refuse to start, so only its own names matter);
 # whether NAME=VALUE words among the options set variables for its command.
 class _Syntax(NamedTuple):
     short_with_value: str
@@ -179,25 +161,23 @@ _LAUNCHERS = {
 # Where srun and sbatch read --export when it is not given (SRUN_EXPORT_ENV overrides SLURM_EXPORT_ENV).
 # salloc has neither the option nor such a variable: its command gets the caller's environment.
 _SLURM_EXPORT_VARIABLES = {"srun": ("SRUN_EXPORT_ENV", "SLURM_EXPORT_ENV"), "sbatch": ("SBATCH_EXPORT",)}
-# What `fsdp-shim run` gives its command. PYTHONPATH's bootstrap arms the shim in any Python (or says
-# why it cannot); FSDP_SHIM in one with fsdp-shim installed, as the Python the user means has. So
-# either one reaching the command counts, except where sudo picks the Python (`_through_sudo`).
+# What `fsdp-shim run` gives its command: the bootstrap arms any Python (or says why it cannot),
+# FSDP_SHIM one with fsdp-shim installed, as the Python the user means has. Either one reaching the
+# command counts, except where sudo picks the Python (`_through_sudo`).
 _SHIM_VARIABLES = frozenset(("PYTHONPATH", SHIM_VARIABLE))
+_Options = list[tuple[str, Optional[str]]]  # a launcher's options as (name, value) pairs
 
 
 def _is_assignment(word: str) -> bool:
     return "=" in word and word[0] not in "=/"  # sudo's test; env takes any word with "="
 
 
-def _leading_options(words: list[str], syntax: _Syntax) -> tuple[list[tuple[str, str | None]], list[str], list[str]]:
-    """A launcher's options as (name, value) pairs, its NAME=VALUE words, and the command it starts.
-
-    Read as the launcher reads them, because a word taken for a value must not be taken for the
-    command, nor an option of the command for the launcher's: ``sudo -uE python`` is user "E" (no
-    -E), ``sudo -Eu bob python`` is -E and user "bob", ``srun -N 2 python`` runs python, and in
-    ``sudo -u bob python -E`` the -E is python's.
-    """
-    options: list[tuple[str, str | None]] = []
+def _leading_options(words: list[str], syntax: _Syntax) -> tuple[_Options, list[str], list[str]]:
+    """A launcher's options, its NAME=VALUE words, and the command it starts, read as the launcher reads
+    them, so that no value is taken for the command, nor the command's option for the launcher's:
+    ``sudo -uE python`` is user "E" (no -E), ``sudo -Eu bob python`` is -E and user "bob", ``srun -N 2
+    python`` runs python, and in ``sudo -u bob python -E`` the -E is python's."""
+    options: _Options = []
     assignments: list[str] = []
     index = 0
     while index < len(words):
@@ -235,10 +215,9 @@ def _leading_options(words: list[str], syntax: _Syntax) -> tuple[list[tuple[str,
 
 
 def _assign(reaching: frozenset[str], assignments: list[str]) -> frozenset[str]:
-    """``reaching`` after NAME=VALUE words. ``FSDP_SHIM=`` anything reaches (``=0`` switches the shim off
-    on purpose: nothing to warn about). ``PYTHONPATH=VALUE`` replaces fsdp-shim's, so it reaches only
-    with a bootstrap folder in VALUE, which a value typed on the command line does not have
-    (``PYTHONPATH=$PYTHONPATH`` is expanded by the shell before fsdp-shim run adds the folder)."""
+    """``reaching`` after NAME=VALUE words. ``FSDP_SHIM=`` anything reaches (``=0`` is off on purpose).
+    ``PYTHONPATH=VALUE`` reaches only with a bootstrap folder in VALUE, which a typed value lacks (the
+    shell expands ``$PYTHONPATH`` before fsdp-shim run adds the folder)."""
     result = set(reaching)
     for assignment in assignments:
         name, _, value = assignment.partition("=")
@@ -249,9 +228,8 @@ def _assign(reaching: frozenset[str], assignments: list[str]) -> frozenset[str]:
     return frozenset(result)
 
 
-def _slurm_export(program: str, options: list[tuple[str, str | None]], environ: Mapping[str, str]) -> str | None:
-    """Where the SLURM command's --export comes from and its value (``--export=NONE``,
-    ``SLURM_EXPORT_ENV=NONE``): its last --export option, else its variable; None means ALL."""
+def _slurm_export(program: str, options: _Options, environ: Mapping[str, str]) -> str | None:
+    """The SLURM command's last --export option, else its variable (``SLURM_EXPORT_ENV=NONE``); None: ALL."""
     for name, value in reversed(options):
         if name == "export" and value is not None:
             return f"--export={value}"
@@ -262,15 +240,11 @@ def _slurm_export(program: str, options: list[tuple[str, str | None]], environ: 
 
 
 def _through_slurm(
-    program: str, options: list[tuple[str, str | None]], environ: Mapping[str, str], reaching: frozenset[str]
+    program: str, options: _Options, environ: Mapping[str, str], reaching: frozenset[str]
 ) -> tuple[frozenset[str], str]:
-    """What reaches the tasks of srun or sbatch, and the warning if that is nothing.
-
-    SLURM reads the list as srun's _build_user_env does: comma-separated, ending at a NONE ("User can
-    not specify explicit environment variables with NONE"); an ALL anywhere before it exports the
-    whole environment, which takes precedence over the values given; ALL and NONE in any case
-    (xstrcasecmp). Otherwise only the names listed and NAME=VALUE pairs reach the tasks.
-    """
+    """What reaches the tasks of srun or sbatch, and the warning if that is nothing. Read as srun's
+    _build_user_env reads it: the list ends at a NONE, an ALL before it exports everything, both in any
+    case (xstrcasecmp); otherwise only the names listed and NAME=VALUE pairs reach the tasks."""
     source = _slurm_export(program, options, environ)
     if source is None:
         return reaching, ""
@@ -289,12 +263,9 @@ def _through_slurm(
     )
 
 
-def _through_env(
-    options: list[tuple[str, str | None]], assignments: list[str], reaching: frozenset[str]
-) -> tuple[frozenset[str], str]:
-    """What ``env`` passes on: everything, unless -i (``-``, ``--ignore-environment``) empties the
-    environment; then its NAME=VALUE words in both cases. (``-u NAME`` is not followed: unsetting one
-    of the shim's variables by name is a choice, not an accident to warn about.)"""
+def _through_env(options: _Options, assignments: list[str], reaching: frozenset[str]) -> tuple[frozenset[str], str]:
+    """What ``env`` passes on: everything unless -i (``-``, ``--ignore-environment``), then its NAME=VALUE
+    words. ``-u NAME`` is not followed: unsetting a shim variable by name is a choice, not an accident."""
     clears = any(name in ("i", "-", "ignore-environment") for name, _ in options)
     how = " -i" if clears else ""
     return _assign(frozenset() if clears else reaching, assignments), (
@@ -305,30 +276,22 @@ def _through_env(
 
 
 def _through_sudo(
-    options: list[tuple[str, str | None]], assignments: list[str], command: list[str], reaching: frozenset[str]
+    options: _Options, assignments: list[str], command: list[str], reaching: frozenset[str]
 ) -> tuple[frozenset[str], str]:
     """What reaches the command ``sudo`` runs, as sudo 1.9 with the default sudoers policy passes it.
 
-    * Without -E: env_reset, so neither variable.
-    * ``-E`` / ``--preserve-env`` (where sudoers allows it) keeps the environment but deletes
-      PYTHONPATH all the same (it is in sudo's built-in list of unsafe variables), and sets PATH to
-      secure_path, where sudo also looks the command up. So only FSDP_SHIM reaches, which arms the shim
-      only in an interpreter with fsdp-shim installed; without PYTHONPATH's bootstrap, one without it
-      runs unpatched and says nothing. For a command named by its path that interpreter is the one the
-      user chose, and FSDP_SHIM counts. For a bare name (``sudo -E python``) sudo picks it from
-      secure_path, typically the system's Python rather than the environment the user meant, so this
-      counts as not reaching, and the warning says how to name it.
-    * ``--preserve-env=LIST`` passes the listed variables as they are (the caller's PYTHONPATH, with
-      the bootstrap): what it lists reaches, whatever Python sudo picks.
-    * ``NAME=VALUE`` before the command sets it for the command.
+    Without -E: env_reset, neither variable. ``-E`` / ``--preserve-env`` keeps the environment but
+    deletes PYTHONPATH (in sudo's built-in list of unsafe variables) and looks the command up on
+    secure_path: FSDP_SHIM alone counts only for a command named by its path (the Python the user
+    chose); a bare ``python`` is typically the system's, which runs unpatched and says nothing.
+    ``--preserve-env=LIST`` passes what it lists as it is; ``NAME=VALUE`` sets it for the command.
     """
     keeps_all = any(name in ("E", "preserve-env") and value is None for name, value in options)
     listed = {name for option, value in options if option == "preserve-env" and value for name in value.split(",")}
     by_path = bool(command) and "/" in command[0]
-    passed = reaching & frozenset(listed)
     if keeps_all and by_path:
-        passed |= reaching & {SHIM_VARIABLE}
-    passed = _assign(passed, assignments)
+        listed.add(SHIM_VARIABLE)
+    passed = _assign(reaching & frozenset(listed), assignments)
     keep_both = f"`sudo --preserve-env=PYTHONPATH,{SHIM_VARIABLE} ...`"
     if keeps_all and by_path:
         return passed, (
@@ -351,18 +314,13 @@ def _through_sudo(
 
 
 def environment_warnings(command: list[str], environ: Mapping[str, str]) -> list[str]:
-    """A warning naming the launcher in ``command`` at which the shim is lost, if it is: no Python the
-    command starts would then get it, and every rank trains unpatched with exit code 0, worth saying
-    before the job starts. An empty list otherwise.
+    """A warning naming the launcher in ``command`` at which the shim is lost (every rank would train
+    unpatched with exit code 0), else an empty list.
 
-    Only the launcher chain at the start of the command counts, each launcher's options and then its
-    command, which may be a launcher again (``srun ... env ... sudo ... python``). Each passes on some
-    of what reached it (FSDP_SHIM, fsdp-shim's PYTHONPATH); the chain ends at the first program that is
-    not a launcher (python, torchrun, mpirun, a script: the rest are its own arguments, so
+    Only the launcher chain at the start counts (``srun ... env ... sudo ... python``), each passing on
+    some of what reached it. It ends at the first other program (its words are its own arguments:
     ``python train.py --name sudo`` is no sudo), after sbatch (its operand is a job script), or at
-    ``fsdp-shim run``, which gives its command both again and checks that command itself. Shell syntax
-    (``&&``, ``;``) means nothing here: there is no shell between fsdp-shim run and its command, so a
-    ``&&`` is an argument of the program before it.
+    ``fsdp-shim run``, which checks its own command. No shell runs here: ``&&`` is just an argument.
     """
     reaching = _SHIM_VARIABLES
     warning = ""
@@ -393,8 +351,9 @@ def run(command: list[str]) -> int:
     if not command:
         print("fsdp-shim run: no command given. Usage: fsdp-shim run CMD [ARGS...]", file=sys.stderr)
         return 2
-    skipping = flags_skipping_the_bootstrap(command)
-    if "S" not in skipping and _has_this_fsdp_shim(command):
+    python = python_command(command) or []
+    skipping = flags_skipping_the_bootstrap(python)
+    if skipping and "S" not in skipping and _has_this_fsdp_shim(python):
         skipping = []  # -I/-E drop PYTHONPATH, but this interpreter's fsdp_shim_env.pth reads FSDP_SHIM
     if skipping:
         reasons = "; ".join(SKIPPING_FLAGS[flag] for flag in skipping)

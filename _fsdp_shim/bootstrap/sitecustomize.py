@@ -1,20 +1,10 @@
-"""Start-up hook that ``fsdp-shim run`` puts first on ``PYTHONPATH``.
+"""Start-up hook that ``fsdp-shim run`` puts first on ``PYTHONPATH``: arms the shim, then imports the
+``sitecustomize`` it shadows exactly once (docs/activation.md, section 2). Where arming fails (another
+environment's interpreter), the first Lightning import says so, and fails in strict mode.
 
-Python imports one module named ``sitecustomize`` at start-up; this one arms the shim and then
-imports the ``sitecustomize`` it shadows (module or package form), exactly once, so that an
-environment's own start-up customisation keeps working: its ``sys.path`` changes stay, and
-``import sitecustomize`` afterwards gives that module, not this one. Every Python child inherits
-``PYTHONPATH`` and so gets the same treatment: torchrun workers, Lightning's launcher re-running the
-script, multiprocessing spawn.
-
-If the shim cannot be armed (the interpreter ``run`` started belongs to another environment, without
-fsdp-shim), the first import of Lightning says so, and fails in strict mode.
-
-``fsdp-shim run python2.7 ...`` (or any Python older than the shim supports, 3.9) runs this file too,
-so it is written to be parsed by every Python (no f-strings, no annotations): under such a Python it
-only chains to the shadowed ``sitecustomize`` and says nothing, since the shim cannot run there anyway.
-
-Do not import anything heavy here: it runs in every Python process the command starts.
+Every Python that ``run`` starts runs this file, ``python2.7`` too: so it parses under any Python (no
+f-strings, no annotations), and under one older than 3.9 only chains, silently. It runs in every
+process the command starts: import nothing heavy here.
 """
 # ruff: noqa: ANN001, ANN202, ANN204, UP031  (parsed by every Python: no annotations, no f-strings)
 
@@ -35,10 +25,9 @@ def _arm_shim():
 
 
 def _startup_module():
-    """The start-up module next to this folder (``_fsdp_shim/__init__.py``), loaded by its path under
-    another name: it cannot be imported here, which is why arming failed, and it holds the one table of
-    Lightning namespaces and the one parser of the switches. Standard library only; loading it under
-    that name runs nothing. ``None`` where it cannot be read either."""
+    """The start-up module (``_fsdp_shim/__init__.py``, standard library only), loaded by its path
+    under another name, which runs nothing: it cannot be imported (why arming failed), and it holds the
+    one table of Lightning namespaces and the one switch parser. ``None`` where it cannot be read."""
     try:
         import importlib.util
 
@@ -52,8 +41,8 @@ def _startup_module():
 
 
 class _NotArmed:
-    """Finder that reports, once, at the first Lightning import, that the shim could not be armed (at
-    the next import of anything where the start-up module cannot be read either)."""
+    """Finder that reports, once, that the shim could not be armed: at the first Lightning import (at the
+    first import of anything where the start-up module cannot be read either)."""
 
     def __init__(self, error, startup):
         self.error = error
@@ -80,27 +69,20 @@ def _packages(startup):
 
 
 def _run_shadowed_sitecustomize():
-    """Import the next ``sitecustomize`` on the path, with this folder (and any alias of it) removed
-    from ``sys.path`` for good: only that folder, so entries the other module adds stay."""
+    """Import the next ``sitecustomize``, with only this folder (and any alias) off ``sys.path`` for
+    good, so that the entries the other module adds stay."""
     here = os.path.realpath(_HERE)
     this_module = sys.modules.pop(__name__, None)
     sys.path[:] = [entry for entry in sys.path if os.path.realpath(entry or os.curdir) != here]
     try:
         import sitecustomize  # noqa: F401 - the shadowed one, if there is one
-    except ImportError as error:
-        if getattr(error, "name", "sitecustomize") != "sitecustomize":  # the user's sitecustomize failed
-            _report(error)
-    except Exception as error:
-        _report(error)
+    except Exception as error:  # none to shadow is fine; where the user's fails, do what `site` does
+        if not isinstance(error, ImportError) or getattr(error, "name", "sitecustomize") != "sitecustomize":
+            sys.stderr.write(
+                "Error in sitecustomize; set PYTHONVERBOSE for traceback:\n%s: %s\n" % (type(error).__name__, error)
+            )
     if __name__ not in sys.modules and this_module is not None:
         sys.modules[__name__] = this_module  # there was none to shadow: the import system expects one
-
-
-def _report(error):
-    """What ``site`` itself does when a sitecustomize fails: print and carry on."""
-    sys.stderr.write(
-        "Error in sitecustomize; set PYTHONVERBOSE for traceback:\n%s: %s\n" % (type(error).__name__, error)
-    )
 
 
 if SUPPORTED:

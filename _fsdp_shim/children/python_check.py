@@ -1,10 +1,8 @@
 """``fsdp-shim status --python-check``'s child: ``python <this file> OUT.json``.
 
-It imports every installed Lightning package the way a training script does, without activating the
-shim itself (only what the environment's start-up activations do), and writes what the shim did to
-``OUT.json``: not to stdout, which start-up code of the environment (an ``atexit`` print in a
-sitecustomize) may write to as well. Run by its path (see ``_fsdp_shim/children/__init__.py``), so
-nothing from the current folder runs in it.
+Imports every installed Lightning package as a training script does, without activating the shim
+itself, and writes what the shim did to ``OUT.json``, not to stdout, which the environment's start-up
+code (an ``atexit`` print in a sitecustomize) may write to as well.
 """
 
 from __future__ import annotations
@@ -18,8 +16,7 @@ import warnings
 from typing import Any
 
 HERE = os.path.dirname(os.path.realpath(__file__))
-ROOT = os.path.dirname(os.path.dirname(HERE))
-"""The folder that holds ``_fsdp_shim``: site-packages, or a clone's root when it is run uninstalled."""
+ROOT = os.path.dirname(os.path.dirname(HERE))  # holds _fsdp_shim: site-packages, or an uninstalled clone
 
 
 def check() -> dict[str, Any]:
@@ -47,13 +44,9 @@ def check() -> dict[str, Any]:
     return report
 
 
-def main(out: str) -> None:
+if __name__ == "__main__":
     sys.path[:] = [entry for entry in sys.path if os.path.realpath(entry or os.curdir) != HERE]
     warnings.simplefilter("ignore")
     report = check()
-    with open(out, "w") as handle:
+    with open(sys.argv[1], "w") as handle:
         json.dump(report, handle)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])
