@@ -1,27 +1,19 @@
-"""fsdp-shim's implementation, and the start-up code that must exist before Lightning is imported.
+"""fsdp-shim's implementation, and the start-up module that must exist before Lightning is imported.
 
-Importing ``_fsdp_shim`` or any module in it activates nothing; ``import fsdp_shim`` activates, as
-``import ddtrace.auto`` does and ``import ddtrace`` does not. This ``__init__`` is the start-up module:
-every interpreter that a start-up file arms imports it, so it holds only what must be there before
-Lightning is imported, and imports only ``sys``: the parser of the switches, the table of Lightning
-namespaces, the warning class, and one finder with one ``arm()``.
+Importing ``_fsdp_shim`` or any module in it activates nothing; ``import fsdp_shim`` activates (as
+``import ddtrace.auto`` does and ``import ddtrace`` does not). This ``__init__`` is what every armed
+interpreter imports, so it imports only ``sys`` and holds only what must exist before Lightning: the
+switch parser, the namespace table, the warning class, one finder and one ``arm()``, which every way
+of activating calls (``fsdp_shim_env.pth`` where ``FSDP_SHIM`` is set, the copy ``fsdp-shim install``
+writes, ``fsdp-shim run``'s ``sitecustomize``, ``import fsdp_shim``).
 
-``arm(source)`` puts the finder first on ``sys.meta_path``, once. Everything that activates the shim
-calls it: ``fsdp_shim_env.pth`` (installed by pip with the package) where ``FSDP_SHIM`` is set, the copy
-of this file that ``fsdp-shim install`` writes (``COPY_NAME``; it arms itself when imported under that
-name), ``fsdp-shim run``'s bootstrap ``sitecustomize``, and ``import fsdp_shim``.
-
-The finder answers for the four Lightning namespaces only. The import system holds its global lock
-while it asks finders (CPython's ``_find_spec``), so the finder imports nothing there: it asks the
-finders after it for the spec and returns that very spec with its very loader. It only observes the
-import: an instance attribute shadows the loader's ``exec_module``, removes itself when called, runs
-the real one and then hands the executed namespace over to the shim, outside that lock. Every
-importlib and pkgutil API sees the spec and loader it would see without the shim.
-
-The hand-over is by name (``HAND_OVER``, resolved when it fires, as wrapt resolves ``"module:function"``
-hooks), so this module never imports the rest of the package itself: no import cycle, and a copy left
-behind by ``pip uninstall`` finds no shim and lets Lightning import as shipped. ``FSDP_SHIM`` is read
-again at that moment, so a script can still switch the shim off before ``import lightning``.
+The finder answers for the four Lightning namespaces only. CPython holds its global import lock while
+it asks finders, so the finder imports nothing: it returns the spec the finders after it return, with
+its very loader, whose ``exec_module`` an instance attribute shadows once, to hand the executed
+namespace over to the shim outside that lock. The hand-over is by name (``HAND_OVER``, resolved when it
+fires, as wrapt resolves ``"module:function"`` hooks): no import cycle, and a copy that ``pip
+uninstall`` left behind finds no shim and lets Lightning import as shipped. ``FSDP_SHIM`` is read again
+then, so a script can still switch the shim off before ``import lightning``.
 """
 
 import sys

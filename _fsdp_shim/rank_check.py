@@ -1,28 +1,18 @@
 """Every rank of a distributed job runs the same fixes, or the job stops before its first optimizer step.
 
-A job in which some ranks have the shim and others do not (``FSDP_SHIM=0`` on one node, a node whose
-environment lacks the start-up file, a launcher that dropped ``PYTHONPATH``) trains without any error:
-compute agrees, because Lightning's "true" plugins all-gather in the low dtype, but the ranks hold
-their shards, gradients and optimizer state in different dtypes, or recompute checkpointed blocks in
-different dtypes, and the job dies at its first checkpoint in a collective whose message names no
-cause, or silently trains on gradients the ranks computed differently. So each rank says in the
-process group's key-value store which fixes are in effect for it, and waits, bounded, for every other
-rank to say the same.
+A job whose ranks differ (``FSDP_SHIM=0`` on one node, a launcher that dropped ``PYTHONPATH``) trains
+without an error: the ranks hold shards, gradients and optimizer state in different dtypes, or
+recompute in different dtypes, and die at the first checkpoint in a collective that names no cause,
+or silently diverge. So each rank writes which fixes it runs into the process group's key-value store
+and waits, bounded, for every other rank's.
 
-When: once per attempt of a process group, in ``"bf16-true"`` and ``"16-true"`` FSDP runs, at the end
-of ``FSDPStrategy.setup_environment`` (``_fsdp_shim.fixes``: the process group exists, no model is
-wrapped yet), wherever the shim is active, whatever fixes it runs there; so a rank that converts more
-models than another, or runs fit, validate and test, is checked once. A
-group that failed the check fails it again at every later call: a loop that catches the error and
-trains again in the same processes does not train half-patched. The
-keys name the attempt (``TORCHELASTIC_RUN_ID`` and ``TORCHELASTIC_RESTART_COUNT``: torchrun's store
-outlives a restart) and which process group of this process it is.
-
-Why the store and not a collective: a rank without the shim never runs this code, so a collective
-here would hang the ranks that do, or pair with an unrelated collective of the other rank. A key that
-never appears only costs the waiting ranks their wait, after which they stop with an error that names
-the missing ranks. The wait defaults to the process group's own timeout, so the shim never stops a
-job that torch would have let run.
+Once per attempt of a process group, in "bf16-true" and "16-true" FSDP runs, at the end of
+``FSDPStrategy.setup_environment`` (no model wrapped yet), wherever the shim is active. The keys name
+the attempt (torchrun's store outlives a restart) and the group. A group that failed fails again at
+every later call, so a loop that catches the error never trains half-patched. The store, not a
+collective: a rank without the shim never joins, and a collective would hang the others or pair with
+an unrelated one. The wait defaults to the process group's own timeout, so the shim never stops a job
+that torch would have let run.
 """
 
 from __future__ import annotations

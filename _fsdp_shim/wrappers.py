@@ -1,24 +1,14 @@
-"""The one wrapper layer: ``patch``, ``unpatch`` and ``status`` for one Lightning namespace and one fix,
-next to other code that patches the same methods (tracers, profilers, a team's own hot-fix).
+"""The one wrapper layer: ``patch``, ``unpatch`` and ``status`` for one namespace and one fix, next to
+other code that patches the same functions (tracers, profilers, a team's own hot-fix).
 
-What to wrap comes from the fix (``_fsdp_shim.fixes``) as ``Target``s; this module knows nothing of
-Lightning. Every target of one fix in one namespace is resolved and checked before anything changes,
-then all are wrapped or none. Four rules, each because breaking it is silently wrong:
-
-* The shim knows its wrappers by their type (``ShimWrapper``), never by a marker attribute: a wrapt
-  proxy answers ``getattr`` for what it wraps, so another library's wrapper on top of the shim's
-  would look like the shim's.
-* Each wrapper carries what removing it needs (``WrapperState``: what the class held before, and the
-  switch wrapt consults on every call), so any copy of this module, a reloaded one included, finds
-  the shim's wrappers on the classes and reuses them instead of stacking another.
-* It never removes an object that is not its own: a wrapper other code has wrapped since is switched
-  off in place (it passes every call through) instead of being torn out from under that code.
-* Removal restores the very object that was there before: Lightning's function, another library's
-  wrapper, or nothing where the method was inherited.
-
-Everything here can run inside an import hook, where an exception makes the user's ``import
-lightning`` fail: problems go through ``_fsdp_shim.failures.report``. Imports happen without the lock
-held (another thread may be importing the same modules); it guards only the records and ``setattr``.
+What to wrap comes from ``_fsdp_shim.fixes`` as ``Target``s. Every target of one fix in one namespace is
+resolved before anything changes, then all are wrapped or none. Four rules, each because breaking it
+is silently wrong: the shim knows its wrappers by their type, never by an attribute (a wrapt proxy
+answers ``getattr`` for what it wraps); each wrapper carries what removing it needs, so any copy of
+this module, a reloaded one too, reuses it instead of stacking another; it never removes what is not
+its own (a wrapper other code wrapped since is switched off in place); removal restores the very object
+that was there before. Everything here can run inside an import hook: problems go through
+``_fsdp_shim.failures.report``, and the lock guards only the records and ``setattr``, never an import.
 """
 
 from __future__ import annotations
@@ -267,17 +257,10 @@ still restores those classes, which old objects may still use."""
 _lock = threading.Lock()
 
 
-@dataclass
-class _Step:
-    target: Target
-    owner: type | ModuleType
-    label: str
-    reuse: Any = None
-    """The shim's own wrapper already on the class (switched off by ``unpatch``, or left by a reloaded
-    copy of this module): switched on again instead of stacking another."""
-    function: Any = None
-    original: Any = MISSING
-    composed_with: str | None = None
+_Step = tuple[Target, Any, Any, "WrapperState | None"]
+"""``(target, the shim's own wrapper already there or None, function to wrap, its new state)``: a wrapper
+already there (switched off by ``unpatch``, or left by a reloaded copy of this module) is switched on
+again instead of stacking another."""
 
 
 def patch(namespace: str, fix: Fix, plan: Plan, *, disabled: bool = False) -> FixStatus:
@@ -300,7 +283,7 @@ def patch(namespace: str, fix: Fix, plan: Plan, *, disabled: bool = False) -> Fi
         if record is not None:
             _retired.extend(w for w in record.wrappers if placement(w) != "gone" and not w.shim_state.shared)
         if not isinstance(decided, _Record):
-            decided = _install_all(module, fix, *decided)
+            decided = _install_all(module, *decided)
         decided.disabled = disabled
         _records[key] = decided
     if decided.reason.startswith("not patched: "):
@@ -355,38 +338,33 @@ def _decide(namespace: str, fix: Fix, plan: Plan, module: Any, disabled: bool) -
             label = target.label(namespace)
             mine = _own_wrapper(owner, target.attribute)
             if mine is not None:
-                steps.append(_Step(target, owner, label, reuse=mine))
-            else:
-                function, original, composed_with = _function_to_wrap(owner, target, label)
-                steps.append(_Step(target, owner, label, None, function, original, composed_with))
+                steps.append((target, mine, None, None))
+                continue
+            function, original, composed_with = _function_to_wrap(owner, target, label)
+            inherited = original is MISSING
+            state = WrapperState(
+                fix.name, label, owner, target.attribute, None if inherited else original, inherited, target.shared
+            )
+            state.composed_with = composed_with
+            steps.append((target, None, function, state))
     except (ImportError, TargetChanged) as error:
         return _Record(module, version, True, f"not patched: {error}")
     return version, steps
 
 
-def _install_all(module: Any, fix: Fix, version: str, steps: list[_Step]) -> _Record:
+def _install_all(module: Any, version: str, steps: list[_Step]) -> _Record:
     """Install every wrapper or none (call with the lock held)."""
     done: list[Any] = []
     try:
-        for step in steps:
-            if step.reuse is not None:
-                step.reuse.shim_state.on = True
-                done.append(step.reuse)
+        for target, reuse, function, state in steps:
+            if reuse is not None:
+                reuse.shim_state.on = True
+                done.append(reuse)
             else:
-                state = WrapperState(
-                    fix.name,
-                    step.label,
-                    step.owner,
-                    step.target.attribute,
-                    None if step.original is MISSING else step.original,
-                    step.original is MISSING,
-                    step.target.shared,
-                    step.composed_with,
-                )
-                done.append(_install(step.owner, step.target, step.function, state))
+                done.append(_install(state.owner, target, function, state))  # type: ignore[union-attr]
     except Exception as error:  # setattr on a class can fail (slots, metaclasses): undo what was done
-        for wrapper, step in zip(reversed(done), reversed(steps[: len(done)])):
-            if step.reuse is None:
+        for wrapper, (_, reuse, _, _) in zip(reversed(done), reversed(steps[: len(done)])):
+            if reuse is None:
                 remove(wrapper)
         return _Record(
             module, version, True, f"not patched: installing a wrapper failed ({type(error).__name__}: {error})"
