@@ -1,12 +1,7 @@
 """Everything fsdp-shim can be told or knows in advance: its environment variables, the Lightning
-namespaces, and the fixes with the releases each one applies to.
-
-Values travel one way, from here down to the code that uses them. This module reads the environment
-and says what a value means, and what is wrong with it; it warns about nothing itself
-(``_fsdp_shim.failures`` does, once, at the user's line). The switch parser and the namespace table
-live in the start-up module (``_fsdp_shim/__init__.py``), which must work before anything else is
-imported; they are named here for everything else.
-"""
+namespaces, and the fixes with the releases each one applies to. It says what a value means and what
+is wrong with it, but warns about nothing (``_fsdp_shim.failures`` does). The switch parser and the
+namespace table live in the start-up module, which must work before anything else is imported."""
 
 from __future__ import annotations
 
@@ -15,14 +10,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from _fsdp_shim import (
-    NAMESPACES,
-    OFF_VALUES,
-    ON_VALUES,
-    SHIM_VARIABLE,
-    STRICT_VARIABLE,
-    switch_state,
-)
+from _fsdp_shim import NAMESPACES, OFF_VALUES, ON_VALUES, SHIM_VARIABLE, STRICT_VARIABLE, switch_state
 
 RANK_CHECK_TIMEOUT_VARIABLE = "FSDP_SHIM_RANK_CHECK_TIMEOUT"
 DISABLED_FIXES_VARIABLE = "FSDP_SHIM_DISABLED_FIXES"
@@ -49,14 +37,9 @@ class Fix:
     """What a namespace left without this fix keeps doing (for messages)."""
 
     def affects(self, version: str) -> bool:
-        """Whether a Lightning version lacks this fix (the release half of the gate; the other half is
-        the shape of the classes)."""
+        """Whether a Lightning version lacks this fix (the release half of the gate; the classes are the other)."""
         release = base_release(version)
-        return (
-            release is not None
-            and self.first_affected <= release
-            and (self.first_fixed is None or release < self.first_fixed)
-        )
+        return release is not None and self.first_affected <= release and not self.built_in(version)
 
     def built_in(self, version: str) -> bool:
         """Whether the release ships this fix itself."""
@@ -102,18 +85,14 @@ RANK_CHECK = Fix(
     upstream="not a Lightning fix: fsdp-shim's own check",
     unfixed="the ranks of an FSDP job are not checked for running the same fixes",
 )
-"""Not a fix (``FIXES`` does not list it, ``FSDP_SHIM_DISABLED_FIXES`` cannot name it): the hook of
-``_fsdp_shim.rank_check``, patched like a fix wherever the shim is active, so that a rank whose fixes
-are all switched off or built in still says what it runs."""
+"""Not a fix (not in ``FIXES``, not switched off by name): ``_fsdp_shim.rank_check``'s hook, patched
+like one wherever the shim is active, so that a rank whose fixes are all off or built in still reports."""
 
 
 def base_release(version: str) -> Release | None:
-    """``(major, minor, micro)`` of a version string, or ``None`` if it is not PEP 440.
-
-    Releases are compared on their base version: ``2.5.0rc0``, ``2.5.0.dev1``, ``2.4.0.post1`` and
-    ``2.4.0+cu121`` count as 2.5.0, 2.5.0, 2.4.0 and 2.4.0. A plain PEP 440 comparison would put
-    ``2.5.0rc0`` before ``2.5.0`` and call it affected, though the fix is already in it.
-    """
+    """``(major, minor, micro)`` of a version string, or ``None`` if it is not PEP 440: ``2.5.0rc0``
+    counts as 2.5.0 (a PEP 440 comparison would put it before 2.5.0 and call it affected, though the
+    fix is in it), ``2.4.0.post1`` and ``2.4.0+cu121`` as 2.4.0."""
     from packaging.version import InvalidVersion, Version  # here: `import fsdp_shim` alone loads no packaging
 
     try:
@@ -159,10 +138,9 @@ as it takes" and are clamped to this, which every store accepts (``1e20`` s over
 
 
 def rank_check_timeout(environ: Mapping[str, str] | None = None) -> tuple[float | None, str | None]:
-    """The rank check's wait in seconds from ``FSDP_SHIM_RANK_CHECK_TIMEOUT``: ``None`` where unset
-    (the check then waits as long as the process group's own timeout), ``0`` to switch the check off.
-    An unreadable or negative value keeps the default, and the second item says what was wrong: a
-    check that guards against silent corruption must not be switched off by a typo."""
+    """The rank check's wait in seconds from ``FSDP_SHIM_RANK_CHECK_TIMEOUT`` (``None``: unset, the
+    process group's own timeout; ``0``: off), and what is wrong with the value. An unreadable or
+    negative one keeps the default: a check against silent corruption must not be lost to a typo."""
     raw = _environ(environ).get(RANK_CHECK_TIMEOUT_VARIABLE, "").strip()
     if not raw:
         return None, None

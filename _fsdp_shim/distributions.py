@@ -1,12 +1,10 @@
-"""Which Lightning packages are installed, and why one that is fails to import.
-
-Shared by ``fsdp-shim status`` and ``fsdp-shim verify``, which must never leave out an installed
-Lightning because its import failed: that is how an environment with a broken ``lightning`` next to a
-working ``pytorch_lightning`` got a "not needed" verdict for the wrong package.
-"""
+"""Which Lightning packages are installed, and why one fails to import, for ``fsdp-shim status`` and
+``verify``: one whose import fails must not be left out (a broken ``lightning`` next to a working
+``pytorch_lightning`` once got a "not needed" verdict for the wrong package)."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 from importlib import metadata
 
@@ -17,26 +15,22 @@ def installed_packages() -> list[str]:
     """The Lightning top-level packages this interpreter can find, without importing them."""
     found = []
     for package in LIGHTNING_PACKAGES:
-        try:
+        with contextlib.suppress(ImportError, ValueError):  # a broken entry on sys.path: not importable either
             if importlib.util.find_spec(package) is not None:
                 found.append(package)
-        except (ImportError, ValueError):  # a broken entry on sys.path: not importable either
-            continue
     return found
 
 
 def distribution_of(package: str) -> tuple[str, str] | None:
-    """``(distribution, version)`` that provides the top-level ``package``, from package metadata
-    (nothing is imported, so it also answers for a package whose import fails)."""
+    """``(distribution, version)`` that provides the top-level ``package``, from metadata (so it also
+    answers for a package whose import fails)."""
     try:
         names = metadata.packages_distributions().get(package, [])
     except AttributeError:  # Python 3.9
         names = [package.replace("_", "-")]
     for name in names:
-        try:
+        with contextlib.suppress(metadata.PackageNotFoundError):
             return name, metadata.version(name)
-        except metadata.PackageNotFoundError:
-            continue
     return None
 
 
@@ -50,8 +44,8 @@ def import_failure(error: BaseException) -> list[str | None]:
 
 
 def describe_import_failure(name: str, failure: list[str | None]) -> str:
-    """One line naming the package (and the release installed) and the cause, with the fix where it
-    is known. ``name`` is a top-level package or a namespace in it."""
+    """One line naming the package or namespace ``name``, the release installed, the cause, and the
+    fix where it is known."""
     kind, message, missing = failure
     found = distribution_of(name.partition(".")[0])
     installed = f" ({found[0]} {found[1]})" if found else ""

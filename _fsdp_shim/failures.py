@@ -1,18 +1,15 @@
-"""The one failure policy: strict mode, warnings once at the user's line, and the rank-zero log.
+"""The one failure policy: ``report`` raises ``FSDPShimError`` in strict mode (saying nothing about
+falling back, since nothing does), else warns once and says what happened instead; and the rank-zero
+log. Everything said "once" is said once per process and key.
 
-Every problem the shim survives goes through ``report``: with ``FSDP_SHIM_STRICT`` on it raises
-``FSDPShimError`` (the message states the problem, nothing about falling
-back, since nothing falls back); otherwise it warns once per problem and says what happened instead.
-Everything said "once" (a warning, a log record) is said once per process and key, from one registry.
-
-Warnings are attributed to the first frame outside fsdp-shim, the import machinery, wrapt and
-Lightning: the user's ``import lightning`` line, their ``trainer.fit(...)`` call, their
-``fsdp_shim.activate()``. A fixed ``stacklevel`` cannot do that, because the same code runs under
-imports of different depths.
+Warnings point at the first frame outside fsdp-shim, the import machinery, wrapt and Lightning (the
+user's ``import lightning``, ``trainer.fit(...)`` or ``fsdp_shim.activate()``): no fixed
+``stacklevel`` can, because the same code runs under imports of different depths.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -43,10 +40,9 @@ _said_lock = threading.Lock()
 def first_time(key: str) -> bool:
     """Whether ``key`` is said for the first time in this process (and from now on, it is not)."""
     with _said_lock:
-        if key in _said:
-            return False
+        new = key not in _said
         _said.add(key)
-        return True
+        return new
 
 
 def read_switch(name: str, environ: Mapping[str, str] | None, meaning: str) -> str:
@@ -68,17 +64,8 @@ def strict_mode(environ: Mapping[str, str] | None = None) -> bool:
     return read_switch(STRICT_VARIABLE, environ, "turned strict mode ON (failures raise)") in ("on", "invalid")
 
 
-_PACKAGE_DIRECTORY = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_PUBLIC_PACKAGE_DIRECTORY = os.path.join(os.path.dirname(_PACKAGE_DIRECTORY[:-1]), "fsdp_shim") + os.sep
-_IMPORTLIB_DIRECTORY = os.path.dirname(os.path.abspath(warnings.__file__)) + os.sep + "importlib" + os.sep
-
-
 def report(problem: str, consequence: str, *, key: str | None = None, cause: BaseException | None = None) -> None:
-    """Raise in strict mode; otherwise warn once per ``key`` (default: the problem itself).
-
-    ``problem`` says what went wrong; ``consequence`` what the shim did instead (only true, and
-    so only said, outside strict mode).
-    """
+    """Raise in strict mode; otherwise warn ``problem; consequence`` (what the shim did instead) once per ``key``."""
     if strict_mode():
         raise FSDPShimError(f"{problem} ({STRICT_VARIABLE} is on)") from cause
     warn_once(f"{problem}; {consequence}", key=key or problem)
@@ -86,14 +73,11 @@ def report(problem: str, consequence: str, *, key: str | None = None, cause: Bas
 
 def warn_once(message: str, *, key: str) -> None:
     """One ``FSDPShimWarning`` per ``key`` per process, at the user's line."""
-    if first_time(key):
-        warn(message)
-
-
-def warn(message: str) -> None:
+    if not first_time(key):
+        return
     frame = user_frame()
     if frame is None:
-        warnings.warn(message, FSDPShimWarning, stacklevel=2)
+        warnings.warn(message, FSDPShimWarning, stacklevel=1)  # no frame outside the shim: this line
         return
     module_globals = frame.f_globals
     warnings.warn_explicit(
@@ -109,53 +93,46 @@ def warn(message: str) -> None:
     )
 
 
+_PACKAGE_DIRECTORY = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_INTERNAL_DIRECTORIES = (
+    _PACKAGE_DIRECTORY,
+    os.path.join(os.path.dirname(_PACKAGE_DIRECTORY[:-1]), "fsdp_shim") + os.sep,
+    os.path.join(os.path.dirname(os.path.abspath(warnings.__file__)), "importlib") + os.sep,
+)
+
+
 def user_frame() -> FrameType | None:
     """The innermost frame that belongs to neither fsdp-shim nor the code it runs inside of."""
-    internal = _internal_prefixes()
+    internal = list(_INTERNAL_DIRECTORIES)
+    for name in (COPY_NAME, "wrapt", *LIGHTNING_PACKAGES):
+        path = getattr(sys.modules.get(name), "__file__", None)
+        if path:
+            path = os.path.abspath(path)
+            internal.append(os.path.dirname(path) + os.sep if os.path.basename(path) == "__init__.py" else path)
     frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not (filename.startswith("<frozen importlib") or filename.startswith(internal)):
+        if not (filename.startswith("<frozen importlib") or filename.startswith(tuple(internal))):
             return frame
         frame = frame.f_back
     return None
 
 
-def _internal_prefixes() -> tuple[str, ...]:
-    prefixes = [_PACKAGE_DIRECTORY, _PUBLIC_PACKAGE_DIRECTORY, _IMPORTLIB_DIRECTORY]
-    for name in (COPY_NAME, "wrapt", *LIGHTNING_PACKAGES):
-        module = sys.modules.get(name)
-        path = getattr(module, "__file__", None)
-        if path:
-            path = os.path.abspath(path)
-            is_package = os.path.basename(path) == "__init__.py"
-            prefixes.append(os.path.dirname(path) + os.sep if is_package else path)
-    return tuple(prefixes)
-
-
 # ----------------------------------------------------------------------------- the rank-zero log
-# ``logging`` costs milliseconds to import and the shim is imported by start-up code, so it is
-# imported when the first record is written: by then Lightning, which imports it too, is loaded.
-
-# The same variables, in the same order, that Lightning's ``rank_zero_only`` reads, so the shim's
-# messages appear on exactly the process where Lightning prints its own rank-zero messages.
-_RANK_VARIABLES = ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
-
-
 def _logger() -> logging.Logger:
+    """Imports ``logging`` at the first record, not at start-up (it costs milliseconds): by then
+    Lightning, which imports it too, is loaded."""
     import logging
 
     return logging.getLogger("fsdp_shim")
 
 
 def process_rank() -> int:
-    for variable in _RANK_VARIABLES:
-        value = os.environ.get(variable)
-        if value is not None:
-            try:
-                return int(value)
-            except ValueError:
-                continue
+    """The rank from the variables Lightning's ``rank_zero_only`` reads, in its order, so the shim's
+    messages appear on the process where Lightning prints its own rank-zero messages."""
+    for variable in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
+        with contextlib.suppress(KeyError, ValueError):
+            return int(os.environ[variable])
     return 0
 
 
@@ -178,8 +155,7 @@ def announce(message: str, *args: object) -> None:
 
 
 def warn_once_on_rank_zero(key: str, message: str, *args: object) -> None:
-    """A WARNING record, once per process and ``key``, on rank zero only. With no logging
-    configured, Python prints WARNING records to stderr, so it is seen by default."""
+    """A WARNING record (on stderr even with no logging configured), once per key, on rank zero only."""
     if first_time(f"log:{key}") and process_rank() == 0:
         _logger().warning(message, *args)
 

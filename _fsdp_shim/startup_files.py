@@ -1,23 +1,13 @@
-"""``fsdp-shim install`` / ``uninstall``: the start-up files that arm the shim in every interpreter of
-an environment, where they go, what they say, and how to recognise them.
+"""``fsdp-shim install`` / ``uninstall`` (docs/activation.md): a copy of the start-up module, which
+arms itself when imported as ``COPY_NAME``; ``fsdp_shim.pth``, a bare import of it (``site`` compiles
+every ``.pth`` line at every start: a call after the import cost 0.1 M instructions more); and
+``fsdp_shim.start``, the same as a PEP 829 entry point (Python 3.15+ then ignores the ``.pth`` line). A
+copy, so that what ``pip uninstall fsdp-shim`` leaves behind still imports (Lightning then imports as
+shipped).
 
-``write_files`` puts three files into a site directory, in this order:
-
-* ``_fsdp_shim_startup_file.py``: a copy of the start-up module (``_fsdp_shim/__init__.py``) that arms
-  its finder when imported under that name (``COPY_NAME``); compiled to a ``.pyc`` at once;
-* ``fsdp_shim.pth``: ``import _fsdp_shim_startup_file``, which every CPython reads at start-up. A bare
-  import: ``site`` compiles every ``.pth`` line at every start, and a call after the import cost about
-  0.1 M instructions more (docs/benchmarks.md);
-* ``fsdp_shim.start``: the same as a PEP 829 entry point (Python 3.15+ then ignores the ``.pth`` line).
-
-A copy, not the package's module, because ``pip uninstall fsdp-shim`` does not know these files: what
-it leaves behind still imports, finds no shim to hand over to, and Lightning imports as shipped.
-
-Every file starts with ``MARKER``. A file at one of these names whose first line is the marker is
-fsdp-shim's, whatever version wrote it and whatever was appended to it later (configuration management
-appends comments): ``write_files`` replaces it, ``remove_files`` removes it. Anything else there is
-someone else's. The files go and come together: a ``.pth`` left without the module it imports would
-print a traceback at every interpreter start, so ``remove_files`` removes all of them or none.
+A file at one of these names whose first line is ``MARKER`` is fsdp-shim's, whatever version wrote it
+and whatever was appended later; anything else is someone else's. The files change all together or
+not at all: a ``.pth`` without its module prints a traceback at every interpreter start.
 """
 
 from __future__ import annotations
@@ -38,9 +28,7 @@ import _fsdp_shim
 from _fsdp_shim import COPY_NAME
 
 MARKER = "# fsdp-shim start-up file"
-ENVIRONMENT_FILE = "fsdp_shim_env.pth"
-"""The start-up file pip installs with the package (where ``FSDP_SHIM`` is set, it arms the shim); not
-one of the files ``fsdp-shim install`` writes or removes."""
+ENVIRONMENT_FILE = "fsdp_shim_env.pth"  # pip installs it (it arms where FSDP_SHIM is set), not `install`
 COPY_FILE = f"{COPY_NAME}.py"
 PTH_NAME = "fsdp_shim.pth"
 START_NAME = "fsdp_shim.start"
@@ -55,9 +43,10 @@ class ForeignFileError(StartupFileError):
     """A file at one of fsdp-shim's names is someone else's; ``--force`` replaces it."""
 
 
-def _startup_source() -> str:
-    """The start-up module's source, read through its loader (a zip import works too)."""
-    try:
+def file_texts() -> dict[str, str]:
+    """What this version writes at each name, in the order it writes them (``remove_files`` goes the
+    other way), so a starting interpreter never finds the ``.pth`` without the module it imports."""
+    try:  # through the loader, so that a zip import works too
         source = _fsdp_shim.__loader__.get_source("_fsdp_shim")  # type: ignore[union-attr]
     except Exception as error:
         raise StartupFileError(f"cannot read the source of _fsdp_shim ({type(error).__name__}: {error})") from error
@@ -66,15 +55,8 @@ def _startup_source() -> str:
             f"this fsdp-shim install has no usable source for _fsdp_shim/__init__.py ({_fsdp_shim.__file__}), "
             "which `fsdp-shim install` copies; reinstall fsdp-shim from a wheel or sdist"
         )
-    return source
-
-
-def file_texts() -> dict[str, str]:
-    """What this version writes at each name, in the order it writes them (``remove_files`` goes the
-    other way), so a starting interpreter never finds the ``.pth`` without the module it imports."""
     return {
-        COPY_FILE: f"{MARKER}: {WRITTEN_BY}\n# A copy of _fsdp_shim/__init__.py, which {PTH_NAME} imports.\n"
-        + _startup_source(),
+        COPY_FILE: f"{MARKER}: {WRITTEN_BY}\n# A copy of _fsdp_shim/__init__.py, which {PTH_NAME} imports.\n" + source,
         PTH_NAME: f"{MARKER}: {WRITTEN_BY}\n# Arms a finder that hands Lightning to the shim when a process "
         f"imports it.\nimport {COPY_NAME}\n",
         START_NAME: f"{MARKER} (PEP 829): {WRITTEN_BY}\n{COPY_NAME}:arm\n",
@@ -101,7 +83,6 @@ def site_directories() -> list[Path]:
 
 
 def read_by_this_interpreter(directory: Path) -> bool:
-    """Whether ``site`` reads start-up files from ``directory`` when this interpreter starts."""
     return canonical(directory) in {canonical(d) for d in site_directories()}
 
 
@@ -116,9 +97,8 @@ class Existing:
 
     path: Path
     kind: str
-    """``missing``, ``current`` (this version's text), ``ours`` (the marker first, other content: an
-    earlier version's file, or an edited one), ``foreign`` (a regular file without the marker),
-    ``link``, ``directory`` or ``special``."""
+    """``missing``, ``current`` (this version's text), ``ours`` (the marker first: an earlier version's
+    file or an edited one), ``foreign`` (a file without the marker), ``link``, ``directory``, ``special``."""
 
     def why_not_ours(self) -> str:
         return {
@@ -132,52 +112,40 @@ class Existing:
 def inspect(path: Path, text: str | None) -> Existing:
     """Classify what is at ``path``; ``text`` is what this version writes there."""
     try:
-        info = os.lstat(path)
+        mode = os.lstat(path).st_mode
     except FileNotFoundError:
         return Existing(path, "missing")
     except OSError:
         return Existing(path, "special")
-    if stat.S_ISLNK(info.st_mode):
+    if stat.S_ISLNK(mode):
         return Existing(path, "link")
-    if stat.S_ISDIR(info.st_mode):
+    if stat.S_ISDIR(mode):
         return Existing(path, "directory")
-    if not stat.S_ISREG(info.st_mode):
+    if not stat.S_ISREG(mode):
         return Existing(path, "special")
     content = read_bytes(path)
-    if content is None and not os.path.lexists(path):
-        return Existing(path, "missing")  # removed between the look and the read (a concurrent uninstall)
-    if text is not None and content is not None and content.replace(b"\r\n", b"\n") == text.encode():
+    if content is None:  # unreadable, or removed since the look (a concurrent uninstall)
+        return Existing(path, "foreign" if os.path.lexists(path) else "missing")
+    if text is not None and content.replace(b"\r\n", b"\n") == text.encode():
         return Existing(path, "current")  # line endings aside: a file that went through an editor still arms
-    if content is not None and content.startswith(MARKER.encode()):
-        return Existing(path, "ours")
-    return Existing(path, "foreign")
+    return Existing(path, "ours" if content.startswith(MARKER.encode()) else "foreign")
 
 
-def find(directories: list[Path] | None = None) -> list[Existing]:
-    """fsdp-shim's start-up files (current or not) in the given (default: this interpreter's site)
-    directories."""
+def find() -> list[Existing]:
+    """fsdp-shim's start-up files, current or not, in the directories this interpreter reads."""
     try:
         texts: dict[str, str | None] = dict(file_texts())
     except StartupFileError:
         texts = dict.fromkeys((COPY_FILE, PTH_NAME, START_NAME))
-    found = []
-    for directory in directories if directories is not None else site_directories():
-        for name, text in texts.items():
-            existing = inspect(directory / name, text)
-            if existing.kind in ("current", "ours"):
-                found.append(existing)
-    return found
+    found = (inspect(directory / name, text) for directory in site_directories() for name, text in texts.items())
+    return [existing for existing in found if existing.kind in ("current", "ours")]
 
 
 def copy_imported_instead(directory: Path) -> Path | None:
-    """The module that ``directory``'s ``fsdp_shim.pth`` imports in place of its own copy, where that
-    is not a current copy (a missing copy is named by its path); ``None`` where the import arms.
-
-    The ``.pth`` imports the copy by name, not by path: a file of that name earlier on ``sys.path``
-    (``PYTHONPATH``, a site directory read before this one) is what runs, and anything but a current
-    copy arms nothing, which no interpreter would say. ``site`` reads the file before ``sys.path[0]``
-    (the script's folder) is added, and with only the entries before ``directory`` in place.
-    """
+    """The module that ``directory``'s ``.pth`` imports in place of a current copy (a missing copy by its
+    path), or ``None``: it imports by name, so a file of that name earlier on ``sys.path`` runs instead
+    and silently arms nothing. ``site`` reads it before ``sys.path[0]`` (the script's folder) is added,
+    with only the entries before ``directory`` in place."""
     search_path = sys.path if sys.flags.safe_path else sys.path[1:]
     position = [canonical(entry or os.curdir) for entry in search_path]
     own = canonical(directory)
@@ -204,15 +172,11 @@ class Written:
 
 
 def write_files(directory: Path, create: bool = False, replace_foreign: bool = False) -> Written:
-    """Write every file, or none. Idempotent.
-
-    ``create`` makes a missing directory first. Each file is written to a new file with an
-    unpredictable name (``tempfile.mkstemp``: created exclusively, never through a link another user
-    planted in a shared site-packages) and renamed over the final name, which replaces a link there
-    rather than writing through it; a starting interpreter sees the old file or the new one, never
-    half of one. Concurrent installs into one folder each rename their own file, so all succeed.
-    A file at any of the names that is not fsdp-shim's is replaced only with ``replace_foreign``.
-    """
+    """Write every file, or none; idempotent. ``create`` makes a missing directory; a file that is not
+    fsdp-shim's is replaced only with ``replace_foreign``. Each file is written by ``tempfile.mkstemp``
+    (exclusively: never through a link planted in a shared site-packages) and renamed over its name
+    (replacing a link, not writing through it): a starting interpreter sees the old file or the new
+    one, and concurrent installs all succeed."""
     if not directory.is_dir():
         if directory.exists():
             raise StartupFileError(f"{directory} is not a directory")
@@ -239,39 +203,37 @@ def write_files(directory: Path, create: bool = False, replace_foreign: bool = F
             result.replaced_foreign.append(existing)
         pending.append((existing, text))
     temporaries: list[tuple[str, Existing]] = []
+    umask = os.umask(0)
+    os.umask(umask)
     try:
         for existing, text in pending:
-            temporaries.append((_write_temporary(directory, text), existing))
-        for index, (temporary, existing) in enumerate(temporaries):
-            try:
-                os.replace(temporary, existing.path)
-            except OSError:
-                for _, done in temporaries[:index]:  # all or none: take back a file that was not there
-                    if done.kind == "missing":
-                        _unlink(done.path)
-                raise
+            descriptor, temporary = tempfile.mkstemp(prefix=".fsdp_shim-", suffix=".tmp", dir=directory)
+            temporaries.append((temporary, existing))
+            with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+                os.fchmod(descriptor, 0o666 & ~umask)  # as a plain write would make it: readable by every user
+                handle.write(text)
+        for temporary, existing in temporaries:
+            os.replace(temporary, existing.path)
             result.written.append(existing.path)
     except OSError as error:
+        for existing, _ in pending[: len(result.written)]:  # all or none: take back those that were not there
+            if existing.kind == "missing":
+                _unlink(existing.path)
         raise _cannot_write(directory, error) from error
     finally:
         for temporary, _ in temporaries:
             _unlink(Path(temporary))
     with contextlib.suppress(OSError, py_compile.PyCompileError):
-        # Now, so that no interpreter compiles it at start-up, even where site-packages is read-only for
-        # the users who run Python; another Python version compiles its own, as for any module.
+        # Now, so that no interpreter compiles it at start-up (site-packages may be read-only for them).
         py_compile.compile(str(directory / COPY_FILE), doraise=True)
     return result
 
 
 def remove_files(directory: Path) -> tuple[list[Path], list[Existing]]:
-    """Remove fsdp-shim's files, all of them or none, and the copy's ``.pyc`` files with the copy;
-    returns (removed, left). Where any file at the names is someone else's, nothing is removed: a
-    ``.pth`` that imports a missing module prints a traceback at every interpreter start."""
-    present = [
-        existing
-        for name in reversed(list(file_texts()))
-        if (existing := inspect(directory / name, None)).kind != "missing"
-    ]
+    """Remove fsdp-shim's files and the copy's ``.pyc`` files, all or none (none where any file at the
+    names is someone else's); returns (removed, left)."""
+    found = (inspect(directory / name, None) for name in reversed(list(file_texts())))
+    present = [existing for existing in found if existing.kind != "missing"]
     left = [existing for existing in present if existing.kind not in ("current", "ours")]
     if left:
         return [], left
@@ -294,23 +256,6 @@ def remove_files(directory: Path) -> tuple[list[Path], list[Existing]]:
     return removed, []
 
 
-def _write_temporary(directory: Path, text: str) -> str:
-    descriptor, name = tempfile.mkstemp(prefix=".fsdp_shim-", suffix=".tmp", dir=directory)
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(descriptor, 0o666 & ~umask)  # as a plain write would make it: readable by every user
-        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
-            descriptor = -1
-            handle.write(text)
-    except BaseException:
-        if descriptor != -1:
-            os.close(descriptor)
-        _unlink(Path(name))
-        raise
-    return name
-
-
 def _unlink(path: Path) -> None:
     with contextlib.suppress(OSError):
         path.unlink()
@@ -318,21 +263,12 @@ def _unlink(path: Path) -> None:
 
 def read_bytes(path: Path) -> bytes | None:
     """The file's bytes, or ``None``; a symbolic link is not followed (it is nobody's start-up file)."""
+    flags = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)  # no link, no wait on a FIFO
     try:
-        descriptor = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+        with open(path, "rb", opener=lambda name, mode: os.open(name, mode | flags)) as handle:
+            return handle.read(1 << 20) if stat.S_ISREG(os.fstat(handle.fileno()).st_mode) else None
     except OSError:
         return None
-    try:
-        if not stat.S_ISREG(os.fstat(descriptor).st_mode):
-            return None
-        with os.fdopen(descriptor, "rb") as handle:
-            descriptor = -1
-            return handle.read(1 << 20)
-    except OSError:
-        return None
-    finally:
-        if descriptor != -1:
-            os.close(descriptor)
 
 
 def _cannot_write(directory: Path, error: OSError) -> StartupFileError:

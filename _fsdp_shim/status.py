@@ -1,8 +1,6 @@
 """The records ``fsdp_shim.status()`` returns: what the shim did in this process, per Lightning
-namespace and per fix, for people (``str()``) and for JSON (``as_dict()``).
-
-Records only: the code that fills them (``_fsdp_shim.wrappers``, ``_fsdp_shim.activation``) and the
-code that reads them depend on this module, never on each other."""
+namespace and per fix, for people (``str()``) and for JSON (``as_dict()``). Records only: the code
+that fills them and the code that reads them depend on this module, never on each other."""
 
 from __future__ import annotations
 
@@ -26,7 +24,7 @@ class FixStatus:
     """``patched`` (with notes about other wrappers), ``not patched: ...``, ``deactivated``,
     ``switched off by ...``, or why the release needs nothing."""
     targets: tuple[str, ...] = ()
-    """The methods the shim wrapped for it, as ``module.Class.method``."""
+    """The functions the shim wrapped for it, as ``module.Class.method`` (or ``module.function``)."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -34,8 +32,7 @@ class FixStatus:
 
 @dataclass(frozen=True)
 class NamespaceStatus:
-    """What the shim decided for one Lightning namespace, and why: one ``FixStatus`` per fix, and
-    their summary."""
+    """What the shim decided for one Lightning namespace, and why: one ``FixStatus`` per fix, and their summary."""
 
     namespace: str
     """``lightning.pytorch``, ``lightning.fabric``, ``pytorch_lightning`` or ``lightning_fabric``."""
@@ -46,9 +43,10 @@ class NamespaceStatus:
     affected: bool | None = None
     """Whether the release lacks any of the shim's fixes; ``None`` when it cannot be told."""
     patched: bool = False
-    """Whether every fix the release lacks is in effect now (and at least one is), read from the
-    classes: ``False`` after ``deactivate()``, where a fix is switched off, when another library
-    replaced the shim's wrapper, or when a call had to fall back."""
+    """Whether every fix the release lacks, except those ``FSDP_SHIM_DISABLED_FIXES`` switches off, is
+    in effect now (and at least one is), read from the classes: ``False`` after ``deactivate()``, when
+    every fix the release lacks is switched off, when another library replaced the shim's wrapper, or
+    when a call had to fall back."""
     reason: str = NOT_IMPORTED
     """The decision in words: ``patched`` or, per fix, what keeps it from being patched."""
     targets: tuple[str, ...] = ()
@@ -60,10 +58,7 @@ class NamespaceStatus:
 
     def fix(self, name: str) -> FixStatus:
         """The entry for one fix, e.g. ``status().namespace("lightning.pytorch").fix("recompute")``."""
-        for status in self.fixes:
-            if status.fix == name:
-                return status
-        raise KeyError(name)
+        return {status.fix: status for status in self.fixes}[name]
 
     def as_dict(self) -> dict[str, Any]:
         """The fields as a dict, for logs and JSON."""
@@ -93,10 +88,7 @@ class ShimStatus:
 
     def namespace(self, name: str) -> NamespaceStatus:
         """The entry for one namespace, e.g. ``status().namespace("lightning.pytorch")``."""
-        for status in self.namespaces:
-            if status.namespace == name:
-                return status
-        raise KeyError(name)
+        return {status.namespace: status for status in self.namespaces}[name]
 
     def as_dict(self) -> dict[str, Any]:
         """The whole report as a dict, for logs and JSON."""

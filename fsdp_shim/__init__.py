@@ -1,18 +1,14 @@
 """fsdp-shim: fixes for FSDP "true"-precision training in Lightning, without upgrading or forking it.
 
-Importing this package activates the shim, like ``import ddtrace.auto``; the implementation lives in
-``_fsdp_shim``, whose import activates nothing. With ``strategy="fsdp"`` and ``precision="bf16-true"``
-or ``"16-true"`` it applies two fixes, each only to the Lightning releases that lack it:
+Importing this package activates the shim, like ``import ddtrace.auto`` (the implementation,
+``_fsdp_shim``, activates nothing). With ``strategy="fsdp"`` and ``precision="bf16-true"`` or
+``"16-true"`` it applies two fixes, each only to the Lightning releases that lack it: **cast**
+(2.1.0-2.4.x) casts the model to the precision's dtype before FSDP wraps it, as Lightning 2.5.0 does
+(without it, sharded parameters, gradients and optimizer state take twice the memory); **recompute**
+(2.1.0 and later) recomputes activation-checkpointed blocks in the forward's default dtype, not float32.
 
-* **cast** (2.1.0-2.4.x): the model is cast to the precision's dtype before FSDP wraps it, as
-  Lightning 2.5.0 does; without it sharded parameters, gradients and optimizer state take twice the
-  memory;
-* **recompute** (2.1.0 and later): activation checkpointing recomputes blocks in the default dtype the
-  forward had, instead of float32.
-
-``FSDP_SHIM=0`` switches it off without changing code; ``FSDP_SHIM_DISABLED_FIXES=recompute`` (or
-``cast``) switches off one fix. ``python -m fsdp_shim`` is the ``fsdp-shim`` command, which activates
-nothing.
+``FSDP_SHIM=0`` switches it off without changing code, ``FSDP_SHIM_DISABLED_FIXES=recompute`` (or
+``cast``) one fix. ``python -m fsdp_shim`` is the ``fsdp-shim`` command, which activates nothing.
 """
 
 import sys
@@ -26,9 +22,8 @@ __all__ = ["FSDPShimError", "FSDPShimWarning", "__version__", "activate", "deact
 
 
 def _runs_the_command() -> bool:
-    """Whether this process is ``python -m fsdp_shim``, which imports this package before it runs the
-    command: the command inspects the environment and must not activate (its console script, which
-    imports ``_fsdp_shim.cli`` only, does not either)."""
+    """Whether this is ``python -m fsdp_shim``, which imports this package before it runs the command: the
+    command inspects the environment and must not activate (its console script imports only the CLI)."""
     argv = list(getattr(sys, "orig_argv", ()))
     return any((a == "-m" and b == "fsdp_shim") or a == "-mfsdp_shim" for a, b in zip(argv, [*argv[1:], ""]))
 

@@ -1,13 +1,7 @@
 """Names of the environment variables fsdp-shim reads, and what each one does (docs/configuration.md).
-
 The names are defined in ``_fsdp_shim.config``, the one place the package reads them from."""
 
-from _fsdp_shim.config import (
-    DISABLED_FIXES_VARIABLE,
-    RANK_CHECK_TIMEOUT_VARIABLE,
-    SHIM_VARIABLE,
-    STRICT_VARIABLE,
-)
+from _fsdp_shim.config import DISABLED_FIXES_VARIABLE, RANK_CHECK_TIMEOUT_VARIABLE, SHIM_VARIABLE, STRICT_VARIABLE
 
 FSDP_SHIM = SHIM_VARIABLE
 """Master switch. Unset, ``1``, ``true``, ``on``, ``yes``, ``y``, ``enable`` or ``enabled`` leave the
