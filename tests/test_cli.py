@@ -15,33 +15,9 @@ from conftest import FSDP_SHIM, ROOT, clean_env, run_command
 
 from _fsdp_shim.run import environment_warnings
 
-PLANTED = """\
-import importlib, os, sys
-here = os.path.dirname(os.path.abspath(__file__))
-with open(os.path.join(here, "RAN-" + __name__), "a") as marker:
-    marker.write(f"{os.getpid()} {sys.argv}\\n")
-# Then step aside for the real module, so whatever imported it still works.
-sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != here]
-del sys.modules[__name__]
-sys.modules[__name__] = importlib.import_module(__name__)
-"""
-
 
 def cli(*args: str, cwd: Path = ROOT, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return run_command([FSDP_SHIM, *args], cwd=cwd, env=env or clean_env(), timeout=900)
-
-
-@pytest.fixture
-def planted(tmp_path: Path) -> Path:
-    """A folder holding a ``yaml.py`` and a ``packaging.py`` that record every process importing them."""
-    folder = tmp_path / "project"
-    folder.mkdir()
-    for name in ("yaml", "packaging"):
-        (folder / f"{name}.py").write_text(PLANTED)
-    control = subprocess.run([sys.executable, "-c", "import yaml"], cwd=folder, env=clean_env(), timeout=60)
-    assert control.returncode == 0 and (folder / "RAN-yaml").exists(), "the planted module must work"
-    (folder / "RAN-yaml").unlink()
-    return folder
 
 
 def markers(folder: Path) -> dict[str, str]:

@@ -47,16 +47,6 @@ BYTE_KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes")
 SEED_BLOCKS = "torch.nn:TransformerEncoderLayer,torch.nn:TransformerDecoderLayer"
 """The seed model's blocks: the layers of ``nn.Transformer`` inside Lightning's demo Transformer."""
 LAST_WITH_PKG_RESOURCES = (2, 4, 0)  # a fact about Lightning: 2.4.0 no longer imports pkg_resources
-PLANTED = """\
-import importlib, os, sys
-here = os.path.dirname(os.path.abspath(__file__))
-with open(os.path.join(here, "RAN-" + __name__), "a") as marker:
-    marker.write(f"{os.getpid()} {sys.argv}\\n")
-# Then step aside for the real module, so whatever imported it still works.
-sys.path[:] = [entry for entry in sys.path if os.path.abspath(entry or os.curdir) != here]
-del sys.modules[__name__]
-sys.modules[__name__] = importlib.import_module(__name__)
-"""
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -99,19 +89,6 @@ class Runs:
 @pytest.fixture(scope="session")
 def runs() -> Runs:
     return Runs()
-
-
-@pytest.fixture
-def planted(tmp_path: Path) -> Path:
-    """A folder holding a ``yaml.py`` and a ``packaging.py`` that record every process importing them."""
-    folder = tmp_path / "project"
-    folder.mkdir()
-    for name in ("yaml", "packaging"):
-        (folder / f"{name}.py").write_text(PLANTED)
-    control = subprocess.run([sys.executable, "-c", "import yaml"], cwd=folder, env=clean_env(), timeout=60)
-    assert control.returncode == 0 and (folder / "RAN-yaml").exists(), "the planted module must work"
-    (folder / "RAN-yaml").unlink()
-    return folder
 
 
 def with_missing_pkg_resources(tmp_path: Path, package: str) -> dict[str, str]:
