@@ -56,14 +56,18 @@ _asking = {}
 older start-up file's watcher) must not send the question back round."""
 
 
-class FSDPShimWarning(RuntimeWarning):
-    """The shim could not do something it should have, said so, and left Lightning as shipped.
+def __getattr__(name):
+    """``FSDPShimWarning``, made at its first use: creating a class costs an armed start-up more than
+    the rest of this module. Here, so that even a shim that fails to import warns with its own
+    category; ``fsdp_shim.FSDPShimWarning`` is this class."""
+    if name != "FSDPShimWarning":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-    Defined here so that even a shim that fails to import warns with its own category;
-    ``fsdp_shim.FSDPShimWarning`` is this class."""
+    class FSDPShimWarning(RuntimeWarning):
+        """The shim could not do something it should have, said so, and left Lightning as shipped."""
 
-
-FSDPShimWarning.__module__ = "fsdp_shim"
+    FSDPShimWarning.__module__, FSDPShimWarning.__qualname__ = "fsdp_shim", "FSDPShimWarning"
+    return globals().setdefault(name, FSDPShimWarning)  # one class, whichever thread came first
 
 
 def switch_state(raw):
@@ -193,7 +197,8 @@ def _could_not_load(error):
         raise ImportError(f"{message}; {STRICT_VARIABLE} is on, so this import fails instead") from error
     import warnings
 
-    warnings.warn(f"{message}. Reinstall fsdp-shim, or set {SHIM_VARIABLE}=0.", FSDPShimWarning, stacklevel=3)
+    category = __getattr__("FSDPShimWarning")
+    warnings.warn(f"{message}. Reinstall fsdp-shim, or set {SHIM_VARIABLE}=0.", category, stacklevel=3)
 
 
 if __name__ == COPY_NAME:
