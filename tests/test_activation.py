@@ -426,7 +426,8 @@ def test_import_patches_what_each_release_lacks_and_leaves_the_rest_alone(
     touched; on 2.0.x nothing changes."""
     assert lifecycle["patched"] == all_expected_wrappers(layouts)
     backward = [key for key in lifecycle["pristine_keys"] if key.endswith(".backward")]
-    assert "torch.utils.checkpoint:CheckpointFunction.backward" in backward and len(backward) > 1
+    assert "torch.utils.checkpoint:CheckpointFunction.backward" in backward
+    assert len(backward) > 1 or not layouts  # and Lightning's precision plugins' where it is installed
     assert not set(backward) & set(lifecycle["patched"])  # no wrapper of the shim's on any backward
     for namespace, version in installed_versions(layouts).items():
         touched = set(own_keys(lifecycle["patched"], namespace))
