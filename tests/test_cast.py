@@ -11,6 +11,8 @@ which the cast fixes, and BatchNorm under an auto-wrap policy, which it must not
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 from conftest import (
     BYTE_KEYS,
@@ -60,6 +62,12 @@ def cases_for(api: str, version: str) -> list[str]:
     return TRAINER_CASES if api == "trainer" else FABRIC_CASES
 
 
+def reference_cases(cases: list[str]) -> list[str]:
+    """The cases of the plain-PyTorch reference: every case from 2.1.0 on, whatever the API asked for
+    (the reference has no API), so one run serves all tests of a layout in a worker's cache."""
+    return cases if cases == CASES_2_0 else TRAINER_CASES
+
+
 def measurements(result: dict) -> dict:
     return {key: result[key] for key in ("flat_param_dtypes", "flat_param_numel", *BYTE_KEYS)}
 
@@ -104,7 +112,7 @@ def check_layout(api: str, layout: Layout, scenarios: Scenarios, devices: int, c
             assert_untouched(off[rank], on[rank])
     if base_release(version) < FIRST_AFFECTED:
         return
-    reference = scenarios.run("torch", layout.package, "off", cases, devices=devices)
+    reference = scenarios.run("torch", layout.package, "off", reference_cases(cases), devices=devices)
     for rank in on:
         if is_affected_release(version):
             assert on[rank]["_shim"][f"{api}_convert_module"] is True
@@ -115,8 +123,18 @@ def check_layout(api: str, layout: Layout, scenarios: Scenarios, devices: int, c
                 assert measurements(on[rank][case]) == measurements(reference[rank][case]), case
 
 
-@pytest.mark.parametrize("api", ["trainer", "fabric"])
-@pytest.mark.parametrize("package", ["lightning", "standalone"])
+def by_layout(function: Callable[..., None]) -> Callable[..., None]:
+    """Parametrize by API and layout; each layout's tests run on one xdist worker (``--dist loadgroup``),
+    where they share the plain-PyTorch reference runs (``Scenarios`` caches them per worker)."""
+    params = [
+        pytest.param(package, api, marks=pytest.mark.xdist_group(f"cast-{package}"), id=f"{package}-{api}")
+        for package in ("lightning", "standalone")
+        for api in ("trainer", "fabric")
+    ]
+    return pytest.mark.parametrize(("package", "api"), params)(function)
+
+
+@by_layout
 def test_single_process_behaves_like_2_5(
     api: str, package: str, layouts: dict[str, Layout], scenarios: Scenarios
 ) -> None:
@@ -124,8 +142,7 @@ def test_single_process_behaves_like_2_5(
     check_layout(api, layout, scenarios, 1, cases_for(api, layout.version(api)))
 
 
-@pytest.mark.parametrize("api", ["trainer", "fabric"])
-@pytest.mark.parametrize("package", ["lightning", "standalone"])
+@by_layout
 def test_two_processes_behave_like_2_5(
     api: str, package: str, layouts: dict[str, Layout], scenarios: Scenarios
 ) -> None:
@@ -140,8 +157,8 @@ def test_two_processes_behave_like_2_5(
         pytest.skip("no 'true' precisions for FSDP before Lightning 2.1")
     case = TWO_PROCESS_CASE
     on = scenarios.run(api, package, "before", [case], devices=2)
-    reference = scenarios.run("torch", package, "off", [case], devices=2)
-    single = scenarios.run("torch", package, "off", [case])[0][case]
+    reference = scenarios.run("torch", package, "off", reference_cases([case]), devices=2)
+    single = scenarios.run("torch", package, "off", reference_cases([case]))[0][case]
     assert sum(on[rank][case]["flat_param_numel"] for rank in on) == single["flat_param_numel"]
     assert on[0][case]["flat_param_numel"] == on[1][case]["flat_param_numel"] == single["flat_param_numel"] // 2
     off = (
@@ -199,8 +216,9 @@ def test_the_2_1_trainer_gets_the_setup_path(layouts: dict[str, Layout], scenari
 def test_patched_release_equals_the_fixed_release_next_to_it(
     api: str, layouts: dict[str, Layout], scenarios: Scenarios
 ) -> None:
-    """In the environment `pip install lightning==2.4.0` creates, the same program through the
-    patched `lightning` and through the fixed `pytorch_lightning` gives the same dtypes and bytes."""
+    """Where an affected layout sits next to a fixed one (what `pip install lightning==2.4.0` creates,
+    and the 2.1.0/2.5.0 session), the same program through the patched `lightning` and through the fixed
+    `pytorch_lightning` gives the same dtypes and bytes."""
     if not {"lightning", "standalone"} <= set(layouts):
         pytest.skip("needs both layouts")
     versions = {package: layouts[package].version(api) for package in ("lightning", "standalone")}
@@ -208,7 +226,8 @@ def test_patched_release_equals_the_fixed_release_next_to_it(
     fixed = [p for p, v in versions.items() if is_fixed_release(v)]
     if not (affected and fixed):
         pytest.skip(f"needs one affected and one fixed layout, have {versions}")
-    cases = cases_for(api, versions[affected[0]])
+    # "seed" builds each release's own demo Transformer, whose size changed between 2.1 and 2.4.
+    cases = [case for case in cases_for(api, versions[affected[0]]) if not case.startswith("seed:")]
     patched = scenarios.run(api, affected[0], "before", cases)[0]
     upstream = scenarios.run(api, fixed[0], "off", cases)[0]
     for case in cases:
@@ -226,7 +245,7 @@ CONVERT_CASES = [
 ]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def converted(layouts: dict[str, Layout]) -> dict[str, dict[str, list[str]]]:
     namespaces = [
         ns
@@ -241,6 +260,7 @@ def converted(layouts: dict[str, Layout]) -> dict[str, dict[str, list[str]]]:
     )
 
 
+@pytest.mark.xdist_group("cast-convert")  # one fixture: one child
 @pytest.mark.parametrize(("precision", "expected_dtype"), CONVERT_CASES)
 @pytest.mark.parametrize(
     "namespace", ["lightning.pytorch", "lightning.fabric", "pytorch_lightning", "lightning_fabric"]
@@ -258,29 +278,46 @@ def test_lightning_2_5_convert_module(namespace: str, precision: str, expected_d
 
 
 # ----------------------------------------------------------------------------- model shapes
-def shape_runs(layouts: dict[str, Layout], shape: str, auto_wrap: bool) -> dict[str, dict[str, dict]]:
-    """Per installed namespace from 2.1.0 on: the run without the shim and the run with it."""
-    runs = {}
-    for namespace, version in installed_versions(layouts).items():
-        if base_release(version) >= FIRST_AFFECTED:
-            runs[namespace] = {
-                shim: child_json(
-                    "cast:fit",
-                    {"namespace": namespace, "shape": shape, "auto_wrap": auto_wrap, "import_shim": shim == "on"},
-                    python_args=("-W", "ignore"),
-                )
-                for shim in ("off", "on")
-            }
-    if not runs:
-        pytest.skip("needs Lightning 2.1 or later")
+SHAPES = [("mixed", False), ("batchnorm", True), ("batchnorm", False)]
+SHAPE_GROUP = pytest.mark.xdist_group("cast-shapes")
+"""The shape tests share one fixture: on one worker it runs once."""
+
+
+@pytest.fixture(scope="session")  # a module fixture is set up again when xdist runs another file in between
+def shape_runs(layouts: dict[str, Layout]) -> dict[tuple[str, str, bool], dict[str, dict]]:
+    """Per installed namespace from 2.1.0 on and per shape: the run without the shim and the run with
+    it. One interpreter per layout and shim state trains them all (``children.cast:fit_all``)."""
+    runs: dict[tuple[str, str, bool], dict[str, dict]] = {}
+    for package, layout in layouts.items():
+        namespaces = [
+            namespace
+            for namespace, version in zip(NAMESPACES[package], (layout.trainer_version, layout.fabric_version))
+            if base_release(version) >= FIRST_AFFECTED
+        ]
+        requested = [(namespace, shape, auto_wrap) for namespace in namespaces for shape, auto_wrap in SHAPES]
+        for shim in ("off", "on"):
+            results = child_json(
+                "cast:fit_all", {"runs": requested, "import_shim": shim == "on"}, python_args=("-W", "ignore")
+            )
+            for run, result in zip(requested, results, strict=True):
+                runs.setdefault(run, {})[shim] = result
     return runs
 
 
-def test_a_model_holding_bfloat16_and_float32_layers_trains(layouts: dict[str, Layout]) -> None:
+def runs_of(shape_runs: dict, layouts: dict[str, Layout], shape: str, auto_wrap: bool) -> dict[str, dict[str, dict]]:
+    """Namespace -> {"off": run, "on": run} for one shape; the test is skipped before Lightning 2.1."""
+    found = {ns: runs for (ns, s, a), runs in shape_runs.items() if (s, a) == (shape, auto_wrap)}
+    if not found:
+        pytest.skip("needs Lightning 2.1 or later")
+    return found
+
+
+@SHAPE_GROUP
+def test_a_model_holding_bfloat16_and_float32_layers_trains(layouts: dict[str, Layout], shape_runs: dict) -> None:
     """Lightning #20239: FSDP refuses a flat parameter of mixed dtypes ("Must flatten tensors with
     uniform dtype"). The cast gives every layer the precision's dtype first, as 2.5.0 does, so such a
     model trains with the shim on every release it casts, and on a fixed release as it is."""
-    for namespace, runs in shape_runs(layouts, "mixed", auto_wrap=False).items():
+    for namespace, runs in runs_of(shape_runs, layouts, "mixed", auto_wrap=False).items():
         version = installed_versions(layouts)[namespace]
         if is_affected_release(version):
             assert "Must flatten tensors with uniform dtype" in (runs["off"]["error"] or ""), (namespace, runs["off"])
@@ -288,13 +325,16 @@ def test_a_model_holding_bfloat16_and_float32_layers_trains(layouts: dict[str, L
         assert runs["on"]["dtypes"] == ["torch.bfloat16"], namespace
 
 
+@SHAPE_GROUP
 @pytest.mark.parametrize("auto_wrap", [True, False], ids=["auto-wrap-policy", "one-unit"])
-def test_batchnorm_trains_where_it_trained_before(auto_wrap: bool, layouts: dict[str, Layout]) -> None:
+def test_batchnorm_trains_where_it_trained_before(
+    auto_wrap: bool, layouts: dict[str, Layout], shape_runs: dict
+) -> None:
     """Under an auto-wrap policy FSDP runs BatchNorm in a unit of its own in float32: the shim leaves
     its weights float32 there (unpatched 2.1-2.4 trained so; 2.5+ casts them and fails, which the
     fixed releases show as they are). Without a policy it shares the root's flat parameter: bfloat16,
     as on 2.5+."""
-    for namespace, runs in shape_runs(layouts, "batchnorm", auto_wrap).items():
+    for namespace, runs in runs_of(shape_runs, layouts, "batchnorm", auto_wrap).items():
         version = installed_versions(layouts)[namespace]
         if is_affected_release(version):
             assert runs["off"]["error"] is None, (namespace, runs["off"])

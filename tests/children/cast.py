@@ -8,11 +8,18 @@ import sys
 from typing import Any
 
 
-def fit(namespace: str, shape: str, auto_wrap: bool, import_shim: bool) -> dict[str, Any]:
-    """Two steps of ``bf16-true`` with FSDP through the Trainer or Fabric; the parameters' dtypes
-    after training, or the error training raised."""
+def fit_all(runs: list[tuple[str, str, bool]], import_shim: bool) -> list[dict[str, Any]]:
+    """:func:`fit` for each ``(namespace, shape, auto_wrap)`` in turn, in this one interpreter (an
+    interpreter per run would cost each the import of torch and Lightning again): each run is a Trainer
+    or Fabric of its own on the one process group, and a run that raised leaves the next as it found it."""
     if import_shim:
         import fsdp_shim  # noqa: F401
+    return [fit(*run) for run in runs]
+
+
+def fit(namespace: str, shape: str, auto_wrap: bool) -> dict[str, Any]:
+    """Two steps of ``bf16-true`` with FSDP through the Trainer or Fabric; the parameters' dtypes
+    after training, or the error training raised."""
     import torch
     from torch import nn
 
