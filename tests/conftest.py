@@ -161,6 +161,7 @@ MATRIX_SCOPE = os.environ.get("FSDP_SHIM_TEST_SCOPE", "all")
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "launchers: a real cluster launcher (SLURM, torchrun nodes): nox -s cluster")
     config.addinivalue_line(
         "markers",
         "per_release: what it checks differs between Lightning releases; the matrix runs it in every "

@@ -484,9 +484,16 @@ def test_on_a_release_with_the_cast_built_in_a_rank_without_the_shim_stops_the_j
 
 
 # ----------------------------------------------------------------------------- real cluster launchers
-cluster = pytest.mark.skipif(
+_IN_THE_CLUSTER_SESSION = pytest.mark.skipif(
     os.environ.get("FSDP_SHIM_TEST_CLUSTER") != "1", reason="cluster launchers run in the `cluster` nox session"
 )
+
+
+def cluster(test: Any) -> Any:
+    """A launcher test: marked ``launchers`` (the ``cluster`` session runs ``-m launchers``, these alone:
+    the rank-check tests above run in the default session) and skipped outside that session."""
+    return pytest.mark.launchers(_IN_THE_CLUSTER_SESSION(test))
+
 
 PROGRAM = ROOT / "tests" / "cluster" / "train_both.py"
 APIS = ("trainer", "fabric")
