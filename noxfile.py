@@ -74,19 +74,20 @@ APP_DEPS_2_0 = [
 # gated and patched on their own, and the suite is parametrized by layout, so nothing is lost against
 # one session per layout, while each session's fixed cost (collection, probing the environment, the
 # release-wide checks) is paid once.
+# Two releases that need nothing else of each other share a session, one per layout: 2.1.0 with 2.5.0,
+# 2.2.5 with 2.3.3 (each release is tested once, in one layout; 2.1.4 and 2.4.0 in both).
 MATRIX: dict[str, list[str]] = {
     "lightning-2.0.9": ["lightning==2.0.9"],
-    "lightning-2.1.0": ["lightning==2.1.0"],
+    "lightning-2.1.0-standalone-2.5.0": ["lightning==2.1.0", "pytorch-lightning==2.5.0", "lightning-fabric==2.5.0"],
     "lightning-2.1.4": ["lightning==2.1.4", "pytorch-lightning==2.1.4", "lightning-fabric==2.1.4"],
-    "lightning-2.2.5": ["lightning==2.2.5"],
-    "lightning-2.3.3": ["lightning==2.3.3"],
-    # Lightning 2.4.0: `lightning` in the default session below, both layouts on torch 2.4.1 (OTHER_TORCH).
-    "lightning-2.5.0": ["lightning==2.5.0"],
-    "lightning-2.6.6": ["lightning==2.6.6", "pytorch-lightning==2.6.6", "lightning-fabric==2.6.6"],
+    "lightning-2.2.5-standalone-2.3.3": ["lightning==2.2.5", "pytorch-lightning==2.3.3", "lightning-fabric==2.3.3"],
+    # Lightning 2.4.0: `lightning` in the default session below, the standalone layout on torch 2.4.1 (OTHER_TORCH).
+    # 2.6.6's standalone layout is the default session's second one.
+    "lightning-2.6.6": ["lightning==2.6.6"],
     # What `pip install lightning==2.4.0` creates: an affected lightning.* next to the newest,
     # fixed pytorch_lightning/lightning_fabric. The default development environment.
     "mixed-2.4.0": ["lightning==2.4.0", "pytorch-lightning==2.6.6"],
-    # wrapt's newest 1.x, on the release that needs all three wrappers (2.1.x).
+    # wrapt's newest 1.x, on the release that needs all three wrappers (2.1.x): WRAPT_DEPENDENT_TESTS.
     "lightning-2.1.4-wrapt1": ["lightning==2.1.4", "wrapt==1.17.3"],
     # No Lightning at all: the shim must import and do nothing.
     "no-lightning": [],
@@ -95,15 +96,26 @@ MATRIX: dict[str, list[str]] = {
 
 # Sessions on another torch than the environment's: session name (in MATRIX) -> torch version.
 OTHER_TORCH: dict[str, str] = {
-    # What users pinned to Lightning 2.4 run: both layouts of 2.4.0 on torch 2.4.1.
+    # What users pinned to Lightning 2.4 run: 2.4.0 on torch 2.4.1, in the layout the default session lacks.
     "lightning-2.4.0-torch-2.4.1": "2.4.1",
 }
-MATRIX["lightning-2.4.0-torch-2.4.1"] = ["lightning==2.4.0", "pytorch-lightning==2.4.0"]
+MATRIX["lightning-2.4.0-torch-2.4.1"] = ["pytorch-lightning==2.4.0", "lightning-fabric==2.4.0"]
 TORCH_DEPENDENT_TESTS = ["tests/test_cast.py", "tests/test_recompute.py", "tests/test_verify.py"]
 """What the sessions in OTHER_TORCH run (their per_release tests): what the fixes change in training
 (dtypes, exact bytes, Lightning's own tests, recomputes, verify). What decides imports, gates and
 wrappers is the same on every torch, and its torch's CUDA build costs seconds per interpreter, so
 those run on one torch only."""
+
+WRAPT_DEPENDENT_TESTS = [
+    "tests/test_activation.py",
+    "tests/test_coexistence.py",
+    "tests/test_recompute.py",
+    "tests/test_cast.py::test_single_process_behaves_like_2_5",
+]
+"""What the wrapt-1 session runs (its per_release tests): the wrappers, their identity and composition,
+and training through each fix's wrappers. What the cast and verify measure beyond that does not depend
+on wrapt's version (the 2.1.4 session runs it)."""
+SESSION_TESTS = {"lightning-2.1.4-wrapt1": WRAPT_DEPENDENT_TESTS}
 
 DEFAULT_SESSION = "mixed-2.4.0"
 """Runs every test; the other sessions run the tests marked per_release (tests/conftest.py), whose
@@ -154,6 +166,8 @@ def run_matrix_session(
             "pytest",
             "-n",
             "2",
+            "--dist",
+            "loadgroup",
             "-q",
             "-p",
             "no:cacheprovider",
@@ -181,7 +195,7 @@ for _name in MATRIX:
     @nox.session(name=f"tests-{_name}")
     @timed
     def _matrix_session(session: nox.Session, _name: str = _name) -> None:
-        run_matrix_session(session, _name)
+        run_matrix_session(session, _name, tests=tuple(SESSION_TESTS.get(_name, ())))
 
 
 for _name, _torch in OTHER_TORCH.items():
@@ -327,6 +341,8 @@ def cluster(session: nox.Session) -> None:
             "-p",
             "no:cacheprovider",
             f"--junitxml={RESULTS_DIR / 'cluster.xml'}",
+            "-m",
+            "launchers",  # the rank-check tests in that file ran in the default session
             str(ROOT / "tests" / "test_cluster.py"),
             *session.posargs,
             env=env,

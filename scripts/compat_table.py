@@ -35,7 +35,7 @@ layouts lists them on both rows.
 
 FOOTER = """
 **Other torch releases.** The matrix runs every Lightning line on torch 2.13.0, and Lightning 2.4.0
-(both layouts) on torch 2.4.1, what users pinned to Lightning 2.4 run. Measured once by hand on
+(standalone layout) on torch 2.4.1, what users pinned to Lightning 2.4 run. Measured once by hand on
 2026-12-03, not in the matrix (CI time): PyPI's torch builds on CPU with gloo, running
 `tests/scenarios/fsdp_train.py --api trainer --package lightning --shim before --cases
 init+pretrained:bf16-true` with 1 and 2 processes:
