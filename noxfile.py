@@ -166,8 +166,6 @@ def run_matrix_session(
             "pytest",
             "-n",
             "2",
-            "--dist",
-            "loadgroup",
             "-q",
             "-p",
             "no:cacheprovider",

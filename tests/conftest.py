@@ -4,6 +4,7 @@ activation are exercised exactly as users meet them."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -217,12 +218,42 @@ def layout_or_skip(layouts: dict[str, Layout], package: str) -> Layout:
     return layouts[package]
 
 
-class Scenarios:
-    """Runs ``tests/scenarios/fsdp_train.py`` and caches results per argument set."""
+class OncePerRun:
+    """``get(key, compute)``: ``compute()``'s result (JSON), computed once in the whole test run. Under
+    xdist the workers share the run's folder (the parent of each worker's basetemp: xdist's recipe for a
+    session fixture that runs once) and take a lock per key, so a run two workers' tests need is made
+    by whichever asks first and read by the other; alone, the folder is this process's own."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, folder: Path) -> None:
+        self._folder = folder
+        self._memory: dict[str, Any] = {}
+
+    def get(self, key: str, compute: Callable[[], Any]) -> Any:
+        if key not in self._memory:
+            from filelock import FileLock  # torch's own dependency: in every environment with torch
+
+            path = self._folder / f"once-{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
+            with FileLock(f"{path}.lock"):
+                if not path.exists():
+                    path.write_text(json.dumps(compute()))
+                self._memory[key] = json.loads(path.read_text())
+        return self._memory[key]
+
+
+@pytest.fixture(scope="session")
+def once_per_run(tmp_path_factory: pytest.TempPathFactory) -> OncePerRun:
+    basetemp = tmp_path_factory.getbasetemp()
+    shared = os.environ.get("PYTEST_XDIST_WORKER") is not None  # basetemp is <run>/popen-gwN
+    return OncePerRun(basetemp.parent if shared else tmp_path_factory.mktemp("once"))
+
+
+class Scenarios:
+    """Runs ``tests/scenarios/fsdp_train.py``; each argument set once per test run (``OncePerRun``)."""
+
+    def __init__(self, workdir: Path, once: OncePerRun) -> None:
         self._workdir = workdir
-        self._cache: dict[tuple[Any, ...], dict[int, dict[str, Any]]] = {}
+        self._once = once
+        self._runs = 0
 
     def run(
         self,
@@ -235,10 +266,11 @@ class Scenarios:
         env: dict[str, str] | None = None,
         extra: tuple[str, ...] = (),
     ) -> dict[int, dict[str, Any]]:
-        key = (api, package, shim, tuple(cases), devices, tuple(sorted((env or {}).items())), extra)
-        if key not in self._cache:
-            self._cache[key] = self._execute(api, package, shim, cases, devices, env or {}, extra)
-        return self._cache[key]
+        key = json.dumps(["scenario", api, package, shim, cases, devices, sorted((env or {}).items()), extra])
+        by_rank = self._once.get(
+            key, lambda: list(self._execute(api, package, shim, cases, devices, env or {}, extra).items())
+        )
+        return {rank: results for rank, results in by_rank}  # JSON keeps no int keys: pairs
 
     def _execute(
         self,
@@ -250,7 +282,8 @@ class Scenarios:
         env: dict[str, str],
         extra: tuple[str, ...],
     ) -> dict[int, dict[str, Any]]:
-        out = self._workdir / f"run{len(self._cache)}"
+        self._runs += 1
+        out = self._workdir / f"run{self._runs}"
         launcher = ("torchrun", devices) if api == "torch" else None
         run_scenario(api, package, shim, cases, devices, out, env=env, extra=extra, launcher=launcher)
         return scenario_results(out, devices)
@@ -300,8 +333,8 @@ def scenario_results(out: Path, ranks: int) -> dict[int, dict[str, Any]]:
 
 
 @pytest.fixture(scope="session")
-def scenarios(tmp_path_factory: pytest.TempPathFactory) -> Scenarios:
-    return Scenarios(tmp_path_factory.mktemp("scenarios"))
+def scenarios(tmp_path_factory: pytest.TempPathFactory, once_per_run: OncePerRun) -> Scenarios:
+    return Scenarios(tmp_path_factory.mktemp("scenarios"), once_per_run)
 
 
 # ----------------------------------------------------------------------------- the installed Lightning

@@ -11,6 +11,7 @@ which the cast fixes, and BatchNorm under an auto-wrap policy, which it must not
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 
 import pytest
@@ -19,6 +20,7 @@ from conftest import (
     DTYPES,
     NAMESPACES,
     Layout,
+    OncePerRun,
     Scenarios,
     child_json,
     installed_versions,
@@ -63,8 +65,8 @@ def cases_for(api: str, version: str) -> list[str]:
 
 
 def reference_cases(cases: list[str]) -> list[str]:
-    """The cases of the plain-PyTorch reference: every case from 2.1.0 on, whatever the API asked for
-    (the reference has no API), so one run serves all tests of a layout in a worker's cache."""
+    """The cases of the one-process plain-PyTorch reference: every case from 2.1.0 on, whatever the API
+    asked for (the reference has no API), so one run serves all tests of a layout in a worker's cache."""
     return cases if cases == CASES_2_0 else TRAINER_CASES
 
 
@@ -124,10 +126,9 @@ def check_layout(api: str, layout: Layout, scenarios: Scenarios, devices: int, c
 
 
 def by_layout(function: Callable[..., None]) -> Callable[..., None]:
-    """Parametrize by API and layout; each layout's tests run on one xdist worker (``--dist loadgroup``),
-    where they share the plain-PyTorch reference runs (``Scenarios`` caches them per worker)."""
+    """Parametrize by layout and API (ids ``lightning-trainer``...)."""
     params = [
-        pytest.param(package, api, marks=pytest.mark.xdist_group(f"cast-{package}"), id=f"{package}-{api}")
+        pytest.param(package, api, id=f"{package}-{api}")
         for package in ("lightning", "standalone")
         for api in ("trainer", "fabric")
     ]
@@ -157,7 +158,7 @@ def test_two_processes_behave_like_2_5(
         pytest.skip("no 'true' precisions for FSDP before Lightning 2.1")
     case = TWO_PROCESS_CASE
     on = scenarios.run(api, package, "before", [case], devices=2)
-    reference = scenarios.run("torch", package, "off", reference_cases([case]), devices=2)
+    reference = scenarios.run("torch", package, "off", [case], devices=2)  # the same for Trainer and Fabric
     single = scenarios.run("torch", package, "off", reference_cases([case]))[0][case]
     assert sum(on[rank][case]["flat_param_numel"] for rank in on) == single["flat_param_numel"]
     assert on[0][case]["flat_param_numel"] == on[1][case]["flat_param_numel"] == single["flat_param_numel"] // 2
@@ -246,21 +247,20 @@ CONVERT_CASES = [
 
 
 @pytest.fixture(scope="session")
-def converted(layouts: dict[str, Layout]) -> dict[str, dict[str, list[str]]]:
+def converted(layouts: dict[str, Layout], once_per_run: OncePerRun) -> dict[str, dict[str, list[str]]]:
     namespaces = [
         ns
         for package, layout in layouts.items()
         for ns, version in zip(NAMESPACES[package], (layout.trainer_version, layout.fabric_version))
         if base_release(version) >= FIRST_AFFECTED
     ]
-    return child_json(
-        "convert_module:convert_all",
-        {"namespaces": namespaces, "precisions": [p for p, _ in CONVERT_CASES]},
-        python_args=("-W", "ignore"),
+    arguments = {"namespaces": namespaces, "precisions": [p for p, _ in CONVERT_CASES]}
+    return once_per_run.get(
+        json.dumps(["convert_all", arguments]),
+        lambda: child_json("convert_module:convert_all", arguments, python_args=("-W", "ignore")),
     )
 
 
-@pytest.mark.xdist_group("cast-convert")  # one fixture: one child
 @pytest.mark.parametrize(("precision", "expected_dtype"), CONVERT_CASES)
 @pytest.mark.parametrize(
     "namespace", ["lightning.pytorch", "lightning.fabric", "pytorch_lightning", "lightning_fabric"]
@@ -279,14 +279,13 @@ def test_lightning_2_5_convert_module(namespace: str, precision: str, expected_d
 
 # ----------------------------------------------------------------------------- model shapes
 SHAPES = [("mixed", False), ("batchnorm", True), ("batchnorm", False)]
-SHAPE_GROUP = pytest.mark.xdist_group("cast-shapes")
-"""The shape tests share one fixture: on one worker it runs once."""
 
 
 @pytest.fixture(scope="session")  # a module fixture is set up again when xdist runs another file in between
-def shape_runs(layouts: dict[str, Layout]) -> dict[tuple[str, str, bool], dict[str, dict]]:
+def shape_runs(layouts: dict[str, Layout], once_per_run: OncePerRun) -> dict[tuple[str, str, bool], dict[str, dict]]:
     """Per installed namespace from 2.1.0 on and per shape: the run without the shim and the run with
-    it. One interpreter per layout and shim state trains them all (``children.cast:fit_all``)."""
+    it. One interpreter per layout and shim state trains them all (``children.cast:fit_all``), once in
+    the test run."""
     runs: dict[tuple[str, str, bool], dict[str, dict]] = {}
     for package, layout in layouts.items():
         namespaces = [
@@ -296,8 +295,10 @@ def shape_runs(layouts: dict[str, Layout]) -> dict[tuple[str, str, bool], dict[s
         ]
         requested = [(namespace, shape, auto_wrap) for namespace in namespaces for shape, auto_wrap in SHAPES]
         for shim in ("off", "on"):
-            results = child_json(
-                "cast:fit_all", {"runs": requested, "import_shim": shim == "on"}, python_args=("-W", "ignore")
+            arguments = {"runs": requested, "import_shim": shim == "on"}
+            results = once_per_run.get(
+                json.dumps(["fit_all", arguments]),
+                lambda arguments=arguments: child_json("cast:fit_all", arguments, python_args=("-W", "ignore")),
             )
             for run, result in zip(requested, results, strict=True):
                 runs.setdefault(run, {})[shim] = result
@@ -312,7 +313,6 @@ def runs_of(shape_runs: dict, layouts: dict[str, Layout], shape: str, auto_wrap:
     return found
 
 
-@SHAPE_GROUP
 def test_a_model_holding_bfloat16_and_float32_layers_trains(layouts: dict[str, Layout], shape_runs: dict) -> None:
     """Lightning #20239: FSDP refuses a flat parameter of mixed dtypes ("Must flatten tensors with
     uniform dtype"). The cast gives every layer the precision's dtype first, as 2.5.0 does, so such a
@@ -325,7 +325,6 @@ def test_a_model_holding_bfloat16_and_float32_layers_trains(layouts: dict[str, L
         assert runs["on"]["dtypes"] == ["torch.bfloat16"], namespace
 
 
-@SHAPE_GROUP
 @pytest.mark.parametrize("auto_wrap", [True, False], ids=["auto-wrap-policy", "one-unit"])
 def test_batchnorm_trains_where_it_trained_before(
     auto_wrap: bool, layouts: dict[str, Layout], shape_runs: dict
