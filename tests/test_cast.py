@@ -12,7 +12,6 @@ which the cast fixes, and BatchNorm under an auto-wrap policy, which it must not
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 
 import pytest
 from conftest import (
@@ -125,17 +124,8 @@ def check_layout(api: str, layout: Layout, scenarios: Scenarios, devices: int, c
                 assert measurements(on[rank][case]) == measurements(reference[rank][case]), case
 
 
-def by_layout(function: Callable[..., None]) -> Callable[..., None]:
-    """Parametrize by layout and API (ids ``lightning-trainer``...)."""
-    params = [
-        pytest.param(package, api, id=f"{package}-{api}")
-        for package in ("lightning", "standalone")
-        for api in ("trainer", "fabric")
-    ]
-    return pytest.mark.parametrize(("package", "api"), params)(function)
-
-
-@by_layout
+@pytest.mark.parametrize("api", ["trainer", "fabric"])
+@pytest.mark.parametrize("package", ["lightning", "standalone"])
 def test_single_process_behaves_like_2_5(
     api: str, package: str, layouts: dict[str, Layout], scenarios: Scenarios
 ) -> None:
@@ -143,7 +133,8 @@ def test_single_process_behaves_like_2_5(
     check_layout(api, layout, scenarios, 1, cases_for(api, layout.version(api)))
 
 
-@by_layout
+@pytest.mark.parametrize("api", ["trainer", "fabric"])
+@pytest.mark.parametrize("package", ["lightning", "standalone"])
 def test_two_processes_behave_like_2_5(
     api: str, package: str, layouts: dict[str, Layout], scenarios: Scenarios
 ) -> None:
