@@ -128,17 +128,27 @@ def uv_install(session: nox.Session, python: str, *arguments: str) -> None:
     session.run("uv", "pip", "install", "-q", "--python", python, *arguments, external=True)
 
 
-def install_target(session: nox.Session, name: str, python: str = sys.executable) -> Path:
+TRANSFORMERS = ["transformers>=5,<6"]
+"""The Hugging Face Llama of tests/test_recompute.py (default session), in a folder of its own that only
+that test's runs put on their path (``FSDP_SHIM_TEST_TRANSFORMERS``, appended): installed next to
+Lightning, torchmetrics imports it with every ``import lightning``, about 0.9 s of each of the suite's
+interpreters (a quarter of a release session's time). None of its dependencies is torch."""
+
+
+def install_target(
+    session: nox.Session, name: str, python: str = sys.executable, specs: list[str] | None = None
+) -> Path:
+    """``specs`` (default: the release(s) of MATRIX[name], without their dependencies) in .matrix/<name>."""
     target = MATRIX_DIR / name
     stamp = target / ".installed"
-    specs = MATRIX[name]
+    specs = MATRIX[name] if specs is None else specs
     if stamp.exists() and stamp.read_text() == json.dumps(specs):
         return target
     if target.exists():
         session.run("rm", "-rf", str(target), external=True)
     target.mkdir(parents=True)
     if specs:
-        uv_install(session, python, "--no-deps", "--target", str(target), *specs)
+        uv_install(session, python, *(["--no-deps"] if name in MATRIX else []), "--target", str(target), *specs)
     if name == "lightning-2.0.9":
         # Their own dependencies come along, but never torch: none of them asks for it.
         uv_install(session, python, "--target", str(target), *APP_DEPS_2_0)
@@ -154,6 +164,8 @@ def run_matrix_session(
         "PYTHONPATH": os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH", "")])),
         "FSDP_SHIM_TEST_SCOPE": "all" if name in (DEFAULT_SESSION, "no-lightning") else "release",
     }
+    if name == DEFAULT_SESSION:
+        env["FSDP_SHIM_TEST_TRANSFORMERS"] = str(install_target(session, "transformers", python, TRANSFORMERS))
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     junit = RESULTS_DIR / f"{name}.xml"
     try:

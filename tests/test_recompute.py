@@ -16,6 +16,7 @@ to bound.
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -253,7 +254,14 @@ def test_other_precisions_and_a_direct_backward_are_covered_too(
     assert_like_the_run_without_checkpointing(on, cases)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+TRANSFORMERS_FOLDER = {k: v for k, v in os.environ.items() if k == "FSDP_SHIM_TEST_TRANSFORMERS"}
+"""Where the matrix installs transformers, apart from Lightning (see tests/scenarios/recompute.py)."""
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("transformers") is None and not TRANSFORMERS_FOLDER,
+    reason="needs transformers, installed or in FSDP_SHIM_TEST_TRANSFORMERS (nox does that)",
+)
 @pytest.mark.parametrize("devices", [1, 2])
 def test_a_hugging_face_llama_with_checkpointing_equals_it_without(
     devices: int, layouts: dict[str, Layout], tmp_path: Path
@@ -262,9 +270,8 @@ def test_a_hugging_face_llama_with_checkpointing_equals_it_without(
     checkpointing, under the shim: the same losses and parameters as without checkpointing."""
     layout = trainer_layout(layouts)
     cases = ["llama:none", "llama:policy", "llama:nonreentrant"]
-    assert_like_the_run_without_checkpointing(
-        run(tmp_path, "trainer", cases, devices=devices, package=layout.package), cases
-    )
+    results = run(tmp_path, "trainer", cases, devices=devices, package=layout.package, env=TRANSFORMERS_FOLDER)
+    assert_like_the_run_without_checkpointing(results, cases)
 
 
 def test_the_scenario_reports_an_error_instead_of_passing_silently(layouts: dict[str, Layout], tmp_path: Path) -> None:

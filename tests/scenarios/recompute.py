@@ -123,7 +123,13 @@ class Net(nn.Module):
 
 
 def llama(mode: str) -> tuple[nn.Module, type]:
-    """A tiny Llama and its decoder-layer class; ``*reentrant`` modes use Hugging Face's own switch."""
+    """A tiny Llama and its decoder-layer class; ``*reentrant`` modes use Hugging Face's own switch.
+
+    transformers may live in a folder of its own (``FSDP_SHIM_TEST_TRANSFORMERS``, see noxfile.py),
+    put last on the path only here: installed next to Lightning, torchmetrics imports it with every
+    ``import lightning`` (about 0.9 s for each of the suite's interpreters)."""
+    if folder := os.environ.get("FSDP_SHIM_TEST_TRANSFORMERS"):
+        sys.path.append(folder)
     from transformers import LlamaConfig, LlamaForCausalLM
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
