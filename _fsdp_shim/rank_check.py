@@ -1,18 +1,13 @@
 """Every rank of a distributed job runs the same fixes, or the job stops before its first optimizer step.
 
 A job whose ranks differ (``FSDP_SHIM=0`` on one node, a launcher that dropped ``PYTHONPATH``) trains
-without an error: the ranks hold shards, gradients and optimizer state in different dtypes, or
-recompute in different dtypes, and die at the first checkpoint in a collective that names no cause,
-or silently diverge. So each rank writes which fixes it runs into the process group's key-value store
-and waits, bounded, for every other rank's.
-
-Once per attempt of a process group, in "bf16-true" and "16-true" FSDP runs, at the end of
-``FSDPStrategy.setup_environment`` (no model wrapped yet), wherever the shim is active. The keys name
-the attempt (torchrun's store outlives a restart) and the group. A group that failed fails again at
-every later call, so a loop that catches the error never trains half-patched. The store, not a
-collective: a rank without the shim never joins, and a collective would hang the others or pair with
-an unrelated one. The wait defaults to the process group's own timeout, so the shim never stops a job
-that torch would have let run.
+without an error, with shards, gradients, optimizer state or recompute in different dtypes, and dies at
+the first checkpoint in a collective that names no cause, or silently diverges. So once per attempt of
+a process group (keys name the attempt: torchrun's store outlives a restart), in "bf16-true" and
+"16-true" FSDP runs, at the end of ``FSDPStrategy.setup_environment``, each rank writes its fixes into
+the group's key-value store and waits for every other rank's: the store, as a rank without the shim
+never joins a collective. The wait defaults to the group's own timeout, so the shim never stops a job
+that torch would have let run; a group that failed fails again at every later call.
 """
 
 from __future__ import annotations
@@ -27,32 +22,21 @@ from datetime import timedelta
 from typing import Any
 
 from _fsdp_shim import failures, wrappers
-from _fsdp_shim.config import (
-    FIXES,
-    RANK_CHECK_TIMEOUT_VARIABLE,
-    SHIM_VARIABLE,
-    rank_check_timeout,
-)
+from _fsdp_shim.config import FIXES, RANK_CHECK_TIMEOUT_VARIABLE, SHIM_VARIABLE, rank_check_timeout
 from _fsdp_shim.failures import FSDPShimError
 
-DEFAULT_TIMEOUT_SECONDS = 1800.0
-"""The wait where the process group's own timeout cannot be read (torch's default for it)."""
+DEFAULT_TIMEOUT_SECONDS = 1800.0  # where the group's own timeout cannot be read (torch's default for it)
 _KEY_PREFIX = "fsdp_shim/rank_check"
 
 _lock = threading.Lock()
-_checked: list[Any] = []
-"""The process groups this process has checked, in order (strong references: an id could be reused)."""
-_failed: list[tuple[Any, FSDPShimError]] = []
-"""The groups whose check stopped the job, with the error, raised again at every later call."""
+_checked: list[Any] = []  # the groups checked, in order (strong references: an id could be reused)
+_failed: list[tuple[Any, FSDPShimError]] = []  # the groups whose check stopped the job, with the error
 
 
 def confirm_every_rank(namespace: str, dtype: Any) -> None:
-    """Publish this rank's fixes and wait until every rank of the job has published the same.
-
-    Raises ``FSDPShimError`` (in every mode: a half-patched job is never what anyone wants) when a rank
-    does not report in time or reports differently. Anything else going wrong in the check itself
-    follows the failure policy: a warning (strict: an error), and training goes on.
-    """
+    """Publish this rank's fixes and wait until every rank of the job has published the same. A rank
+    late or different raises ``FSDPShimError`` in every mode; the check itself failing follows the
+    failure policy (a warning, strict: an error) and training goes on."""
     try:
         found = _process_group()
     except Exception as error:
@@ -80,12 +64,9 @@ def confirm_every_rank(namespace: str, dtype: Any) -> None:
         _could_not_check(error)
         return
     missing = [r for r in range(world_size) if r not in reports]
-    problem = None
-    if missing:
-        problem = FSDPShimError(_missing_message(missing, reports, world_size, limit))
-    elif len({_behaviour(report) for report in reports.values()}) > 1:
-        problem = FSDPShimError(_disagreement_message(reports, world_size))
-    if problem is not None:
+    if missing or len({_behaviour(report) for report in reports.values()}) > 1:
+        message = _missing_message(missing, reports, world_size, limit) if missing else ""
+        problem = FSDPShimError(message or _disagreement_message(reports, world_size))
         with _lock:
             _failed.append((group, problem))
         raise problem
@@ -128,8 +109,7 @@ def _wait_seconds(store: Any) -> float:
 
 
 def _decision(namespace: str, dtype: Any) -> dict[str, Any]:
-    """What this rank runs: per fix, who provides it ("fsdp-shim", "Lightning" or "off"), the dtype,
-    and where it runs (for messages)."""
+    """Per fix, who provides it ("fsdp-shim", "Lightning" or "off"), the dtype, and where (for messages)."""
     from _fsdp_shim._version import __version__
 
     module = sys.modules.get(namespace)
@@ -182,11 +162,8 @@ def _is_timeout(error: BaseException) -> bool:
 
 def _summary(report: dict[str, Any]) -> str:
     """``bfloat16; fixes: cast, recompute`` (a fix Lightning ships itself is named as such)."""
-    fixes = [
-        name if by == "fsdp-shim" else f"{name} (Lightning's own)"
-        for name, by in report.get("fixes", {}).items()
-        if by != "off"
-    ]
+    by_fix = report.get("fixes", {})
+    fixes = [name if by == "fsdp-shim" else f"{name} (Lightning's own)" for name, by in by_fix.items() if by != "off"]
     return f"{str(report.get('dtype')).replace('torch.', '')}; fixes: {', '.join(fixes) or 'none'}"
 
 
@@ -199,11 +176,10 @@ def _missing_message(missing: list[int], reports: dict[int, dict[str, Any]], wor
     return (
         f"fsdp-shim: {noun} {_ranks(missing)} of {world_size} did not report within {limit:g} s which fixes "
         f"it runs, so this job may be half-patched ({_described(reports)}). Stopping before the first optimizer "
-        "step. On the ranks that did not report, fsdp-shim may not be active "
-        f"({SHIM_VARIABLE}=0 in their environment; a node whose Python environment lacks fsdp-shim or its "
-        f"start-up file; a launcher that dropped PYTHONPATH or {SHIM_VARIABLE}: srun/sbatch --export=..., env -i, "
-        "sudo, a job script that sets PYTHONPATH), they may run another precision or strategy, or they were "
-        f"still busy after {limit:g} s "
+        f"step. On the ranks that did not report, fsdp-shim may not be active ({SHIM_VARIABLE}=0 in their "
+        "environment; a node whose Python environment lacks fsdp-shim or its start-up file; a launcher that "
+        f"dropped PYTHONPATH or {SHIM_VARIABLE}: srun/sbatch --export=..., env -i, sudo, a job script that sets "
+        f"PYTHONPATH), they may run another precision or strategy, or they were still busy after {limit:g} s "
         f"({RANK_CHECK_TIMEOUT_VARIABLE} sets the wait). Activate it on every rank ({SHIM_VARIABLE}=1 with "
         "fsdp-shim installed in every node's environment, see docs/cluster.md)."
     )
@@ -213,22 +189,18 @@ def _disagreement_message(reports: dict[int, dict[str, Any]], world_size: int) -
     return (
         f"fsdp-shim: the {world_size} ranks of this job run different fixes or dtypes ({_described(reports)}), so "
         "their shards, gradients and optimizer state would not match. Stopping before the first optimizer "
-        "step. Use one Lightning release, one fsdp-shim release, one precision and one "
-        "FSDP_SHIM_DISABLED_FIXES on every node."
+        "step. Use one Lightning release, one fsdp-shim release, one precision and one FSDP_SHIM_DISABLED_FIXES "
+        "on every node."
     )
 
 
 def _described(reports: dict[int, dict[str, Any]]) -> str:
-    """What the ranks that reported run, alike ranks together, each group with its hosts and releases
-    (``ranks 0, 1 on n1: bfloat16; fixes: cast, recompute (lightning.pytorch 2.4.0, fsdp-shim 0.2.0)``),
-    so that a node with another Lightning or fsdp-shim release is named with it."""
+    """The ranks that reported, alike ranks together with their hosts and releases (``ranks 0, 1 on n1:
+    bfloat16; fixes: cast, recompute (lightning.pytorch 2.4.0, fsdp-shim 0.2.0)``)."""
     groups: dict[str, list[int]] = {}
     for r, report in sorted(reports.items()):
-        label = (
-            f"{_summary(report)} ({report.get('namespace')} {report.get('lightning')}, "
-            f"fsdp-shim {report.get('fsdp_shim')})"
-        )
-        groups.setdefault(label, []).append(r)
+        releases = f"{report.get('namespace')} {report.get('lightning')}, fsdp-shim {report.get('fsdp_shim')}"
+        groups.setdefault(f"{_summary(report)} ({releases})", []).append(r)
     described = []
     for label, ranks in groups.items():
         hosts = ", ".join(sorted({str(reports[r].get("host")) for r in ranks}))
