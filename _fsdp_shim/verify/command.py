@@ -1,9 +1,7 @@
-"""``fsdp-shim verify`` (exit codes: docs/verify.md): read every installed Trainer namespace once (the
-gate probe), decide from the gates what needs no training, train the rest with the shim off and on, and
-print a verdict per fix. Each step is a probe: a fresh interpreter running ``children/verify_probe.py``
-by its path (so nothing from the current folder runs in it) with a ``records.ProbeRequest`` as JSON,
-writing files, never stdout: ``gate.json``, one ``<out>.rank<N>.json`` per rank, or
-``<out>.rank<N>.error.json`` when the user's code raised or was unusable, which ends verify (:class:`Stop`).
+"""``fsdp-shim verify`` (exit codes: docs/verify.md): read every installed Trainer namespace (the gate
+probe), train what the gate cannot decide with the shim off and on, print a verdict per fix. Each probe
+runs ``children/verify_probe.py`` by its path with a ``records.ProbeRequest`` as JSON and writes files:
+``gate.json``, ``<out>.rank<N>.json``, or ``<out>.rank<N>.error.json``, which ends verify (:class:`Stop`).
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ from typing import Any
 from _fsdp_shim.config import CAST, FIXES, RECOMPUTE, TRAINER_NAMESPACES, base_release
 from _fsdp_shim.distributions import describe_import_failure, installed_packages
 from _fsdp_shim.verify.output import Progress, render
-from _fsdp_shim.verify.records import Options, ProbeRequest, RankResult, to_json
+from _fsdp_shim.verify.records import Options, ProbeRequest, RankResult
 from _fsdp_shim.verify.verdict import Section, fix_entries, judge, judge_recompute, overall
 
 PROBE_SCRIPT = Path(__file__).resolve().parent.parent / "children" / "verify_probe.py"
@@ -75,27 +73,24 @@ def main(options: Options) -> int:
         return stop.code
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    verdict, reason = overall(sections)
+    (verdict, reason), seconds = overall(sections), time.monotonic() - start
     if options.as_json:
-        seconds = round(time.monotonic() - start, 1)
-        document = {"verdict": verdict, "reason": reason, **asdict(options), "seconds": seconds}
+        document = {"verdict": verdict, "reason": reason, **asdict(options), "seconds": round(seconds, 1)}
         print(json.dumps({**document, "sections": [asdict(section) for section in sections]}, indent=2))
     else:
-        print(f"{render(sections, options)}\n(took {time.monotonic() - start:.0f} s)")
+        print(f"{render(sections, options)}\n(took {seconds:.0f} s)")
     return 1 if verdict == "FAILED" else 0
 
 
 def run_probe(request: ProbeRequest, shim: str, step: str) -> str:
-    """Run one probe; ``""``, or why it failed. It and every process it starts (the ranks, their workers)
-    share one session, killed whatever happens: after it ends, past ``--timeout``, on Ctrl-C (SIGINT
-    reaches only verify's own group), when verify fails; SIGKILL, as a rank hung in a collective survives
-    SIGTERM. Only a probe for modules the user named gets a folder (``--model-path``, else the current one).
-    """
+    """Run one probe; ``""``, or why it failed. Its session (the ranks, their workers) is SIGKILLed whatever
+    happens (a rank hung in a collective survives SIGTERM; Ctrl-C reaches only verify's own group). Only a
+    probe for modules the user named gets a folder on its path (``--model-path``, else the current one)."""
     options = request.options
     user_modules = options.model or options.datamodule or options.activation_checkpointing
     folder = (options.model_path or os.getcwd()) if user_modules else None
     probe = replace(request, options=replace(options, model_path=folder))
-    command = [sys.executable, str(PROBE_SCRIPT), to_json(probe)]
+    command = [sys.executable, str(PROBE_SCRIPT), json.dumps(asdict(probe))]
     env = dict(os.environ, FSDP_SHIM=shim, PYTHONWARNINGS="ignore")
     proc = subprocess.Popen(command, stdout=PIPE, stderr=PIPE, text=True, env=env, start_new_session=True)
     try:
@@ -130,9 +125,8 @@ def run_probe(request: ProbeRequest, shim: str, step: str) -> str:
 
 
 def _decided(namespace: str, info: dict[str, Any], options: Options) -> Section | None:
-    """A section decided from the gate's ``info`` alone, or ``None`` when the namespace must be trained:
-    a release with the cast is "not needed" unless --measure or --activation-checkpointing (no release
-    has the recompute) asks for training."""
+    """A section decided from the gate's ``info`` alone, or ``None`` to train: a release with the cast is
+    "not needed" unless --measure or --activation-checkpointing (no release has the recompute)."""
     if info["import_failure"] is not None:
         return Section(namespace, None, "FAILED", describe_import_failure(namespace, info["import_failure"]))
     version, release = info["version"], base_release(info["version"])
@@ -147,9 +141,8 @@ def _decided(namespace: str, info: dict[str, Any], options: Options) -> Section 
 
 
 def _measured(options: Options, workdir: Path, progress: Progress, namespace: str | None, label: str) -> Section:
-    """Train with the shim off and on (each also with checkpointing, with ``--activation-checkpointing``)
-    and judge every fix the runs show. A run fails when its probe failed or a rank wrote no result; a
-    checkpointed run that raised ends on the first rank that wrote so: enough."""
+    """Train with the shim off and on (also checkpointed with ``--activation-checkpointing``) and judge every
+    fix; a run fails when its probe failed or a rank wrote no result (unless one wrote that it raised)."""
     runs: dict[tuple[str, bool], list[RankResult]] = {}
     for ac in (False, True) if options.activation_checkpointing else (False,):
         for shim, state in (("0", "off"), ("1", "on")):
@@ -185,11 +178,10 @@ def verify(options: Options, workdir: Path) -> list[Section]:
     for namespace, info in gate["namespaces"].items():
         if options.model is not None and info["import_failure"] is None:
             continue  # with --model, the model's own namespace is judged below; a broken one is still reported
-        decided = _decided(namespace, info, options)
-        if decided is not None:
-            sections.append(decided)
-        else:
+        if (decided := _decided(namespace, info, options)) is None:
             to_measure.append((namespace, f"{namespace} {info['version']}"))
+        else:
+            sections.append(decided)
     if options.model is not None:
         importable = {ns: info for ns, info in gate["namespaces"].items() if info["import_failure"] is None}
         decided_all = [_decided(ns, importable[ns], options) for ns in gate["model_namespaces"] if ns in importable]

@@ -1,8 +1,7 @@
-"""The verify probe process (``children/verify_probe.py REQUEST_JSON`` runs :func:`main`). ``gate`` reads
-every installed Trainer namespace with the shim on, and refuses a module the user names that cannot train
-before anything does; ``measure`` trains with FSDP and writes one ``records.RankResult`` per rank (every
-rank runs this: Lightning's launcher re-runs the entry script). Exit codes: 0 done (a checkpointed run
-that raised is a finding, written as its result), 1 the user's code raised, 2 a usage problem.
+"""The verify probe (``children/verify_probe.py REQUEST_JSON`` runs :func:`main`): ``gate`` reads every
+installed Trainer namespace and refuses unusable user modules before anything trains; ``measure`` trains
+with FSDP and writes one ``records.RankResult`` per rank. Exit codes: 0 done (a checkpointed run that
+raised is a finding, written as its result), 1 the user's code raised, 2 a usage problem.
 """
 
 from __future__ import annotations
@@ -12,12 +11,13 @@ import json
 import os
 import sys
 import traceback
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 from _fsdp_shim.activation import status
 from _fsdp_shim.config import TRAINER_NAMESPACES
-from _fsdp_shim.verify.records import Options, ProbeRequest, RankResult, to_json
+from _fsdp_shim.verify.records import Options, ProbeRequest, RankResult
 
 USER_ERROR, USAGE_ERROR = 1, 2
 
@@ -30,8 +30,8 @@ class ProbeStop(Exception):
         self.code, self.record = code, record
 
 
-def user_error(phase: str) -> ProbeStop:
-    return ProbeStop(USER_ERROR, {"kind": "user", "phase": phase, "traceback": traceback.format_exc()})
+def user_error(phase: str, **extra: int) -> ProbeStop:
+    return ProbeStop(USER_ERROR, {"kind": "user", "phase": phase, "traceback": traceback.format_exc(), **extra})
 
 
 def usage_error(message: str) -> ProbeStop:
@@ -190,9 +190,7 @@ def train_and_measure(request: ProbeRequest) -> None:
         trainer.fit(model, loader, datamodule=datamodule)
     except Exception as raised:
         if not request.checkpointing:
-            stop = user_error("training")
-            stop.record["rank"] = trainer.global_rank
-            raise stop from raised
+            raise user_error("training", rank=trainer.global_rank) from raised
         error = f"{type(raised).__name__}: {(str(raised).strip().splitlines() or [''])[0]}"
     if classes and not callback.checkpointed and not error:
         names = ", ".join(options.activation_checkpointing)
@@ -203,17 +201,15 @@ def train_and_measure(request: ProbeRequest) -> None:
     else:
         units = {name: getattr(model, name) for name in seed.UNITS} if options.model is None else {}
         result = callback.report(trainer, baseline, units, fixes)
-    Path(f"{request.out}.rank{trainer.global_rank}.json").write_text(to_json(result))
+    Path(f"{request.out}.rank{trainer.global_rank}.json").write_text(json.dumps(asdict(result)))
     leave_process_group(0, barrier=not error)  # after an error a collective may be pending: no barrier
 
 
 def leave_process_group(code: int = 0, barrier: bool = True) -> None:
-    """Leave together (every rank has written its results; after an error other ranks may be gone: no
-    barrier), then end without interpreter finalization: verify's probes, the tests' training programs
-    and the benchmarks' children, never a user's process. Finalization can free objects holding
-    torch.distributed state after the interpreter is half gone; a C++ thread that needs the GIL then
-    aborts ("terminate called without an active exception"), after complete results (CI: 3 of 15 sessions).
-    """
+    """Leave together (no barrier after an error: other ranks may be gone) and end without interpreter
+    finalization (verify's probes, the tests' and benchmarks' children, never a user's process): it can
+    free torch.distributed state when the interpreter is half gone, and a C++ thread needing the GIL then
+    aborts ("terminate called without an active exception") after complete results (CI: 3 of 15 sessions)."""
     torch = sys.modules.get("torch")
     if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
         if code == 0 and barrier:

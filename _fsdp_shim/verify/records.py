@@ -1,21 +1,14 @@
-"""What verify and its probe processes hand each other, declared once: the options (filled by ``cli.py``),
-one probe's task (:class:`ProbeRequest`, JSON on its command line) and one :class:`RankResult` per rank
-(a JSON file); ``--json`` prints the fields in the order declared here. Standard library only: ``cli.py``
-imports it to build its parser, also in bare environments.
+"""What verify and its probes hand each other: the options (from ``cli.py``), a probe's task (JSON on its
+command line) and one result per rank (a JSON file); ``--json`` prints the fields in this order. Standard
+library only: ``cli.py`` imports it in bare environments too.
 """
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
-PROBE_TIMEOUT = 1800
-"""Seconds one probe (reading Lightning, or one training run) may take before verify stops it (--timeout)."""
-
-
-def to_json(record: Any) -> str:
-    return json.dumps(asdict(record))
+PROBE_TIMEOUT = 1800  # seconds one probe (reading Lightning, or one training run) may take (--timeout)
 
 
 @dataclass(frozen=True)

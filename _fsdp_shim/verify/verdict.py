@@ -1,7 +1,6 @@
 """The verdicts per fix ("fixed", "not needed" or "FAILED", with the reason in words): what verify
 promises, in one place. The recompute compares each checkpointed run with the run without checkpointing
-in the same shim state: on 2.1-2.4 the cast alone makes shim-off and shim-on runs differ.
-"""
+in the same shim state: on 2.1-2.4 the cast alone makes shim-off and shim-on runs differ."""
 
 from __future__ import annotations
 
@@ -34,11 +33,10 @@ class Section:
 
 def fix_entries(states: dict[str, dict[str, Any]], verdicts: dict[str, tuple[str, str]]) -> list[dict[str, Any]]:
     """Per fix: its verdict (``None`` where not checked), reason, and ``shim``: its ``FixStatus`` read in a probe."""
-    entries = []
-    for fix in FIXES:
-        verdict, reason = verdicts.get(fix.name, (None, NOT_CHECKED))
-        entries.append({"fix": fix.name, "verdict": verdict, "reason": reason, "shim": states.get(fix.name)})
-    return entries
+    rows = [(fix.name, *verdicts.get(fix.name, (None, NOT_CHECKED))) for fix in FIXES]
+    return [
+        {"fix": name, "verdict": verdict, "reason": reason, "shim": states.get(name)} for name, verdict, reason in rows
+    ]
 
 
 def _same_figures(off: list[RankResult], on: list[RankResult]) -> bool:
@@ -72,8 +70,8 @@ def judge(off: list[RankResult], on: list[RankResult], precision: str, seed_mode
     if finite(off[0].losses) and not finite(on[0].losses):
         problems.append(
             "memory is fixed, but the training losses are not finite with the shim while they are without it: "
-            f"{precision} keeps weights and optimizer state in {short} "
-            "(see docs/numerics.md: use bf16-true or a larger optimizer eps)"
+            f"{precision} keeps weights and optimizer state in {short} (see docs/numerics.md: use bf16-true or a "
+            "larger optimizer eps)"
         )
     if problems:
         return "FAILED", "; ".join(problems)
