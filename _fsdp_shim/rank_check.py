@@ -7,8 +7,7 @@ a process group (keys name the attempt: torchrun's store outlives a restart), in
 "16-true" FSDP runs, at the end of ``FSDPStrategy.setup_environment``, each rank writes its fixes into
 the group's key-value store and waits for every other rank's: the store, as a rank without the shim
 never joins a collective. The wait defaults to the group's own timeout, so the shim never stops a job
-that torch would have let run; a group that failed fails again at every later call.
-"""
+that torch would have let run; a group that failed fails again at every later call."""
 
 from __future__ import annotations
 
@@ -147,17 +146,9 @@ def _exchange(
     try:
         store.wait(keys, timedelta(seconds=limit))
     except Exception as error:  # the store says "timeout" in a type that differs across torch releases
-        if not _is_timeout(error):
+        if not ("timeout" in f"{type(error).__name__} {error}".lower() or "timed out" in str(error).lower()):
             raise
-    reports = {}
-    for r, key in enumerate(keys):
-        if r == rank or store.check([key]):
-            reports[r] = json.loads(store.get(key))
-    return reports
-
-
-def _is_timeout(error: BaseException) -> bool:
-    return "timeout" in f"{type(error).__name__} {error}".lower() or "timed out" in str(error).lower()
+    return {r: json.loads(store.get(key)) for r, key in enumerate(keys) if r == rank or store.check([key])}
 
 
 def _summary(report: dict[str, Any]) -> str:

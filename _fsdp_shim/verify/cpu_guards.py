@@ -3,8 +3,7 @@ scenarios), never in training. Lifted, for FSDP strategy instances only: torch r
 ``device_id`` is ``torch.device("cpu")`` (Lightning passes ``root_device.index``, ``None`` on CPU);
 Lightning's connectors raise in ``_check_strategy_and_fallback`` for FSDP without a GPU (2.1.x/2.2.x via
 ``isinstance``: a subclass does not help), which does nothing else for a strategy instance. Uses only
-torch and Lightning, so runs without the shim use it too; lifting twice changes nothing.
-"""
+torch and Lightning, so runs without the shim use it too; lifting twice changes nothing."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """What a verify run measures, as a Lightning Callback so that the user's module runs unchanged: exact
 byte counts (``numel × element_size``), dtypes, losses, peak memory (docs/verify.md) and a hash of every
 rank's parameter shards. torch is imported where it is used: verify's own process (its verdicts use
-``finite``) never loads it.
-"""
+``finite``) never loads it."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """What verify shows a person: a status line on stderr while it runs, so that a run of minutes never
 looks hung, and the text report, which fits a 100-column terminal (``--json`` prints the sections as
-they are).
-"""
+they are)."""
 
 from __future__ import annotations
 
@@ -29,15 +28,13 @@ TERMS = {
 
 
 class Progress:
-    """The phase ("[1/2] ...") on stderr: on a terminal redrawn every 0.2 s with the seconds spent,
-    elsewhere one line per phase. With ``total`` 0 (the gate, before the runs are counted) the phase is
-    not numbered, so the counter never reads "[1/1]" and then starts again."""
+    """The phase ("[1/2] ...") on stderr: on a terminal redrawn every 0.2 s with the seconds spent, elsewhere
+    one line per phase. With ``total`` 0 (the gate, before the runs are counted) it is not numbered."""
 
     def __init__(self, enabled: bool, total: int = 0) -> None:
         self.enabled, self.total, self.done, self.label, self.start = enabled, total, 0, "", 0.0
         self.stop = threading.Event()
-        animated = enabled and sys.stderr.isatty()
-        self.thread = threading.Thread(target=self._draw, daemon=True) if animated else None
+        self.thread = threading.Thread(target=self._draw, daemon=True) if enabled and sys.stderr.isatty() else None
 
     def __enter__(self) -> Progress:
         if self.thread is not None:
@@ -52,10 +49,9 @@ class Progress:
             print(f"fsdp-shim verify: {self.label} ...", file=sys.stderr, flush=True)
 
     def _draw(self) -> None:
-        for tick in itertools.count():
+        for frame in itertools.cycle("|/-\\"):
             if self.stop.wait(0.2):
                 return
-            frame = "|/-\\"[tick % 4]
             sys.stderr.write(f"\r{frame} {self.label} ({time.monotonic() - self.start:4.0f}s)   ")
             sys.stderr.flush()
 

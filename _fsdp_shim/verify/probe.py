@@ -1,8 +1,7 @@
 """The verify probe (``children/verify_probe.py REQUEST_JSON`` runs :func:`main`): ``gate`` reads every
 installed Trainer namespace and refuses unusable user modules before anything trains; ``measure`` trains
 with FSDP and writes one ``records.RankResult`` per rank. Exit codes: 0 done (a checkpointed run that
-raised is a finding, written as its result), 1 the user's code raised, 2 a usage problem.
-"""
+raised is a finding, written as its result), 1 the user's code raised, 2 a usage problem."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """The model verify trains when no ``--model`` is given: two copies of Lightning's demo Transformer, one
 built in ``configure_model``, one loaded in float32 as ``from_pretrained`` does (docs/verify.md). Each
-is its own FSDP unit (one flat parameter cannot mix dtypes), so both are reported.
-"""
+is its own FSDP unit (one flat parameter cannot mix dtypes), so both are reported."""
 
 from __future__ import annotations
 
