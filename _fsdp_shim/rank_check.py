@@ -119,15 +119,8 @@ def _decision(namespace: str, dtype: Any) -> dict[str, Any]:
             fixes[fix.name] = "Lightning"
         else:
             fixes[fix.name] = "fsdp-shim" if wrappers.status(namespace, fix).patched else "off"
-    return {
-        "fixes": fixes,
-        "dtype": str(dtype),
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "namespace": namespace,
-        "lightning": version,
-        "fsdp_shim": __version__,
-    }
+    where = {"host": socket.gethostname(), "pid": os.getpid(), "namespace": namespace, "lightning": version}
+    return {"fixes": fixes, "dtype": str(dtype), **where, "fsdp_shim": __version__}
 
 
 def _behaviour(report: dict[str, Any]) -> tuple[Any, ...]:

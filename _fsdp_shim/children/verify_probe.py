@@ -8,8 +8,7 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.realpath(__file__))
-PACKAGE_ROOT = os.path.dirname(os.path.dirname(HERE))
-"""The folder that holds ``fsdp_shim``: site-packages, or a clone's root when it is run uninstalled."""
+PACKAGE_ROOT = os.path.dirname(os.path.dirname(HERE))  # site-packages, or a clone's root (uninstalled)
 
 
 def main() -> None:

@@ -118,9 +118,8 @@ def run_probe(request: ProbeRequest, shim: str, step: str) -> str:
             f"{record['traceback'].rstrip()}\n\nfsdp-shim verify: your code raised while {record['phase']} "
             f"(shim {'off' if shim == '0' else 'on'}); the traceback above is from your model, not from fsdp-shim.",
         )
-    if proc.returncode == 0:
-        return ""
-    return f"failed (exit {proc.returncode}): {(stderr.strip().splitlines() or ['(no output)'])[-1]}"
+    last = (stderr.strip().splitlines() or ["(no output)"])[-1]
+    return "" if proc.returncode == 0 else f"failed (exit {proc.returncode}): {last}"
 
 
 def _decided(namespace: str, info: dict[str, Any], options: Options) -> Section | None:

@@ -1,7 +1,6 @@
 """What a verify run measures, as a Lightning Callback so that the user's module runs unchanged: exact
-byte counts (``numel × element_size``), dtypes, losses, peak memory (docs/verify.md) and a hash of every
-rank's parameter shards. torch is imported where it is used: verify's own process (its verdicts use
-``finite``) never loads it."""
+byte counts (``numel × element_size``), dtypes, losses, peak memory and every rank's shard hashes. torch is
+imported where used: verify's own process (its verdicts use ``finite``) never loads it."""
 
 from __future__ import annotations
 
@@ -15,10 +14,9 @@ from _fsdp_shim.verify.records import RankResult
 
 def flat_parameters(root: Any) -> list[Any]:
     """FSDP's flat parameters under ``root``, one per FSDP unit that holds parameters."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
-    units = [m for m in root.modules() if isinstance(m, FullyShardedDataParallel) and m._handle is not None]
-    return [unit._handle.flat_param for unit in units]
+    return [m._handle.flat_param for m in root.modules() if isinstance(m, FSDP) and m._handle is not None]
 
 
 def nbytes(tensors: list[Any]) -> int:

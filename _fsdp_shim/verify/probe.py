@@ -127,9 +127,7 @@ def gate(options: Options) -> dict[str, Any]:
             check_training_data(options.model, target, own)
         model_namespaces = [own] if own else [ns for ns in TRAINER_NAMESPACES if ns in sys.modules]
     checkpointed_classes(options.activation_checkpointing)
-    for namespace in TRAINER_NAMESPACES:
-        if namespace.partition(".")[0] not in installed_packages():
-            continue
+    for namespace in [ns for ns in TRAINER_NAMESPACES if ns.partition(".")[0] in installed_packages()]:
         try:
             version = getattr(importlib.import_module(namespace), "__version__", None) or "(unknown)"
         except Exception as error:
@@ -179,10 +177,7 @@ def train_and_measure(request: ProbeRequest) -> None:
         limit_val_batches=0,
         num_sanity_val_steps=0,
         callbacks=[callback],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **dict.fromkeys(("logger", "enable_checkpointing", "enable_progress_bar", "enable_model_summary"), False),
     )
     error = None
     try:
