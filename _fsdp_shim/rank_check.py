@@ -1,13 +1,11 @@
 """Every rank of a distributed job runs the same fixes, or the job stops before its first optimizer step.
 
-A job whose ranks differ (``FSDP_SHIM=0`` on one node, a launcher that dropped ``PYTHONPATH``) trains
-without an error, with shards, gradients, optimizer state or recompute in different dtypes, and dies at
-the first checkpoint in a collective that names no cause, or silently diverges. So once per attempt of
-a process group (keys name the attempt: torchrun's store outlives a restart), in "bf16-true" and
-"16-true" FSDP runs, at the end of ``FSDPStrategy.setup_environment``, each rank writes its fixes into
-the group's key-value store and waits for every other rank's: the store, as a rank without the shim
-never joins a collective. The wait defaults to the group's own timeout, so the shim never stops a job
-that torch would have let run; a group that failed fails again at every later call."""
+Ranks that differ (``FSDP_SHIM=0`` on one node, a launcher that dropped ``PYTHONPATH``) train without an
+error but in different dtypes, then die in a collective that names no cause or silently diverge. So once
+per attempt of a process group (torchrun's store outlives a restart), at the end of
+``FSDPStrategy.setup_environment`` in "true"-precision FSDP runs, each rank writes its fixes into the
+group's key-value store (a rank without the shim never joins a collective) and waits, as long as the
+group's own timeout unless told, for every other rank's. A group that failed fails again at every call."""
 
 from __future__ import annotations
 
@@ -55,8 +53,7 @@ def confirm_every_rank(namespace: str, dtype: Any) -> None:
     limit = _wait_seconds(store)
     if limit == 0:
         return
-    decision = _decision(namespace, dtype)
-    started = time.monotonic()
+    decision, started = _decision(namespace, dtype), time.monotonic()
     try:
         reports = _exchange(store, number, rank, world_size, decision, limit)
     except Exception as error:

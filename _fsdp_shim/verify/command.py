@@ -83,8 +83,7 @@ def main(options: Options) -> int:
 
 def run_probe(request: ProbeRequest, shim: str, step: str) -> str:
     """Run one probe; ``""``, or why it failed. Its session (the ranks, their workers) is SIGKILLed whatever
-    happens (a rank hung in a collective survives SIGTERM; Ctrl-C reaches only verify's own group). Only a
-    probe for modules the user named gets a folder on its path (``--model-path``, else the current one)."""
+    happens (a rank hung in a collective survives SIGTERM). Only user modules get a folder on its path."""
     options = request.options
     user_modules = options.model or options.datamodule or options.activation_checkpointing
     folder = (options.model_path or os.getcwd()) if user_modules else None

@@ -50,8 +50,7 @@ WRAPPER_PREFIXES = ("_forward_module.", "_fsdp_wrapped_module.", "_checkpoint_wr
 
 
 def parameter_hashes(root: Any) -> dict[str, str]:
-    """SHA-256 of this rank's shard of every parameter, by name (Lightning's FSDP uses
-    ``use_orig_params``: each parameter is a view of its part of the sharded flat parameter)."""
+    """SHA-256 of this rank's shard of every parameter, by name (``use_orig_params``: each is a view)."""
     import torch
 
     hashes = {}
@@ -64,8 +63,7 @@ def parameter_hashes(root: Any) -> dict[str, str]:
 
 
 def measuring_callback(pl: Any, count: tuple[type, ...] = ()) -> Any:
-    """A ``pl.Callback`` for the namespace ``pl`` (each has its own Callback class); it counts the
-    modules of the ``count`` classes when training starts (``checkpointed``)."""
+    """A ``pl.Callback`` (each namespace has its own) that also counts the modules of the ``count`` classes."""
 
     class Measure(pl.Callback):  # type: ignore[misc, name-defined]
         def __init__(self) -> None:
@@ -83,8 +81,7 @@ def measuring_callback(pl: Any, count: tuple[type, ...] = ()) -> Any:
             self.losses.append(float(loss.detach().float().item()) if hasattr(loss, "detach") else None)
 
         def report(self, trainer: Any, baseline_rss: int, units: dict[str, Any], fixes: dict[str, Any]) -> RankResult:
-            """Rank-local figures after ``trainer.fit``; ``units``: sub-modules whose FSDP unit is
-            reported on its own (the seed's two models); ``fixes``: what the shim did, per fix."""
+            """This rank's figures after ``trainer.fit``; ``units``: sub-modules reported on their own (seed)."""
             import torch
 
             flat, cuda = flat_parameters(trainer.strategy.model), torch.cuda.is_available()

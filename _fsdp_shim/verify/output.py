@@ -1,6 +1,5 @@
 """What verify shows a person: a status line on stderr while it runs, so that a run of minutes never
-looks hung, and the text report, which fits a 100-column terminal (``--json`` prints the sections as
-they are)."""
+looks hung, and the text report, which fits a 100-column terminal."""
 
 from __future__ import annotations
 
@@ -126,12 +125,8 @@ def render(sections: list[Section], options: Options) -> str:
     used: set[str] = set()
     for section in sections:
         lines += [*render_section(section, options, used), ""]
-    if used:
-        lines.append("Terms:")
-        for term, meaning in TERMS.items():
-            if term in used:
-                lines += _wrapped(f"{term}: {meaning}", "  ")
-        lines.append("")
+    terms = [line for term, meaning in TERMS.items() if term in used for line in _wrapped(f"{term}: {meaning}", "  ")]
+    lines += ["Terms:", *terms, ""] if terms else []
     verdict, reason = overall(sections)
     lines += _wrapped(f"verdict: {verdict} ({reason})", "")
     return "\n".join(lines)

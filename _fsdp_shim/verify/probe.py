@@ -61,11 +61,8 @@ def resolve(spec: str) -> Any:
 def trainer_namespace_of(obj: Any, kind: str) -> str | None:
     """The Trainer namespace whose ``kind`` class (LightningModule...) ``obj`` (class or instance) derives from."""
     cls = obj if isinstance(obj, type) else type(obj)
-    for namespace in TRAINER_NAMESPACES:
-        base = getattr(sys.modules.get(namespace), kind, None)
-        if isinstance(base, type) and issubclass(cls, base):
-            return namespace
-    return None
+    bases = {namespace: getattr(sys.modules.get(namespace), kind, None) for namespace in TRAINER_NAMESPACES}
+    return next((ns for ns, base in bases.items() if isinstance(base, type) and issubclass(cls, base)), None)
 
 
 def checked(spec: str, kind: str) -> Any:
@@ -112,9 +109,8 @@ def fix_states(namespace: str) -> dict[str, dict[str, Any]]:
 
 
 def gate(options: Options) -> dict[str, Any]:
-    """``namespaces``: every installed Trainer namespace (in the order of ``TRAINER_NAMESPACES``), its
-    ``version``, the shim's ``fixes`` (``FixStatus`` per fix) or its ``import_failure``; with ``--model``,
-    ``model_namespaces``: the namespace of the model's class, or those imported with it."""
+    """Every installed Trainer namespace's ``version`` and the shim's ``fixes``, or its ``import_failure``;
+    with ``--model``, ``model_namespaces``: the namespace of the model's class, or those imported with it."""
     from _fsdp_shim.distributions import import_failure, installed_packages
 
     namespaces, model_namespaces = {}, []
@@ -138,8 +134,7 @@ def gate(options: Options) -> dict[str, Any]:
 
 
 def train_and_measure(request: ProbeRequest) -> None:
-    """Train the seed's model for ``request.namespace`` (or ``--model``) with FSDP, with Lightning's
-    activation checkpointing where ``request.checkpointing``; write this rank's ``<out>.rank<N>.json``."""
+    """Train the seed's model for ``request.namespace`` (or ``--model``) with FSDP; write this rank's result."""
     import torch
 
     from _fsdp_shim.verify import cpu_guards, measure, seed
@@ -149,7 +144,7 @@ def train_and_measure(request: ProbeRequest) -> None:
     loader, datamodule, strategy_options = None, None, {}
     if options.model is None:
         pl = importlib.import_module(namespace)  # type: ignore[arg-type]
-        model, loader, strategy_options = seed.build(pl, namespace, options.steps, options.devices)
+        model, loader, strategy_options = seed.build(pl, options.steps, options.devices)
     else:
         model = construct(options.model, options.init_args, "LightningModule")
         namespace = trainer_namespace_of(model, "LightningModule")
@@ -200,10 +195,9 @@ def train_and_measure(request: ProbeRequest) -> None:
 
 
 def leave_process_group(code: int = 0, barrier: bool = True) -> None:
-    """Leave together (no barrier after an error: other ranks may be gone) and end without interpreter
-    finalization (verify's probes, the tests' and benchmarks' children, never a user's process): it can
-    free torch.distributed state when the interpreter is half gone, and a C++ thread needing the GIL then
-    aborts ("terminate called without an active exception") after complete results (CI: 3 of 15 sessions)."""
+    """Leave together (no barrier after an error) and end without interpreter finalization (only in our own
+    children): it can free torch.distributed state when the interpreter is half gone, and a C++ thread needing
+    the GIL then aborts ("terminate called without an active exception") after complete results."""
     torch = sys.modules.get("torch")
     if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
         if code == 0 and barrier:

@@ -27,8 +27,7 @@ class Options:
 
 @dataclass(frozen=True)
 class ProbeRequest:
-    """``gate`` (read the installed Lightning) or ``measure`` (train ``namespace``, ``None`` for the
-    user's model's own; ``out`` is then a path prefix for one result per rank)."""
+    """``gate`` or ``measure`` (train ``namespace``, ``None``: the user's model's; ``out``: a path prefix)."""
 
     mode: str
     out: str
@@ -39,8 +38,7 @@ class ProbeRequest:
 
 @dataclass(frozen=True)
 class RankResult:
-    """One rank's figures from one training run; a checkpointed run that raised has only ``error``
-    (``Type: message``), ``checkpointed`` and ``fixes``."""
+    """One rank's figures from one run; a checkpointed run that raised has ``error``, ``checkpointed``, ``fixes``."""
 
     rank: int
     device: str = ""

@@ -1,6 +1,5 @@
-"""The model verify trains when no ``--model`` is given: two copies of Lightning's demo Transformer, one
-built in ``configure_model``, one loaded in float32 as ``from_pretrained`` does (docs/verify.md). Each
-is its own FSDP unit (one flat parameter cannot mix dtypes), so both are reported."""
+"""The model verify trains without ``--model``: two copies of Lightning's demo Transformer, one built in
+``configure_model``, one loaded in float32 as ``from_pretrained`` does, each its own FSDP unit (reported)."""
 
 from __future__ import annotations
 
@@ -11,13 +10,13 @@ VOCAB, SEQUENCE, BATCH = 256, 32, 4
 UNITS = {"pretrained": "model loaded in float32 (from_pretrained)", "model": "seed model, built in configure_model"}
 
 
-def build(pl: Any, namespace: str, steps: int, devices: int) -> tuple[Any, Any, dict[str, Any]]:
+def build(pl: Any, steps: int, devices: int) -> tuple[Any, Any, dict[str, Any]]:
     """The seed LightningModule, its training data, and the FSDPStrategy keyword arguments."""
     import torch
     import torch.nn.functional as F
     from torch.utils.data import DataLoader, TensorDataset
 
-    transformer = importlib.import_module(f"{namespace}.demos").Transformer
+    transformer = importlib.import_module(f"{pl.__name__}.demos").Transformer
 
     def make() -> torch.nn.Module:
         return transformer(vocab_size=VOCAB, nlayers=2, nhid=256, ninp=128, nhead=4, dropout=0.0)

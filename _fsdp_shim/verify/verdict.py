@@ -96,8 +96,7 @@ def judge(off: list[RankResult], on: list[RankResult], precision: str, seed_mode
 
 
 def what_changed(plain: list[RankResult], checkpointed: list[RankResult]) -> str | None:
-    """How the checkpointed run differs from the one without checkpointing: what it raised, or the
-    first loss or parameter shard that is not the same bit for bit; ``None`` if none."""
+    """What the checkpointed run raised, or its first loss or parameter shard not the same bit for bit."""
     if checkpointed[0].error:
         return f"raised {checkpointed[0].error}"
     for a, b in zip(plain, checkpointed):
@@ -115,8 +114,7 @@ def judge_recompute(
     off: list[RankResult], on: list[RankResult], off_ac: list[RankResult], on_ac: list[RankResult], classes: str
 ) -> tuple[str, str]:
     """The recompute's verdict from the four runs: ``fixed`` when, with the shim, checkpointing changes
-    nothing bit for bit while without it the checkpointed run raised or differed; "FAILED" names the first
-    step or parameter that differs."""
+    nothing bit for bit while without it the checkpointed run raised or differed."""
     blocks = f"checkpointing {classes} ({on_ac[0].checkpointed or off_ac[0].checkpointed} modules)"
     state = on_ac[0].fixes[RECOMPUTE.name]
     problems = [] if state["patched"] else [f"the shim did not apply it to {on[0].namespace}: {state['reason']}"]
