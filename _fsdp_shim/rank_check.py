@@ -149,13 +149,12 @@ def _summary(report: dict[str, Any]) -> str:
 
 
 def _ranks(ranks: list[int]) -> str:
-    return ", ".join(str(r) for r in ranks)
+    return f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(str(r) for r in ranks)}"
 
 
 def _missing_message(missing: list[int], reports: dict[int, dict[str, Any]], world_size: int, limit: float) -> str:
-    noun = "rank" if len(missing) == 1 else "ranks"
     return (
-        f"fsdp-shim: {noun} {_ranks(missing)} of {world_size} did not report within {limit:g} s which fixes "
+        f"fsdp-shim: {_ranks(missing)} of {world_size} did not report within {limit:g} s which fixes "
         f"it runs, so this job may be half-patched ({_described(reports)}). Stopping before the first optimizer "
         f"step. On the ranks that did not report, fsdp-shim may not be active ({SHIM_VARIABLE}=0 in their "
         "environment; a node whose Python environment lacks fsdp-shim or its start-up file; a launcher that "
@@ -182,11 +181,8 @@ def _described(reports: dict[int, dict[str, Any]]) -> str:
     for r, report in sorted(reports.items()):
         releases = f"{report.get('namespace')} {report.get('lightning')}, fsdp-shim {report.get('fsdp_shim')}"
         groups.setdefault(f"{_summary(report)} ({releases})", []).append(r)
-    described = []
-    for label, ranks in groups.items():
-        hosts = ", ".join(sorted({str(reports[r].get("host")) for r in ranks}))
-        described.append(f"{'rank' if len(ranks) == 1 else 'ranks'} {_ranks(ranks)} on {hosts}: {label}")
-    return "; ".join(described)
+    hosts = {label: ", ".join(sorted({str(reports[r].get("host")) for r in ranks})) for label, ranks in groups.items()}
+    return "; ".join(f"{_ranks(ranks)} on {hosts[label]}: {label}" for label, ranks in groups.items())
 
 
 def _could_not_check(error: BaseException) -> None:
