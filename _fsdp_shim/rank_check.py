@@ -78,13 +78,10 @@ def confirm_every_rank(namespace: str, dtype: Any) -> None:
 def _process_group() -> tuple[Any, Any, int, int] | None:
     """The default group, its store, this rank and the world size; ``None`` outside a multi-rank job."""
     dist = sys.modules.get("torch.distributed")
-    if dist is None or not dist.is_available() or not dist.is_initialized():
-        return None
-    world_size = dist.get_world_size()
-    if world_size < 2:
+    if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
         return None
     c10d = dist.distributed_c10d
-    return c10d._get_default_group(), c10d._get_default_store(), dist.get_rank(), world_size
+    return c10d._get_default_group(), c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
 
 
 def _wait_seconds(store: Any) -> float:

@@ -31,9 +31,9 @@ GATE_STEP = "reading the installed Lightning"
 
 
 class Stop(Exception):
-    """End verify with ``code`` and ``message`` (the user's code raised, or a usage problem)."""
+    """End verify with ``message`` and exit ``code`` (the user's code raised, or a usage problem)."""
 
-    def __init__(self, code: int, message: str) -> None:
+    def __init__(self, message: str, code: int = 1) -> None:
         super().__init__(message)
         self.code, self.message = code, message
 
@@ -95,12 +95,11 @@ def run_probe(request: ProbeRequest, shim: str, step: str) -> str:
         _, stderr = proc.communicate(timeout=options.timeout)
     except subprocess.TimeoutExpired:
         raise Stop(
-            1,
             f"fsdp-shim verify: {step} did not finish within {options.timeout:g} s, so verify stopped it and every "
-            "process it started; --timeout SECONDS allows longer",
+            "process it started; --timeout SECONDS allows longer"
         ) from None
     except KeyboardInterrupt:
-        raise Stop(130, f"fsdp-shim verify: interrupted while {step}; every process it started was stopped") from None
+        raise Stop(f"fsdp-shim verify: interrupted while {step}; every process it started was stopped", 130) from None
     finally:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)  # its own session: the group's id is its pid
@@ -111,11 +110,10 @@ def run_probe(request: ProbeRequest, shim: str, step: str) -> str:
     for error in sorted(out.parent.glob(f"{out.name}.rank*.error.json"))[:1]:
         record = json.loads(error.read_text())
         if record["kind"] == "usage":
-            raise Stop(2, f"fsdp-shim verify: {record['message']}")
+            raise Stop(f"fsdp-shim verify: {record['message']}", 2)
         raise Stop(
-            1,
             f"{record['traceback'].rstrip()}\n\nfsdp-shim verify: your code raised while {record['phase']} "
-            f"(shim {'off' if shim == '0' else 'on'}); the traceback above is from your model, not from fsdp-shim.",
+            f"(shim {'off' if shim == '0' else 'on'}); the traceback above is from your model, not from fsdp-shim."
         )
     last = (stderr.strip().splitlines() or ["(no output)"])[-1]
     return "" if proc.returncode == 0 else f"failed (exit {proc.returncode}): {last}"
@@ -188,7 +186,6 @@ def verify(options: Options, workdir: Path) -> list[Section]:
             to_measure.append((None, options.model))
     total = len(to_measure) * (4 if options.activation_checkpointing else 2)  # runs, each counted once
     with Progress(not options.as_json, total) as progress:
-        for namespace, label in to_measure:
-            sections.append(_measured(options, workdir, progress, namespace, label))
+        sections += [_measured(options, workdir, progress, namespace, label) for namespace, label in to_measure]
     order = {name: index for index, name in enumerate(TRAINER_NAMESPACES)}
     return sorted(sections, key=lambda section: order.get(section.namespace, len(order)))

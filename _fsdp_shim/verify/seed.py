@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib
 from typing import Any
 
@@ -17,9 +18,7 @@ def build(pl: Any, steps: int, devices: int) -> tuple[Any, Any, dict[str, Any]]:
     from torch.utils.data import DataLoader, TensorDataset
 
     transformer = importlib.import_module(f"{pl.__name__}.demos").Transformer
-
-    def make() -> torch.nn.Module:
-        return transformer(vocab_size=VOCAB, nlayers=2, nhid=256, ninp=128, nhead=4, dropout=0.0)
+    make = functools.partial(transformer, vocab_size=VOCAB, nlayers=2, nhid=256, ninp=128, nhead=4, dropout=0.0)
 
     class SeedModel(pl.LightningModule):  # type: ignore[misc, name-defined]
         def __init__(self) -> None:
