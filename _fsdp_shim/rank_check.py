@@ -172,8 +172,7 @@ def _disagreement_message(reports: dict[int, dict[str, Any]], world_size: int) -
 
 
 def _described(reports: dict[int, dict[str, Any]]) -> str:
-    """The ranks that reported, alike ranks together with their hosts and releases (``ranks 0, 1 on n1:
-    bfloat16; fixes: cast, recompute (lightning.pytorch 2.4.0, fsdp-shim 0.2.0)``)."""
+    """Alike ranks together: ``ranks 0, 1 on n1: bfloat16; fixes: cast (lightning.pytorch 2.4.0, fsdp-shim 0.2.0)``."""
     groups: dict[str, list[int]] = {}
     for r, report in sorted(reports.items()):
         releases = f"{report.get('namespace')} {report.get('lightning')}, fsdp-shim {report.get('fsdp_shim')}"

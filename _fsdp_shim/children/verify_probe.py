@@ -13,8 +13,8 @@ PACKAGE_ROOT = os.path.dirname(os.path.dirname(HERE))  # site-packages, or a clo
 
 def main() -> None:
     sys.path[:] = [entry for entry in sys.path if os.path.realpath(entry or os.curdir) != HERE]
-    # Uninstalled (a clone): first, so the probe imports the fsdp_shim that started it. Real paths: an
-    # environment under a symbolic link is already there, and site-packages first would shadow the stdlib.
+    # A clone first, so the probe imports the fsdp_shim that started it; by real path, as an environment under
+    # a symbolic link is already there, and its site-packages first would shadow the stdlib.
     if PACKAGE_ROOT not in {os.path.realpath(entry or os.curdir) for entry in sys.path}:
         sys.path.insert(0, PACKAGE_ROOT)
     os.environ.setdefault("PYTHONWARNINGS", "ignore")

@@ -51,19 +51,13 @@ def environment_problem() -> str | None:
 
 
 def main(options: Options) -> int:
-    problem = environment_problem()
+    start, problem = time.monotonic(), environment_problem()
+    try:
+        tmp = tempfile.mkdtemp(prefix="fsdp-shim-verify-") if problem is None else ""
+    except OSError as error:
+        problem = f"no usable temporary folder ({type(error).__name__}: {error}); set TMPDIR to a writable folder"
     if problem is not None:
         print(f"fsdp-shim verify: {problem}", file=sys.stderr)
-        return 2
-    start = time.monotonic()
-    try:
-        tmp = tempfile.mkdtemp(prefix="fsdp-shim-verify-")
-    except OSError as error:
-        print(
-            f"fsdp-shim verify: no usable temporary folder ({type(error).__name__}: {error}); "
-            "set TMPDIR to a writable folder",
-            file=sys.stderr,
-        )
         return 2
     try:
         sections = verify(options, Path(tmp))
@@ -120,8 +114,7 @@ def run_probe(request: ProbeRequest, shim: str, step: str) -> str:
 
 
 def _decided(namespace: str, info: dict[str, Any], options: Options) -> Section | None:
-    """A section decided from the gate's ``info`` alone, or ``None`` to train: a release with the cast is
-    "not needed" unless --measure or --activation-checkpointing (no release has the recompute)."""
+    """A section decided from the gate's ``info``, or ``None`` to train (--measure, --activation-checkpointing)."""
     if info["import_failure"] is not None:
         return Section(namespace, None, "FAILED", describe_import_failure(namespace, info["import_failure"]))
     version, release = info["version"], base_release(info["version"])
@@ -136,8 +129,7 @@ def _decided(namespace: str, info: dict[str, Any], options: Options) -> Section 
 
 
 def _measured(options: Options, workdir: Path, progress: Progress, namespace: str | None, label: str) -> Section:
-    """Train with the shim off and on (also checkpointed with ``--activation-checkpointing``) and judge every
-    fix; a run fails when its probe failed or a rank wrote no result (unless one wrote that it raised)."""
+    """Train with the shim off and on (also checkpointed, with ``--activation-checkpointing``); judge each fix."""
     runs: dict[tuple[str, bool], list[RankResult]] = {}
     for ac in (False, True) if options.activation_checkpointing else (False,):
         for shim, state in (("0", "off"), ("1", "on")):

@@ -45,8 +45,7 @@ def _same_figures(off: list[RankResult], on: list[RankResult]) -> bool:
 
 
 def judge(off: list[RankResult], on: list[RankResult], precision: str, seed_model: bool) -> tuple[str, str]:
-    """The cast's verdict from both runs: ``fixed`` must hold on every rank, exactly; ``not needed`` only
-    where the shim measurably changes nothing."""
+    """The cast's verdict: ``fixed`` must hold on every rank, exactly; ``not needed`` if the shim changes nothing."""
     version, want = on[0].lightning, DTYPES[precision]
     short = want.removeprefix("torch.")
     if not CAST.affects(version):
