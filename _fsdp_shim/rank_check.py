@@ -31,9 +31,8 @@ _failed: list[tuple[Any, FSDPShimError]] = []  # the groups whose check stopped 
 
 
 def confirm_every_rank(namespace: str, dtype: Any) -> None:
-    """Publish this rank's fixes and wait until every rank of the job has published the same. A rank
-    late or different raises ``FSDPShimError`` in every mode; the check itself failing follows the
-    failure policy (a warning, strict: an error) and training goes on."""
+    """Publish this rank's fixes and wait for every rank's: one late or different raises ``FSDPShimError``
+    in every mode; the check itself failing follows the failure policy, and training goes on."""
     try:
         found = _process_group()
     except Exception as error:
@@ -67,12 +66,8 @@ def confirm_every_rank(namespace: str, dtype: Any) -> None:
             _failed.append((group, problem))
         raise problem
     if rank == 0:
-        failures.announce(
-            "fsdp-shim: patched on all %d ranks (%s), confirmed in %.2f s",
-            world_size,
-            _summary(decision),
-            time.monotonic() - started,
-        )
+        summary, seconds = _summary(decision), time.monotonic() - started
+        failures.announce("fsdp-shim: patched on all %d ranks (%s), confirmed in %.2f s", world_size, summary, seconds)
 
 
 def _process_group() -> tuple[Any, Any, int, int] | None:

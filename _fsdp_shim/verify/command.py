@@ -1,7 +1,6 @@
-"""``fsdp-shim verify`` (exit codes: docs/verify.md): read every installed Trainer namespace (the gate
-probe), train what the gate cannot decide with the shim off and on, print a verdict per fix. Each probe
-runs ``children/verify_probe.py`` by its path with a ``records.ProbeRequest`` as JSON and writes files:
-``gate.json``, ``<out>.rank<N>.json``, or ``<out>.rank<N>.error.json``, which ends verify (:class:`Stop`)."""
+"""``fsdp-shim verify`` (docs/verify.md): read every installed Trainer namespace (the gate probe), train
+what it cannot decide with the shim off and on, print a verdict per fix. Each probe runs the child script
+with a ``ProbeRequest`` and writes files: ``gate.json``, ``<out>.rank<N>.json`` or ``<out>.rank<N>.error.json``."""
 
 from __future__ import annotations
 

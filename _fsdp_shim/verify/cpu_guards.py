@@ -1,8 +1,8 @@
 """Let real FSDP run on CPU with gloo in processes that only measure (verify's probes, benchmarks, test
 scenarios), never in training: torch refuses CPU modules unless ``device_id`` is ``torch.device("cpu")``
-(Lightning passes ``None`` on CPU), and Lightning's ``_check_strategy_and_fallback`` raises for FSDP without
-a GPU (2.1.x/2.2.x via ``isinstance``) and does nothing else for a strategy instance. Uses only torch and
-Lightning (runs without the shim use it too); lifting twice changes nothing."""
+(Lightning passes ``None``), and Lightning's ``_check_strategy_and_fallback`` raises for FSDP without a GPU
+(2.1.x/2.2.x via ``isinstance``: no subclass helps) and does nothing else for a strategy instance. Uses only
+torch and Lightning; lifting twice changes nothing."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""What a verify run measures, as a Lightning Callback so that the user's module runs unchanged: exact
-byte counts (``numel × element_size``), dtypes, losses, peak memory and every rank's shard hashes. torch is
+"""What a verify run measures, as a Lightning Callback so that the user's module runs unchanged. torch is
 imported where used: verify's own process (its verdicts use ``finite``) never loads it."""
 
 from __future__ import annotations

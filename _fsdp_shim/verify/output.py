@@ -27,8 +27,7 @@ TERMS = {
 
 
 class Progress:
-    """The phase ("[1/2] ...") on stderr: on a terminal redrawn every 0.2 s with the seconds spent, elsewhere
-    one line per phase. With ``total`` 0 (the gate, before the runs are counted) it is not numbered."""
+    """The phase ("[1/2] ...", unnumbered with ``total`` 0) on stderr: redrawn every 0.2 s on a terminal."""
 
     def __init__(self, enabled: bool, total: int = 0) -> None:
         self.enabled, self.total, self.done, self.label, self.start = enabled, total, 0, "", 0.0

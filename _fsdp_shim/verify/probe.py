@@ -1,7 +1,6 @@
-"""The verify probe (``children/verify_probe.py REQUEST_JSON`` runs :func:`main`): ``gate`` reads every
-installed Trainer namespace and refuses unusable user modules before anything trains; ``measure`` trains
-with FSDP and writes one ``records.RankResult`` per rank. Exit codes: 0 done (a checkpointed run that
-raised is a finding, written as its result), 1 the user's code raised, 2 a usage problem."""
+"""The verify probe (``children/verify_probe.py REQUEST_JSON``): ``gate`` reads every installed Trainer
+namespace and refuses unusable user modules before anything trains; ``measure`` trains with FSDP and writes
+a ``RankResult`` per rank. Exits 0 (done), 1 (the user's code raised) or 2 (a usage problem)."""
 
 from __future__ import annotations
 
@@ -195,9 +194,8 @@ def train_and_measure(request: ProbeRequest) -> None:
 
 
 def leave_process_group(code: int = 0, barrier: bool = True) -> None:
-    """Leave together (no barrier after an error) and end without interpreter finalization (only in our own
-    children): it can free torch.distributed state when the interpreter is half gone, and a C++ thread needing
-    the GIL then aborts ("terminate called without an active exception") after complete results."""
+    """Leave together (no barrier after an error) and end without finalization, only in our own children: it
+    can free torch.distributed state in a half-gone interpreter, aborting a C++ thread after complete results."""
     torch = sys.modules.get("torch")
     if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
         if code == 0 and barrier:

@@ -1,6 +1,5 @@
-"""What verify and its probes hand each other: the options (from ``cli.py``), a probe's task (JSON on its
-command line) and one result per rank (a JSON file); ``--json`` prints the fields in this order. Standard
-library only: ``cli.py`` imports it in bare environments too."""
+"""What verify and its probes hand each other (``--json`` prints the fields in this order). Standard library
+only: ``cli.py`` imports it in bare environments too."""
 
 from __future__ import annotations
 

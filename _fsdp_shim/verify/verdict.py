@@ -1,6 +1,6 @@
-"""The verdicts per fix ("fixed", "not needed" or "FAILED", with the reason in words): what verify
-promises, in one place. The recompute compares each checkpointed run with the run without checkpointing
-in the same shim state: on 2.1-2.4 the cast alone makes shim-off and shim-on runs differ."""
+"""The verdicts per fix ("fixed", "not needed" or "FAILED", with the reason): what verify promises. The
+recompute compares each checkpointed run with the unchecked one in the same shim state (on 2.1-2.4 the cast
+alone makes shim-off and shim-on runs differ)."""
 
 from __future__ import annotations
 
@@ -46,8 +46,7 @@ def _same_figures(off: list[RankResult], on: list[RankResult]) -> bool:
 
 def judge(off: list[RankResult], on: list[RankResult], precision: str, seed_model: bool) -> tuple[str, str]:
     """The cast's verdict: ``fixed`` must hold on every rank, exactly; ``not needed`` if the shim changes nothing."""
-    version, want = on[0].lightning, DTYPES[precision]
-    short = want.removeprefix("torch.")
+    version, want, short = on[0].lightning, DTYPES[precision], DTYPES[precision].removeprefix("torch.")
     if not CAST.affects(version):
         if _same_figures(off, on):
             return "not needed", f"{CAST.unaffected_reason(version)}; measured: the shim changes nothing"
@@ -112,8 +111,7 @@ def what_changed(plain: list[RankResult], checkpointed: list[RankResult]) -> str
 def judge_recompute(
     off: list[RankResult], on: list[RankResult], off_ac: list[RankResult], on_ac: list[RankResult], classes: str
 ) -> tuple[str, str]:
-    """The recompute's verdict from the four runs: ``fixed`` when, with the shim, checkpointing changes
-    nothing bit for bit while without it the checkpointed run raised or differed."""
+    """``fixed`` when, with the shim, checkpointing changes nothing bit for bit, and without it something."""
     blocks = f"checkpointing {classes} ({on_ac[0].checkpointed or off_ac[0].checkpointed} modules)"
     state = on_ac[0].fixes[RECOMPUTE.name]
     problems = [] if state["patched"] else [f"the shim did not apply it to {on[0].namespace}: {state['reason']}"]
