@@ -23,7 +23,6 @@ from _fsdp_shim.config import FIXES, RANK_CHECK_TIMEOUT_VARIABLE, SHIM_VARIABLE,
 from _fsdp_shim.failures import FSDPShimError
 
 DEFAULT_TIMEOUT_SECONDS = 1800.0  # where the group's own timeout cannot be read (torch's default for it)
-_KEY_PREFIX = "fsdp_shim/rank_check"
 
 _lock = threading.Lock()
 _checked: list[Any] = []  # the groups checked, in order (strong references: an id could be reused)
@@ -114,8 +113,7 @@ def _decision(namespace: str, dtype: Any) -> dict[str, Any]:
 
 def _behaviour(report: dict[str, Any]) -> tuple[Any, ...]:
     """What must agree across ranks: the dtype, and which fixes are in effect (whoever provides them)."""
-    fixes = report.get("fixes", {})
-    return (report.get("dtype"), *(fixes.get(fix.name, "off") != "off" for fix in FIXES))
+    return (report.get("dtype"), *(report.get("fixes", {}).get(fix.name, "off") != "off" for fix in FIXES))
 
 
 def _exchange(
@@ -123,7 +121,7 @@ def _exchange(
 ) -> dict[int, dict[str, Any]]:
     """Write this rank's key, wait for the others' up to ``limit`` seconds, read what is there."""
     attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', '-')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    keys = [f"{_KEY_PREFIX}/{attempt}/{number}/{r}" for r in range(world_size)]
+    keys = [f"fsdp_shim/rank_check/{attempt}/{number}/{r}" for r in range(world_size)]
     store.set(keys[rank], json.dumps(decision))
     try:
         store.wait(keys, timedelta(seconds=limit))

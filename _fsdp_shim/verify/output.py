@@ -3,6 +3,7 @@ looks hung, and the text report, which fits a 100-column terminal."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import sys
 import textwrap
@@ -26,18 +27,15 @@ TERMS = {
 }
 
 
-class Progress:
+class Progress(contextlib.AbstractContextManager):
     """The phase ("[1/2] ...", unnumbered with ``total`` 0) on stderr: redrawn every 0.2 s on a terminal."""
 
     def __init__(self, enabled: bool, total: int = 0) -> None:
         self.enabled, self.total, self.done, self.label, self.start = enabled, total, 0, "", 0.0
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._draw, daemon=True) if enabled and sys.stderr.isatty() else None
-
-    def __enter__(self) -> Progress:
         if self.thread is not None:
             self.thread.start()
-        return self
 
     def phase(self, label: str) -> None:
         self.done += 1

@@ -34,9 +34,7 @@ class Section:
 def fix_entries(states: dict[str, dict[str, Any]], verdicts: dict[str, tuple[str, str]]) -> list[dict[str, Any]]:
     """Per fix: its verdict (``None`` where not checked), reason, and ``shim``: its ``FixStatus`` read in a probe."""
     rows = [(fix.name, *verdicts.get(fix.name, (None, NOT_CHECKED))) for fix in FIXES]
-    return [
-        {"fix": name, "verdict": verdict, "reason": reason, "shim": states.get(name)} for name, verdict, reason in rows
-    ]
+    return [{"fix": fix, "verdict": verdict, "reason": why, "shim": states.get(fix)} for fix, verdict, why in rows]
 
 
 def _same_figures(off: list[RankResult], on: list[RankResult]) -> bool:
