@@ -128,7 +128,8 @@ def _decided(namespace: str, info: dict[str, Any], options: Options) -> Section 
 
 
 def _measured(options: Options, workdir: Path, progress: Progress, namespace: str | None, label: str) -> Section:
-    """Train with the shim off and on (also checkpointed, with ``--activation-checkpointing``); judge each fix."""
+    """Train with the shim off and on (also checkpointed, with ``--activation-checkpointing``); judge each fix.
+    A checkpointed run that raised may end before every rank wrote: one rank's error result is enough."""
     runs: dict[tuple[str, bool], list[RankResult]] = {}
     for ac in (False, True) if options.activation_checkpointing else (False,):
         for shim, state in (("0", "off"), ("1", "on")):

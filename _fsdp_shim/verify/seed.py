@@ -1,5 +1,6 @@
 """The model verify trains without ``--model``: two copies of Lightning's demo Transformer, one built in
-``configure_model``, one loaded in float32 as ``from_pretrained`` does, each its own FSDP unit (reported)."""
+``configure_model``, one loaded in float32 as ``from_pretrained`` does, each its own FSDP unit (one flat
+parameter cannot mix dtypes), both reported."""
 
 from __future__ import annotations
 
