@@ -3,9 +3,11 @@
 Ranks that differ (``FSDP_SHIM=0`` on one node, a launcher that dropped ``PYTHONPATH``) train without an
 error but in different dtypes, then die in a collective that names no cause or silently diverge. So once
 per attempt of a process group (torchrun's store outlives a restart), at the end of
-``FSDPStrategy.setup_environment`` in "true"-precision FSDP runs, each rank writes its fixes into the
-group's key-value store (a rank without the shim never joins a collective) and waits, as long as the
-group's own timeout unless told, for every other rank's. A group that failed fails again at every call."""
+``FSDPStrategy.setup_environment`` (no model wrapped yet) in "true"-precision FSDP runs, each rank writes its
+fixes into the group's key-value store, not a collective (a rank without the shim never joins one, and the
+others would hang), and waits for every other rank's, by default as long as the group's own timeout, so the
+shim never stops a job torch would have let run. A failed group fails again at every later call, so a loop
+that catches the error never trains half-patched."""
 
 from __future__ import annotations
 
