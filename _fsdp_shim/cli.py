@@ -15,8 +15,7 @@ from _fsdp_shim.verify.records import PROBE_TIMEOUT, Options  # standard library
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
-    """Descriptions as written, and each option's default in its help (one whose default is "absent"
-    says what that means in its own words)."""
+    """Descriptions as written; each option's default in its help, unless "absent" (its help says what)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
@@ -106,34 +105,31 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     verify = _command(commands, "verify", "train a model with the shim off and on, in fresh processes, and compare")
-    verify.add_argument(
+    add = verify.add_argument
+    add(
         "--precision",
         choices=("bf16-true", "16-true"),
         default="bf16-true",
         help="the Lightning precision both runs use",
     )
-    verify.add_argument("--devices", type=_positive_int, default=1, metavar="N", help="processes (GPUs with CUDA)")
-    verify.add_argument("--steps", type=_positive_int, default=3, metavar="N", help="training steps per run")
-    verify.add_argument(
-        "--measure", action="store_true", help="train even where the installed Lightning already has the fix"
-    )
-    verify.add_argument(
+    add("--devices", type=_positive_int, default=1, metavar="N", help="processes (GPUs with CUDA)")
+    add("--steps", type=_positive_int, default=3, metavar="N", help="training steps per run")
+    add("--measure", action="store_true", help="train even where the installed Lightning already has the fix")
+    add(
         "--model",
         type=_module_attribute,
         metavar="MODULE:ATTR",
         help="your LightningModule class (built with no arguments) or a factory returning one "
         "(default: verify's seed model)",
     )
-    verify.add_argument(
-        "--init-args", type=_json_object, default={}, metavar="JSON", help="keyword arguments for --model"
-    )
-    verify.add_argument(
+    add("--init-args", type=_json_object, default={}, metavar="JSON", help="keyword arguments for --model")
+    add(
         "--datamodule",
         type=_module_attribute,
         metavar="MODULE:ATTR",
         help="LightningDataModule class or factory (default: the model's own train_dataloader)",
     )
-    verify.add_argument(
+    add(
         "--activation-checkpointing",
         type=_class_list,
         default=[],
@@ -142,14 +138,14 @@ def _parser() -> argparse.ArgumentParser:
         "(activation_checkpointing_policy={...}), shim off and on, and judge the recompute fix "
         "(default: not checked)",
     )
-    verify.add_argument(
+    add(
         "--model-path",
         type=Path,
         metavar="DIR",
         help="the folder --model, --datamodule and --activation-checkpointing are imported from (default: the "
         "current folder; no other probe sees it)",
     )
-    verify.add_argument(
+    add(
         "--timeout",
         type=_positive_number,
         default=PROBE_TIMEOUT,
@@ -157,7 +153,7 @@ def _parser() -> argparse.ArgumentParser:
         help="how long one probe (reading Lightning, or one training run) may take before verify stops it and "
         "every process it started, and exits 1",
     )
-    verify.add_argument("--json", action="store_true", help="machine-readable output, every figure per rank")
+    add("--json", action="store_true", dest="as_json", help="machine-readable output, every figure per rank")
     return parser
 
 
@@ -181,24 +177,17 @@ def _positive_number(text: str) -> float:
     return value
 
 
-def _is_module_attribute(text: str) -> bool:
+def _module_attribute(text: str, spelling: str = "MODULE:ATTR (e.g. my_project.model:MyModule)") -> str:
     module, _, attribute = text.partition(":")  # an empty part splits into [""], no identifier
-    return all(part.isidentifier() for part in [*module.split("."), *attribute.split(".")])
-
-
-def _module_attribute(text: str) -> str:
-    if not _is_module_attribute(text):
-        raise argparse.ArgumentTypeError(f"{text!r} is not MODULE:ATTR (e.g. my_project.model:MyModule)")
+    if not all(part.isidentifier() for part in [*module.split("."), *attribute.split(".")]):
+        raise argparse.ArgumentTypeError(f"{text!r} is not {spelling}")
     return text
 
 
 def _class_list(text: str) -> list[str]:
     """Comma-separated ``MODULE:CLASS``, each spelled as ``--model`` is."""
-    items = [item.strip() for item in text.split(",")]
-    for item in items:
-        if not _is_module_attribute(item):
-            raise argparse.ArgumentTypeError(f"{item!r} is not MODULE:CLASS (e.g. torch.nn:TransformerEncoderLayer)")
-    return items
+    spelling = "MODULE:CLASS (e.g. torch.nn:TransformerEncoderLayer)"
+    return [_module_attribute(item.strip(), spelling) for item in text.split(",")]
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -209,6 +198,11 @@ def _json_object(text: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"hidden\": 64}'")
     return value
+
+
+def _error(message: str, code: int = 1) -> int:
+    print(message, file=sys.stderr)
+    return code
 
 
 def _directory(args: argparse.Namespace) -> Path:
@@ -244,16 +238,13 @@ def _install(args: argparse.Namespace) -> int:
     directory = _directory(args)
     refusal = _not_read_here(args, directory)
     if refusal is not None and not args.force:
-        print(f"fsdp-shim install: refusing: {refusal}; --force writes there anyway.", file=sys.stderr)
-        return 1
+        return _error(f"fsdp-shim install: refusing: {refusal}; --force writes there anyway.")
     try:
         result = startup_files.write_files(directory, create=args.force or args.user, replace_foreign=args.force)
     except startup_files.ForeignFileError as error:
-        print(f"fsdp-shim install: refusing: {error}; nothing was written. --force replaces it.", file=sys.stderr)
-        return 1
+        return _error(f"fsdp-shim install: refusing: {error}; nothing was written. --force replaces it.")
     except startup_files.StartupFileError as error:
-        print(f"fsdp-shim install: {error}; nothing was written. {_where_to_instead(args)}.", file=sys.stderr)
-        return 1
+        return _error(f"fsdp-shim install: {error}; nothing was written. {_where_to_instead(args)}.")
     for existing in result.replaced_foreign:
         print(
             f"fsdp-shim install: replaced {existing.path}, which fsdp-shim did not write "
@@ -272,8 +263,7 @@ def _uninstall(args: argparse.Namespace) -> int:
     try:
         removed, left = startup_files.remove_files(directory)
     except startup_files.StartupFileError as error:
-        print(f"fsdp-shim uninstall: {error}.", file=sys.stderr)
-        return 1
+        return _error(f"fsdp-shim uninstall: {error}.")
     for path in removed:
         print(f"removed {path}")
     for existing in left:
@@ -292,8 +282,7 @@ def _status(args: argparse.Namespace) -> int:
     try:
         report = environment.collect(python_check=args.python_check)
     except environment.NoTemporaryFolder as error:
-        print(f"fsdp-shim status: --python-check needs {error}", file=sys.stderr)
-        return 2
+        return _error(f"fsdp-shim status: --python-check needs {error}", 2)
     print(json.dumps(report, indent=2) if args.json else environment.render(report))
     return 0 if report["consistent"] else 1
 
@@ -302,35 +291,21 @@ def _verify(args: argparse.Namespace) -> int:
     from _fsdp_shim.verify import command
 
     if args.model is None and (args.init_args or args.datamodule):
-        print("fsdp-shim verify: --init-args and --datamodule need --model", file=sys.stderr)
-        return 2
+        return _error("fsdp-shim verify: --init-args and --datamodule need --model", 2)
     if args.model is None and not args.activation_checkpointing and args.model_path is not None:
-        print("fsdp-shim verify: --model-path needs --model or --activation-checkpointing", file=sys.stderr)
-        return 2
-    options = Options(
-        precision=args.precision,
-        devices=args.devices,
-        steps=args.steps,
-        measure=args.measure,
-        as_json=args.json,
-        model=args.model,
-        init_args=args.init_args,
-        datamodule=args.datamodule,
-        model_path=str(args.model_path.resolve()) if args.model_path is not None else None,
-        timeout=args.timeout,
-        activation_checkpointing=args.activation_checkpointing,
-    )
-    return command.main(options)
+        return _error("fsdp-shim verify: --model-path needs --model or --activation-checkpointing", 2)
+    options = {name: value for name, value in vars(args).items() if name != "command"}  # named as in Options
+    if args.model_path is not None:
+        options["model_path"] = str(args.model_path.resolve())
+    return command.main(Options(**options))
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; its exit code. Output never crashes it: characters the terminal cannot show are
-    escaped (``PYTHONIOENCODING=ascii``), and a reader that goes away (``fsdp-shim status | head -1``)
-    ends it quietly with 141, as a shell reports a tool that SIGPIPE stopped."""
+    """Run one command; its exit code. Characters the terminal cannot show are escaped, and a reader
+    that goes away (``fsdp-shim status | head -1``) ends it quietly with 141, as SIGPIPE would."""
     for stream in (sys.stdout, sys.stderr):
-        reconfigure = getattr(stream, "reconfigure", None)
-        if reconfigure is not None:
-            reconfigure(errors="backslashreplace")
+        if hasattr(stream, "reconfigure"):  # a TextIOWrapper, not a replacement (or None)
+            stream.reconfigure(errors="backslashreplace")
     try:
         code = _main(argv)
         sys.stdout.flush()
@@ -350,8 +325,7 @@ def _main(argv: list[str] | None) -> int:
     if args.command == "run":
         from _fsdp_shim.run import run
 
-        command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
-        return run(command)
+        return run(args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd)
     handlers = {"install": _install, "uninstall": _uninstall, "status": _status, "verify": _verify}
     return handlers[args.command](args)
 
