@@ -36,10 +36,8 @@ def bootstrap_pythonpath(environ: Mapping[str, str]) -> str:
     """PYTHONPATH with the bootstrap folder first, once, and every other entry kept as written: an
     empty one is the current directory (``export PYTHONPATH=$PYTHONPATH:/x`` makes one)."""
     current = environ.get("PYTHONPATH", "")
-    if not current:
-        return BOOTSTRAP_DIRECTORY
     entries = [e for e in current.split(os.pathsep) if not (e and os.path.realpath(e) == BOOTSTRAP_DIRECTORY)]
-    return os.pathsep.join([BOOTSTRAP_DIRECTORY, *entries])
+    return os.pathsep.join([BOOTSTRAP_DIRECTORY, *entries]) if current else BOOTSTRAP_DIRECTORY
 
 
 def bootstrap_on_pythonpath(environ: Mapping[str, str]) -> list[str]:
@@ -64,9 +62,7 @@ def python_command(command: list[str]) -> list[str] | None:
             first_line = script.readline(512).decode("utf-8", "replace")
     except OSError:
         return None
-    if not first_line.startswith("#!"):
-        return None
-    words = first_line[2:].split()
+    words = first_line[2:].split() if first_line.startswith("#!") else []
     if words[:1] and os.path.basename(words[0]) == "env":
         words = words[1:]
         if words[:1] == ["-S"]:  # `#!/usr/bin/env -S python3 -I`: env splits the rest into arguments
@@ -116,17 +112,13 @@ def flags_skipping_the_bootstrap(python: list[str]) -> list[str]:
 # whether NAME=VALUE words among the options set variables for its command.
 class _Syntax(NamedTuple):
     short_with_value: str
-    long_without_value: frozenset[str]
-    assignments: bool
-
-
-def _names(text: str) -> frozenset[str]:
-    return frozenset(text.split())
+    long_without_value: str  # names separated by spaces
+    assignments: bool = False
 
 
 # SLURM's src/common/slurm_opt.c (SchedMD/slurm 284c3b95): the srun, salloc and sbatch long options whose has_arg is not
 # required_argument, less --wait, which takes a value in srun (sbatch's entry adds it back).
-_SLURM_LONG_WITHOUT_VALUE = _names(
+_SLURM_LONG_WITHOUT_VALUE = (
     "async bcast bell compress consolidate-segments contiguous debugger-test disable-status exact exclusive "
     "external external-launcher get-user-env help hold ignore-pbs immediate interactive kill-command "
     "kill-on-bad-exit label multi-prog nice no-allocate no-bell no-kill no-requeue no-shell oom-kill-step "
@@ -136,25 +128,21 @@ _SLURM_LONG_WITHOUT_VALUE = _names(
 )
 _SLURM_SHORT_WITH_VALUE = "ABCDFGJLMNSTWabcdeimnopqrtwx"  # -W takes a value in srun only
 _LAUNCHERS = {
-    "srun": _Syntax(_SLURM_SHORT_WITH_VALUE, _SLURM_LONG_WITHOUT_VALUE, assignments=False),
-    "salloc": _Syntax(_SLURM_SHORT_WITH_VALUE, _SLURM_LONG_WITHOUT_VALUE, assignments=False),
-    "sbatch": _Syntax(_SLURM_SHORT_WITH_VALUE.replace("W", ""), _SLURM_LONG_WITHOUT_VALUE | {"wait"}, False),
+    "srun": _Syntax(_SLURM_SHORT_WITH_VALUE, _SLURM_LONG_WITHOUT_VALUE),
+    "salloc": _Syntax(_SLURM_SHORT_WITH_VALUE, _SLURM_LONG_WITHOUT_VALUE),
+    "sbatch": _Syntax(_SLURM_SHORT_WITH_VALUE.replace("W", ""), f"{_SLURM_LONG_WITHOUT_VALUE} wait"),
     # GNU env (coreutils 9.7: "+a:C:iS:u:v0"); a lone "-" is its old spelling of -i.
     "env": _Syntax(
         "aCSu",
-        _names(
-            "block-signal debug default-signal help ignore-environment ignore-signal list-signal-handling null version"
-        ),
+        "block-signal debug default-signal help ignore-environment ignore-signal list-signal-handling null version",
         assignments=True,
     ),
     # sudo 1.9 ("+Aa:BbC:c:D:Eeg:Hh::iKklNnPp:R:r:SsT:t:U:u:Vv"; `-h HOST` is read as a value, as sudo
     # does when a plain word follows it): -E takes no value, --preserve-env only `=LIST`.
     "sudo": _Syntax(
         "aCcDghpRrTtUu",
-        _names(
-            "askpass background bell edit help list login no-update non-interactive preserve-env preserve-groups "
-            "remove-timestamp reset-timestamp set-home shell stdin validate version"
-        ),
+        "askpass background bell edit help list login no-update non-interactive preserve-env preserve-groups "
+        "remove-timestamp reset-timestamp set-home shell stdin validate version",
         assignments=True,
     ),
 }
@@ -187,7 +175,7 @@ def _leading_options(words: list[str], syntax: _Syntax) -> tuple[_Options, list[
             break
         if word.startswith("--"):
             name, equals, value = word[2:].partition("=")
-            if equals or name in syntax.long_without_value or index == len(words):
+            if equals or name in syntax.long_without_value.split() or index == len(words):
                 options.append((name, value if equals else None))
             else:
                 options.append((name, words[index]))
@@ -228,26 +216,18 @@ def _assign(reaching: frozenset[str], assignments: list[str]) -> frozenset[str]:
     return frozenset(result)
 
 
-def _slurm_export(program: str, options: _Options, environ: Mapping[str, str]) -> str | None:
-    """The SLURM command's last --export option, else its variable (``SLURM_EXPORT_ENV=NONE``); None: ALL."""
-    for name, value in reversed(options):
-        if name == "export" and value is not None:
-            return f"--export={value}"
-    for variable in _SLURM_EXPORT_VARIABLES[program]:
-        if variable in environ:
-            return f"{variable}={environ[variable]}"
-    return None
-
-
 def _through_slurm(
     program: str, options: _Options, environ: Mapping[str, str], reaching: frozenset[str]
 ) -> tuple[frozenset[str], str]:
     """What reaches the tasks of srun or sbatch, and the warning if that is nothing. Read as srun's
     _build_user_env reads it: the list ends at a NONE, an ALL before it exports everything, both in any
     case (xstrcasecmp); otherwise only the names listed and NAME=VALUE pairs reach the tasks."""
-    source = _slurm_export(program, options, environ)
-    if source is None:
+    # The last --export option, else the first variable set (``SLURM_EXPORT_ENV=NONE``); neither: ALL.
+    given = [f"--export={value}" for name, value in options if name == "export" and value is not None]
+    given = given[-1:] or [f"{name}={environ[name]}" for name in _SLURM_EXPORT_VARIABLES[program] if name in environ]
+    if not given:
         return reaching, ""
+    source = given[0]
     tokens = source.partition("=")[2].split(",")
     keywords = [token.upper() for token in tokens]
     if "NONE" in keywords:
@@ -279,13 +259,10 @@ def _through_sudo(
     options: _Options, assignments: list[str], command: list[str], reaching: frozenset[str]
 ) -> tuple[frozenset[str], str]:
     """What reaches the command ``sudo`` runs, as sudo 1.9 with the default sudoers policy passes it.
-
     Without -E: env_reset, neither variable. ``-E`` / ``--preserve-env`` keeps the environment but
-    deletes PYTHONPATH (in sudo's built-in list of unsafe variables) and looks the command up on
-    secure_path: FSDP_SHIM alone counts only for a command named by its path (the Python the user
-    chose); a bare ``python`` is typically the system's, which runs unpatched and says nothing.
-    ``--preserve-env=LIST`` passes what it lists as it is; ``NAME=VALUE`` sets it for the command.
-    """
+    deletes PYTHONPATH (sudo's built-in unsafe list) and looks the command up on secure_path: FSDP_SHIM
+    alone counts only for a command named by its path (a bare ``python`` is typically the system's,
+    which runs unpatched and says nothing). ``--preserve-env=LIST`` passes what it lists."""
     keeps_all = any(name in ("E", "preserve-env") and value is None for name, value in options)
     listed = {name for option, value in options if option == "preserve-env" and value for name in value.split(",")}
     by_path = bool(command) and "/" in command[0]
@@ -315,13 +292,10 @@ def _through_sudo(
 
 def environment_warnings(command: list[str], environ: Mapping[str, str]) -> list[str]:
     """A warning naming the launcher in ``command`` at which the shim is lost (every rank would train
-    unpatched with exit code 0), else an empty list.
-
-    Only the launcher chain at the start counts (``srun ... env ... sudo ... python``), each passing on
-    some of what reached it. It ends at the first other program (its words are its own arguments:
-    ``python train.py --name sudo`` is no sudo), after sbatch (its operand is a job script), or at
-    ``fsdp-shim run``, which checks its own command. No shell runs here: ``&&`` is just an argument.
-    """
+    unpatched with exit code 0), else an empty list. Only the launcher chain at the start counts
+    (``srun ... env ... sudo ... python``), each passing on some of what reached it. It ends at the
+    first other program (``python train.py --name sudo`` is no sudo), after sbatch (its operand is a
+    job script), or at ``fsdp-shim run``, which checks its own command. ``&&`` is just an argument."""
     reaching = _SHIM_VARIABLES
     warning = ""
     words = command
@@ -357,13 +331,10 @@ def run(command: list[str]) -> int:
         skipping = []  # -I/-E drop PYTHONPATH, but this interpreter's fsdp_shim_env.pth reads FSDP_SHIM
     if skipping:
         reasons = "; ".join(SKIPPING_FLAGS[flag] for flag in skipping)
-        remedy = (
-            "only `import fsdp_shim` in the script can"
-            if "S" in skipping
-            else "only an installed start-up file (`fsdp-shim install`) or `import fsdp_shim` in the script can"
-        )
+        remedy = "" if "S" in skipping else "an installed start-up file (`fsdp-shim install`) or "
         print(
-            f"fsdp-shim run: warning: cannot activate the shim in this Python process ({reasons}); {remedy}.",
+            f"fsdp-shim run: warning: cannot activate the shim in this Python process ({reasons}); only {remedy}"
+            "`import fsdp_shim` in the script can.",
             file=sys.stderr,
         )
     for warning in environment_warnings(command, os.environ):
