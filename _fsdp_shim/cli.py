@@ -83,13 +83,9 @@ def _parser() -> argparse.ArgumentParser:
 
     for name, text in (("install", "write"), ("uninstall", "remove")):
         sub = _command(commands, name, f"{text} the environment-wide start-up file")
-        where = sub.add_mutually_exclusive_group()
-        where.add_argument(
-            "--user", action="store_true", help="the user site-packages instead of this environment's site-packages"
-        )
-        where.add_argument(
-            "--target", type=Path, metavar="DIR", help="this directory instead (default: this environment's)"
-        )
+        add = sub.add_mutually_exclusive_group().add_argument
+        add("--user", action="store_true", help="the user site-packages instead of this environment's site-packages")
+        add("--target", type=Path, metavar="DIR", help="this directory instead (default: this environment's)")
         if name == "install":
             sub.add_argument(
                 "--force",
@@ -98,11 +94,9 @@ def _parser() -> argparse.ArgumentParser:
                 "fsdp-shim did not write",
             )
 
-    status = _command(commands, "status", "what is installed and active, and whether it agrees")
-    status.add_argument("--json", action="store_true", help="machine-readable output")
-    status.add_argument(
-        "--python-check", action="store_true", help="also ask a fresh interpreter what importing Lightning gives"
-    )
+    add = _command(commands, "status", "what is installed and active, and whether it agrees").add_argument
+    add("--json", action="store_true", help="machine-readable output")
+    add("--python-check", action="store_true", help="also ask a fresh interpreter what importing Lightning gives")
 
     verify = _command(commands, "verify", "train a model with the shim off and on, in fresh processes, and compare")
     add = verify.add_argument
@@ -310,8 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         code = _main(argv)
         sys.stdout.flush()
     except BrokenPipeError:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())  # so the interpreter's own flush at exit is silent too
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the flush at exit is silent too
         return 141
     return code
 
@@ -328,7 +321,3 @@ def _main(argv: list[str] | None) -> int:
         return run(args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd)
     handlers = {"install": _install, "uninstall": _uninstall, "status": _status, "verify": _verify}
     return handlers[args.command](args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
