@@ -1,8 +1,7 @@
-"""``fsdp-shim status``: what this environment holds, what would arm the shim here, and whether the
-pieces agree. Without ``--python-check`` nothing is imported (versions from package metadata, verdicts
-from the fixes' release gates); with it, a fresh interpreter imports Lightning as a training script
-does, to show what the start-up activations actually achieve.
-"""
+"""``fsdp-shim status``: what this environment holds, what would arm the shim here, and whether the pieces
+agree. Without ``--python-check`` nothing is imported (versions from package metadata, verdicts from the
+fixes' release gates); with it, a fresh interpreter imports Lightning as a training script does, to show
+what the start-up activations actually achieve."""
 
 from __future__ import annotations
 
@@ -54,22 +53,20 @@ def _installed_lightning() -> list[dict[str, Any]]:
         if found is None:
             continue
         distribution, version = found
-        for namespace in namespaces_of(package):
-            verdicts = {}
-            for fix in FIXES:
-                if fix.built_in(version):
-                    verdicts[fix.name] = "left untouched (fixed upstream)"
-                elif not fix.affects(version):
-                    verdicts[fix.name] = "left untouched (nothing to fix)"
-                elif off or fix.name in skipped:
-                    verdicts[fix.name] = f"not patched: {off or DISABLED_FIXES_VARIABLE} switches it off"
-                else:
-                    verdicts[fix.name] = "would be patched"
-            row = {"namespace": namespace, "distribution": distribution, "version": version}
-            row["affected"] = any(fix.affects(version) for fix in FIXES)
-            row["fixes"] = verdicts
-            row["verdict"] = "; ".join(f"{name}: {verdict}" for name, verdict in verdicts.items())
-            rows.append(row)
+        verdicts = {}
+        for fix in FIXES:
+            if fix.built_in(version):
+                verdicts[fix.name] = "left untouched (fixed upstream)"
+            elif not fix.affects(version):
+                verdicts[fix.name] = "left untouched (nothing to fix)"
+            elif off or fix.name in skipped:
+                verdicts[fix.name] = f"not patched: {off or DISABLED_FIXES_VARIABLE} switches it off"
+            else:
+                verdicts[fix.name] = "would be patched"
+        affected = any(fix.affects(version) for fix in FIXES)
+        verdict = "; ".join(f"{name}: {verdict}" for name, verdict in verdicts.items())
+        facts = {"distribution": distribution, "version": version, "affected": affected, "fixes": verdicts}
+        rows += [{"namespace": namespace, **facts, "verdict": verdict} for namespace in namespaces_of(package)]
     return sorted(rows, key=lambda row: row["namespace"])
 
 
@@ -232,15 +229,13 @@ def render(report: Report) -> str:
     lines = [f"fsdp-shim {report['shim_version']}  (python: {report['python']})", ""]
     shim = report["toggles"].get(SHIM_VARIABLE)
     off = _switched_off() is not None
-    if shim is None:
-        lines.append(f"{SHIM_VARIABLE} unset (shim on)")
-    else:
-        lines.append(f"{SHIM_VARIABLE}={shim!r}" + (" (the shim is OFF: Lightning runs as shipped)" if off else ""))
-    strict = report["toggles"].get(STRICT_VARIABLE)
-    lines.append(f"{STRICT_VARIABLE}={strict!r}" if strict is not None else f"{STRICT_VARIABLE} unset (strict off)")
-    for name in (DISABLED_FIXES_VARIABLE, RANK_CHECK_TIMEOUT_VARIABLE):
-        if report["toggles"].get(name) is not None:
-            lines.append(f"{name}={report['toggles'][name]!r}")
+    unset = {SHIM_VARIABLE: "shim on", STRICT_VARIABLE: "strict off"}
+    shipped = {SHIM_VARIABLE: " (the shim is OFF: Lightning runs as shipped)"} if off else {}
+    for name, value in report["toggles"].items():
+        if value is not None:
+            lines.append(f"{name}={value!r}{shipped.get(name, '')}")
+        elif name in unset:
+            lines.append(f"{name} unset ({unset[name]})")
     lines += ["", "Activations:"]
     env = report["environment_file"]
     if env.get("read"):
