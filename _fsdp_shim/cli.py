@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import site
 import sys
 from pathlib import Path
 from typing import Any
@@ -206,7 +207,7 @@ def _directory(args: argparse.Namespace) -> Path:
 def _where_to_instead(args: argparse.Namespace) -> str:
     if args.user:
         return "Run `fsdp-shim install` for this environment's site-packages, or use --target DIR"
-    if startup_files.user_site_is_read():
+    if site.ENABLE_USER_SITE:
         return "Use --user, or --target DIR for a folder this Python reads at start-up"
     return "Use --target DIR for a folder this Python reads at start-up"
 

@@ -1,13 +1,12 @@
-"""``fsdp-shim install`` / ``uninstall`` (docs/activation.md): a copy of the start-up module, which
-arms itself when imported as ``COPY_NAME``; ``fsdp_shim.pth``, a bare import of it (``site`` compiles
-every ``.pth`` line at every start: a call after the import cost 0.1 M instructions more); and
-``fsdp_shim.start``, the same as a PEP 829 entry point (Python 3.15+ then ignores the ``.pth`` line). A
-copy, so that what ``pip uninstall fsdp-shim`` leaves behind still imports (Lightning then imports as
-shipped).
+"""``fsdp-shim install`` / ``uninstall`` (docs/activation.md): a copy of the start-up module, which arms
+itself when imported as ``COPY_NAME`` (a copy, so that what ``pip uninstall fsdp-shim`` leaves behind still
+imports); ``fsdp_shim.pth``, a bare import of it (``site`` compiles every ``.pth`` line at every start: a
+call after the import cost 0.1 M instructions more); and ``fsdp_shim.start``, the same as a PEP 829 entry
+point (Python 3.15+ then ignores the ``.pth`` line).
 
-A file at one of these names whose first line is ``MARKER`` is fsdp-shim's, whatever version wrote it
-and whatever was appended later; anything else is someone else's. The files change all together or
-not at all: a ``.pth`` without its module prints a traceback at every interpreter start.
+A file at one of these names whose first line is ``MARKER`` is fsdp-shim's, whatever wrote it or was
+appended later. The files change all together or not at all: a ``.pth`` without its module prints a
+traceback at every interpreter start.
 """
 
 from __future__ import annotations
@@ -63,23 +62,15 @@ def file_texts() -> dict[str, str]:
     }
 
 
-# ----------------------------------------------------------------------------- where
 def default_directory(user: bool = False) -> Path:
     """Where ``install`` writes without ``--target``: this interpreter's site-packages (or user site)."""
     return Path(site.getusersitepackages()) if user else Path(sysconfig.get_paths()["purelib"])
 
 
-def user_site_is_read() -> bool:
-    """Whether this interpreter reads the user site-packages (not inside a virtual environment)."""
-    return bool(site.ENABLE_USER_SITE)
-
-
 def site_directories() -> list[Path]:
     """Directories whose start-up files this interpreter reads, in the order ``site`` reads them."""
-    directories = [Path(p) for p in site.getsitepackages()]
-    if user_site_is_read():
-        directories.insert(0, Path(site.getusersitepackages()))
-    return directories
+    user = [site.getusersitepackages()] if site.ENABLE_USER_SITE else []  # not in a virtual environment, nor -s
+    return [Path(p) for p in [*user, *site.getsitepackages()]]
 
 
 def read_by_this_interpreter(directory: Path) -> bool:
@@ -90,7 +81,6 @@ def canonical(path: Path | str) -> str:
     return os.path.normcase(os.path.realpath(path))
 
 
-# ----------------------------------------------------------------------------- what is there
 @dataclass(frozen=True)
 class Existing:
     """What sits at one start-up file's path, looked at without following a link."""
@@ -162,7 +152,6 @@ def copy_imported_instead(directory: Path) -> Path | None:
     return found
 
 
-# ----------------------------------------------------------------------------- install, uninstall
 @dataclass
 class Written:
     written: list[Path] = field(default_factory=list)
@@ -192,16 +181,13 @@ def write_files(directory: Path, create: bool = False, replace_foreign: bool = F
         existing = inspect(directory / name, text)
         if existing.kind in ("directory", "special"):
             raise StartupFileError(f"{existing.path} exists and {existing.why_not_ours()}")
+        if existing.kind in ("foreign", "link") and not replace_foreign:
+            raise ForeignFileError(f"{existing.path} exists and fsdp-shim did not write it: {existing.why_not_ours()}")
         if existing.kind == "current":
             result.unchanged.append(existing.path)
-            continue
-        if existing.kind in ("foreign", "link"):
-            if not replace_foreign:
-                raise ForeignFileError(
-                    f"{existing.path} exists and fsdp-shim did not write it: {existing.why_not_ours()}"
-                )
-            result.replaced_foreign.append(existing)
-        pending.append((existing, text))
+        else:
+            pending.append((existing, text))
+    result.replaced_foreign = [existing for existing, _ in pending if existing.kind in ("foreign", "link")]
     temporaries: list[tuple[str, Existing]] = []
     umask = os.umask(0)
     os.umask(umask)
