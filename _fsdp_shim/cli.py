@@ -101,6 +101,7 @@ def _parser() -> argparse.ArgumentParser:
 
     verify = _command(commands, "verify", "train a model with the shim off and on, in fresh processes, and compare")
     add = verify.add_argument
+    attr: dict[str, Any] = {"type": _module_attribute, "metavar": "MODULE:ATTR"}  # --model and --datamodule
     add(
         "--precision",
         choices=("bf16-true", "16-true"),
@@ -112,18 +113,12 @@ def _parser() -> argparse.ArgumentParser:
     add("--measure", action="store_true", help="train even where the installed Lightning already has the fix")
     add(
         "--model",
-        type=_module_attribute,
-        metavar="MODULE:ATTR",
+        **attr,
         help="your LightningModule class (built with no arguments) or a factory returning one "
         "(default: verify's seed model)",
     )
     add("--init-args", type=_json_object, default={}, metavar="JSON", help="keyword arguments for --model")
-    add(
-        "--datamodule",
-        type=_module_attribute,
-        metavar="MODULE:ATTR",
-        help="LightningDataModule class or factory (default: the model's own train_dataloader)",
-    )
+    add("--datamodule", **attr, help="LightningDataModule class or factory (default: the model's own train_dataloader)")
     add(
         "--activation-checkpointing",
         type=_class_list,

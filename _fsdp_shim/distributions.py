@@ -49,7 +49,5 @@ def describe_import_failure(name: str, failure: list[str | None]) -> str:
     kind, message, missing = failure
     found = distribution_of(name.partition(".")[0])
     installed = f" ({found[0]} {found[1]})" if found else ""
-    text = f"{name}{installed} is installed but fails to import ({kind}: {message})"
-    if missing == "pkg_resources":
-        text += "; Lightning 2.1-2.3 needs setuptools<81 (pip install 'setuptools<81')"
-    return text
+    hint = "; Lightning 2.1-2.3 needs setuptools<81 (pip install 'setuptools<81')" if missing == "pkg_resources" else ""
+    return f"{name}{installed} is installed but fails to import ({kind}: {message}){hint}"

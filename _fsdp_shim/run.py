@@ -43,11 +43,8 @@ def bootstrap_pythonpath(environ: Mapping[str, str]) -> str:
 def bootstrap_on_pythonpath(environ: Mapping[str, str]) -> list[str]:
     """Entries of PYTHONPATH that look like an fsdp-shim bootstrap folder (this one or another), existing
     or not: a stale entry is worth reporting too."""
-    return [
-        entry
-        for entry in environ.get("PYTHONPATH", "").split(os.pathsep)
-        if entry and Path(entry).name == "bootstrap" and Path(entry).parent.name in ("_fsdp_shim", "fsdp_shim")
-    ]
+    entries, owners = environ.get("PYTHONPATH", "").split(os.pathsep), ("_fsdp_shim", "fsdp_shim")
+    return [e for e in entries if e and Path(e).name == "bootstrap" and Path(e).parent.name in owners]
 
 
 def python_command(command: list[str]) -> list[str] | None:
