@@ -58,6 +58,7 @@ DESCRIPTIONS = {
         "fsdp-shim verify --model my_project.model:MyModel --devices 2",
     ),
 }
+_PRECISIONS = ("bf16-true", "16-true")  # verify's --precision, the first by default
 
 
 def _command(commands: Any, name: str, summary: str) -> argparse.ArgumentParser:
@@ -102,12 +103,7 @@ def _parser() -> argparse.ArgumentParser:
     verify = _command(commands, "verify", "train a model with the shim off and on, in fresh processes, and compare")
     add = verify.add_argument
     attr: dict[str, Any] = {"type": _module_attribute, "metavar": "MODULE:ATTR"}  # --model and --datamodule
-    add(
-        "--precision",
-        choices=("bf16-true", "16-true"),
-        default="bf16-true",
-        help="the Lightning precision both runs use",
-    )
+    add("--precision", choices=_PRECISIONS, default=_PRECISIONS[0], help="the Lightning precision both runs use")
     add("--devices", type=_positive_int, default=1, metavar="N", help="processes (GPUs with CUDA)")
     add("--steps", type=_positive_int, default=3, metavar="N", help="training steps per run")
     add("--measure", action="store_true", help="train even where the installed Lightning already has the fix")

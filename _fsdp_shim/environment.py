@@ -112,8 +112,7 @@ def _check_environment_file(report: Report) -> None:
 def _installed_by_pip() -> bool:
     """Whether pip put this installation's ``fsdp_shim_env.pth`` next to the package (its record lies
     there too): a clone's root holds the file as well, as source that no ``site`` reads."""
-    folder = OWN_ENVIRONMENT_FILE.parent
-    return OWN_ENVIRONMENT_FILE.is_file() and any(folder.glob("fsdp_shim-*.dist-info"))
+    return OWN_ENVIRONMENT_FILE.is_file() and any(OWN_ENVIRONMENT_FILE.parent.glob("fsdp_shim-*.dist-info"))
 
 
 def _why_not_read() -> str:
@@ -227,8 +226,7 @@ def collect(python_check: bool = False) -> Report:
 
 def render(report: Report) -> str:
     lines = [f"fsdp-shim {report['shim_version']}  (python: {report['python']})", ""]
-    shim = report["toggles"].get(SHIM_VARIABLE)
-    off = _switched_off() is not None
+    off = _switched_off()
     unset = {SHIM_VARIABLE: "shim on", STRICT_VARIABLE: "strict off"}
     shipped = {SHIM_VARIABLE: " (the shim is OFF: Lightning runs as shipped)"} if off else {}
     for name, value in report["toggles"].items():
@@ -261,12 +259,12 @@ def render(report: Report) -> str:
     if report["child"] is not None:
         lines += ["", "A fresh interpreter (imports Lightning, not fsdp_shim):"]
         if not report["child"]["shim_loaded"]:
-            why = f"{SHIM_VARIABLE}={shim!r} switches it off" if off else "no start-up activation reached it"
+            why = f"{off} switches it off" if off else "no start-up activation reached it"
             lines.append(f"  shim not loaded: {why}")
         for namespace in (report["child"].get("status") or {}).get("namespaces", []):
             if namespace["imported"]:
                 lines.append(f"  {namespace['namespace']:<18} {namespace['version'] or '-':<10} {namespace['reason']}")
     lines.append("")
-    ok = "OK: consistent" + (f"; the shim is OFF ({SHIM_VARIABLE}={shim!r}), so nothing is patched" if off else "")
+    ok = "OK: consistent" + (f"; the shim is OFF ({off}), so nothing is patched" if off else "")
     lines += [f"PROBLEM: {p}" for p in report["problems"]] or [ok]
     return "\n".join(lines)

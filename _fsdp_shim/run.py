@@ -336,8 +336,7 @@ def run(command: list[str]) -> int:
         )
     for warning in environment_warnings(command, os.environ):
         print(f"fsdp-shim run: warning: {warning}", file=sys.stderr)
-    environ = dict(os.environ)
-    environ["PYTHONPATH"] = bootstrap_pythonpath(environ)
+    environ = {**os.environ, "PYTHONPATH": bootstrap_pythonpath(os.environ)}
     if switch_state(environ.get(SHIM_VARIABLE)) == "unset":
         environ[SHIM_VARIABLE] = "1"
     sys.stdout.flush()
