@@ -1,10 +1,9 @@
 """``fsdp-shim run CMD ...``: exec a command with the shim armed in every Python process it starts.
 
-Two ways in, because launchers lose one or the other: ``FSDP_SHIM=1`` (set when unset) arms any
-interpreter with fsdp-shim installed, even where a job script overwrites ``PYTHONPATH``; the bootstrap
-``sitecustomize`` first on ``PYTHONPATH`` arms one of another environment. A launcher that drops both
-(``srun --export=...``, ``env -i``, ``sudo``) is warned about before the exec (docs/activation.md).
-"""
+Two ways in, because launchers lose one or the other: ``FSDP_SHIM=1`` (set when unset) arms any interpreter with
+fsdp-shim installed, even where a job script overwrites ``PYTHONPATH``; the bootstrap ``sitecustomize`` first on
+``PYTHONPATH`` arms one of another environment. A launcher that drops both (``srun --export=...``, ``env -i``,
+``sudo``) is warned about before the exec (docs/activation.md)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,10 @@
-"""``fsdp-shim install`` / ``uninstall`` (docs/activation.md): a copy of the start-up module, which arms
-itself when imported as ``COPY_NAME`` (a copy, so that what ``pip uninstall fsdp-shim`` leaves behind still
-imports); ``fsdp_shim.pth``, a bare import of it (``site`` compiles every ``.pth`` line at every start: a
-call after the import cost 0.1 M instructions more); and ``fsdp_shim.start``, the same as a PEP 829 entry
-point (Python 3.15+ then ignores the ``.pth`` line).
-
-A file at one of these names whose first line is ``MARKER`` is fsdp-shim's, whatever wrote it or was
-appended later. The files change all together or not at all: a ``.pth`` without its module prints a
-traceback at every interpreter start.
-"""
+"""``fsdp-shim install`` / ``uninstall`` (docs/activation.md): a copy of the start-up module, which arms itself
+when imported as ``COPY_NAME`` (a copy, so that what ``pip uninstall fsdp-shim`` leaves behind still imports);
+``fsdp_shim.pth``, a bare import of it (``site`` compiles every ``.pth`` line at every start: a call after the
+import cost 0.1 M instructions more); and ``fsdp_shim.start``, the same as a PEP 829 entry point (Python 3.15+
+then ignores the ``.pth`` line). A file at one of these names whose first line is ``MARKER`` is fsdp-shim's,
+whatever wrote it or was appended later. The files change all together or not at all: a ``.pth`` without its
+module prints a traceback at every interpreter start."""
 
 from __future__ import annotations
 
@@ -161,11 +158,10 @@ class Written:
 
 
 def write_files(directory: Path, create: bool = False, replace_foreign: bool = False) -> Written:
-    """Write every file, or none; idempotent. ``create`` makes a missing directory; a file that is not
-    fsdp-shim's is replaced only with ``replace_foreign``. Each file is written by ``tempfile.mkstemp``
-    (exclusively: never through a link planted in a shared site-packages) and renamed over its name
-    (replacing a link, not writing through it): a starting interpreter sees the old file or the new
-    one, and concurrent installs all succeed."""
+    """Write every file, or none; idempotent. ``create`` makes a missing directory; a file that is not fsdp-shim's
+    is replaced only with ``replace_foreign``. Each file is written by ``tempfile.mkstemp`` (exclusively: never
+    through a link planted in a shared site-packages) and renamed over its name (replacing a link, not writing
+    through it): a starting interpreter sees the old file or the new one, and concurrent installs all succeed."""
     if not directory.is_dir():
         if directory.exists():
             raise StartupFileError(f"{directory} is not a directory")

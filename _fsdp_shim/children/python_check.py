@@ -1,9 +1,6 @@
-"""``fsdp-shim status --python-check``'s child: ``python <this file> OUT.json``.
-
-Imports every installed Lightning package as a training script does, without activating the shim
-itself, and writes what the shim did to ``OUT.json``, not to stdout, which the environment's start-up
-code (an ``atexit`` print in a sitecustomize) may write to as well.
-"""
+"""``fsdp-shim status --python-check``'s child: ``python <this file> OUT.json``. Imports every installed Lightning
+package as a training script does, without activating the shim itself, and writes what the shim did to ``OUT.json``,
+not to stdout, which the environment's start-up code (an ``atexit`` print in a sitecustomize) may write to as well."""
 
 from __future__ import annotations
 
