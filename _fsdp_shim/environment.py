@@ -73,10 +73,8 @@ def _installed_lightning() -> list[dict[str, Any]]:
 def _check_toggles(report: Report) -> None:
     for name in (SHIM_VARIABLE, STRICT_VARIABLE, DISABLED_FIXES_VARIABLE, RANK_CHECK_TIMEOUT_VARIABLE):
         report["toggles"][name] = os.environ.get(name)
-    for name, state, meaning in (
-        (SHIM_VARIABLE, shim_state(), "the shim is OFF"),
-        (STRICT_VARIABLE, strict_state(), "strict mode is ON"),
-    ):
+    states = {SHIM_VARIABLE: (shim_state(), "the shim is OFF"), STRICT_VARIABLE: (strict_state(), "strict mode is ON")}
+    for name, (state, meaning) in states.items():
         if state == "invalid":
             raw = os.environ.get(name)
             report["problems"].append(f"{name}={raw!r} is not a valid value ({valid_switch_values()}); {meaning}")
@@ -165,9 +163,7 @@ def _check_child(report: Report) -> None:
         raise NoTemporaryFolder(f"no usable temporary folder ({type(error).__name__}: {error}); set TMPDIR") from None
     out = Path(folder, "report.json")
     try:
-        proc = subprocess.run(
-            [sys.executable, str(PYTHON_CHECK), str(out)], capture_output=True, text=True, timeout=600
-        )
+        proc = subprocess.run([sys.executable, PYTHON_CHECK, out], capture_output=True, text=True, timeout=600)
         try:
             child = json.loads(out.read_text())
         except (OSError, ValueError):

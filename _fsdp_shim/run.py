@@ -260,13 +260,11 @@ def _through_sudo(
     alone counts only for a command named by its path (a bare ``python`` is typically the system's,
     which runs unpatched and says nothing). ``--preserve-env=LIST`` passes what it lists."""
     keeps_all = any(name in ("E", "preserve-env") and value is None for name, value in options)
+    by_path = keeps_all and bool(command) and "/" in command[0]  # then FSDP_SHIM reaches the Python named
     listed = {name for option, value in options if option == "preserve-env" and value for name in value.split(",")}
-    by_path = bool(command) and "/" in command[0]
-    if keeps_all and by_path:
-        listed.add(SHIM_VARIABLE)
-    passed = _assign(reaching & frozenset(listed), assignments)
+    passed = _assign(reaching & frozenset({*listed, SHIM_VARIABLE} if by_path else listed), assignments)
     keep_both = f"`sudo --preserve-env=PYTHONPATH,{SHIM_VARIABLE} ...`"
-    if keeps_all and by_path:
+    if by_path:
         return passed, (
             f"`sudo -E` deletes PYTHONPATH (as unsafe), and {SHIM_VARIABLE} did not reach sudo: use {keep_both}."
         )
