@@ -72,9 +72,8 @@ def _has_this_fsdp_shim(python: list[str]) -> bool:
     """Whether ``python`` is this very interpreter (links not resolved: a virtual environment's python
     links to its base) and this one has the start-up file pip installs."""
     found = shutil.which(python[0])
-    if found is None or os.path.abspath(found) != os.path.abspath(sys.executable):
-        return False
-    return any((directory / ENVIRONMENT_FILE).is_file() for directory in site_directories())
+    this_one = found is not None and os.path.abspath(found) == os.path.abspath(sys.executable)
+    return this_one and any((directory / ENVIRONMENT_FILE).is_file() for directory in site_directories())
 
 
 def flags_skipping_the_bootstrap(python: list[str]) -> list[str]:
