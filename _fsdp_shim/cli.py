@@ -287,8 +287,8 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run one command; its exit code. Characters the terminal cannot show are escaped, and a reader
-    that goes away (``fsdp-shim status | head -1``) ends it quietly with 141, as SIGPIPE would."""
+    """Run one command; its exit code. Characters the terminal cannot show are escaped, and a reader that goes
+    away (``fsdp-shim status | head -1``) ends it quietly with 141, the shell's code for a SIGPIPE stop."""
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure"):  # a TextIOWrapper, not a replacement (or None)
             stream.reconfigure(errors="backslashreplace")
