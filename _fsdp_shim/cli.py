@@ -121,8 +121,7 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         metavar="MODULE:CLASS[,...]",
         help="also train with Lightning's FSDP activation checkpointing of these classes "
-        "(activation_checkpointing_policy={...}), shim off and on, and judge the recompute fix "
-        "(default: not checked)",
+        "(activation_checkpointing_policy={...}), shim off and on, and judge the recompute fix (default: not checked)",
     )
     add(
         "--model-path",
