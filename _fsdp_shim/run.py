@@ -100,15 +100,13 @@ def flags_skipping_the_bootstrap(python: list[str]) -> list[str]:
     return found
 
 
-# The launchers `environment_warnings` follows, each read as getopt_long with "+" reads it (options end
-# at the first word that is not one), from its own option table: the short options that take a value
-# (the rest of their word, else the next word); the long options that never take the next word (every
-# other one does; an unknown name makes the launcher refuse to start, so only its own names matter);
-# whether NAME=VALUE words among the options set variables for its command.
 class _Syntax(NamedTuple):
-    short_with_value: str
-    long_without_value: str  # names separated by spaces
-    assignments: bool = False
+    """The option table of a launcher that `environment_warnings` follows, read as getopt_long with "+" reads it
+    (options end at the first word that is not one). Only its own names matter: an unknown one stops the launcher."""
+
+    short_with_value: str  # short options that take the rest of their word, else the next word
+    long_without_value: str  # long options (space-separated) that never take the next word; every other one does
+    assignments: bool = False  # whether NAME=VALUE words among the options set variables for its command
 
 
 # SLURM's src/common/slurm_opt.c (SchedMD/slurm 284c3b95): the srun, salloc and sbatch long options whose has_arg is not
