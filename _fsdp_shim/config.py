@@ -108,24 +108,20 @@ def valid_switch_values() -> str:
     return ", ".join((*ON_VALUES, *OFF_VALUES))
 
 
-def _environ(environ: Mapping[str, str] | None) -> Mapping[str, str]:
-    return os.environ if environ is None else environ
-
-
-def shim_state(environ: Mapping[str, str] | None = None) -> str:
+def shim_state(environ: Mapping[str, str] = os.environ) -> str:
     """``switch_state`` of ``FSDP_SHIM``: "unset" and "on" leave the shim on; "invalid" is off."""
-    return switch_state(_environ(environ).get(SHIM_VARIABLE))
+    return switch_state(environ.get(SHIM_VARIABLE))
 
 
-def strict_state(environ: Mapping[str, str] | None = None) -> str:
+def strict_state(environ: Mapping[str, str] = os.environ) -> str:
     """``switch_state`` of ``FSDP_SHIM_STRICT``: "on" and "invalid" are on."""
-    return switch_state(_environ(environ).get(STRICT_VARIABLE))
+    return switch_state(environ.get(STRICT_VARIABLE))
 
 
-def disabled_fixes(environ: Mapping[str, str] | None = None) -> tuple[frozenset[str], list[str]]:
+def disabled_fixes(environ: Mapping[str, str] = os.environ) -> tuple[frozenset[str], list[str]]:
     """The fixes ``FSDP_SHIM_DISABLED_FIXES`` names (comma-separated, case and spaces ignored; ``*``
     or ``all`` names every fix), and the names it holds that are no fix (to warn about)."""
-    raw = _environ(environ).get(DISABLED_FIXES_VARIABLE, "")
+    raw = environ.get(DISABLED_FIXES_VARIABLE, "")
     names = [name.strip().lower() for name in raw.split(",") if name.strip()]
     if any(name in ("*", "all") for name in names):
         return frozenset(FIX_NAMES), [name for name in names if name not in (*FIX_NAMES, "*", "all")]
@@ -137,11 +133,11 @@ MAX_RANK_CHECK_SECONDS = 365 * 24 * 3600.0
 as it takes" and are clamped to this, which every store accepts (``1e20`` s overflowed it)."""
 
 
-def rank_check_timeout(environ: Mapping[str, str] | None = None) -> tuple[float | None, str | None]:
+def rank_check_timeout(environ: Mapping[str, str] = os.environ) -> tuple[float | None, str | None]:
     """The rank check's wait in seconds from ``FSDP_SHIM_RANK_CHECK_TIMEOUT`` (``None``: unset, the
     process group's own timeout; ``0``: off), and what is wrong with the value. An unreadable or
     negative one keeps the default: a check against silent corruption must not be lost to a typo."""
-    raw = _environ(environ).get(RANK_CHECK_TIMEOUT_VARIABLE, "").strip()
+    raw = environ.get(RANK_CHECK_TIMEOUT_VARIABLE, "").strip()
     if not raw:
         return None, None
     try:
