@@ -29,7 +29,9 @@ from _fsdp_shim import failures
 from _fsdp_shim.config import DISABLED_FIXES_VARIABLE, RANK_CHECK, Fix, base_release
 from _fsdp_shim.status import NOT_IMPORTED, FixStatus
 
-Body = Callable[[Callable[..., Any], Any, tuple[Any, ...], dict[str, Any]], Any]
+Args = tuple[Any, ...]
+Kwargs = dict[str, Any]
+Body = Callable[[Callable[..., Any], Any, Args, Kwargs], Any]
 """A wrapper body, with wrapt's signature ``(wrapped, instance, args, kwargs)``."""
 Placement = Literal["on top", "under another wrapper", "gone"]
 MISSING: Any = object()
@@ -170,12 +172,12 @@ def remove(wrapper: Any) -> Placement:
     return where
 
 
-def _install(owner: type | ModuleType, target: Target, function: Any, state: WrapperState) -> ShimWrapper:
-    """Put a ``ShimWrapper`` of ``function`` running ``target.body`` on ``owner``."""
+def _new_wrapper(function: Any, body: Body, state: WrapperState) -> ShimWrapper:
+    """A ``ShimWrapper`` of ``function`` running ``body``, not installed yet."""
 
-    def call(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    def call(wrapped: Callable[..., Any], instance: Any, args: Args, kwargs: Kwargs) -> Any:
         try:
-            return target.body(wrapped, instance, args, kwargs)
+            return body(wrapped, instance, args, kwargs)
         except GlueError as error:
             state.fallback = str(error)
             failures.report(
@@ -189,22 +191,26 @@ def _install(owner: type | ModuleType, target: Target, function: Any, state: Wra
 
     wrapper = ShimWrapper(function, call, enabled=state)
     wrapper._self_state = state
-    setattr(owner, target.attribute, wrapper)
     return wrapper
 
 
-def _function_to_wrap(owner: type | ModuleType, target: Target, label: str) -> tuple[Any, Any, str | None]:
-    """``(function to wrap, what the class dict holds, whose object that is)``. Where the class holds
-    an object and Lightning ships none, another library patched it: the shim wraps that object, so
-    both run, and says so. Raises ``TargetChanged`` when there is nothing callable to wrap."""
+def _resolve(owner: type | ModuleType, target: Target, fix: str, label: str) -> tuple[Any, bool]:
+    """``(wrapper, whether it is new)``: the shim's own wrapper already there (switched off by
+    ``unpatch``, or left by a reloaded copy of this module), switched on again instead of stacking
+    another; else a new one, not installed yet. Where the class holds an object and Lightning ships
+    none, another library patched it: the shim wraps that object, so both run, and says so. Raises
+    ``TargetChanged`` when there is nothing callable to wrap."""
     own = owner.__dict__.get(target.attribute, MISSING)
-    if own is not MISSING:
-        function, composed_with = own, (describe(own) if target.inherited else None)
+    for layer in wrapper_chain(own):
+        if is_shim_wrapper(layer):
+            return layer, False
+    inherited = own is MISSING
+    if not inherited:
+        function = own
     elif target.inherited and isinstance(owner, type):
         function = next(
             (b.__dict__[target.attribute] for b in owner.__mro__[1:] if target.attribute in b.__dict__), MISSING
         )
-        composed_with = None
     else:
         raise TargetChanged(f"{label} is not defined on the {'class' if isinstance(owner, type) else 'module'} itself")
     if function is MISSING:
@@ -212,9 +218,11 @@ def _function_to_wrap(owner: type | ModuleType, target: Target, label: str) -> t
     # a wrapt proxy of a function passes: it reports the function's class
     if not inspect.isfunction(function.__func__ if isinstance(function, staticmethod) else function):
         raise TargetChanged(f"{label} is a {type(function).__name__}, expected a function")
-    if own is MISSING:
+    if inherited:
         function = _inherited_at_call_time(owner, target.attribute, function)  # type: ignore[arg-type]
-    return function, own, composed_with
+    state = WrapperState(fix, label, owner, target.attribute, None if inherited else own, inherited, target.shared)
+    state.composed_with = describe(own) if target.inherited and not inherited else None
+    return _new_wrapper(function, target.body, state), True
 
 
 def _inherited_at_call_time(owner: type, attribute: str, found: Any) -> Callable[..., Any]:
@@ -226,13 +234,6 @@ def _inherited_at_call_time(owner: type, attribute: str, found: Any) -> Callable
 
     functools.update_wrapper(inherited, found)  # its name and signature, for introspection
     return inherited
-
-
-def _own_wrapper(owner: type | ModuleType, attribute: str) -> Any:
-    for layer in wrapper_chain(owner.__dict__.get(attribute, MISSING)):
-        if is_shim_wrapper(layer):
-            return layer
-    return None
 
 
 # ----------------------------------------------------------------------------- one namespace, one fix
@@ -257,12 +258,6 @@ still restores those classes, which old objects may still use."""
 _lock = threading.Lock()
 
 
-_Step = tuple[Target, Any, Any, "WrapperState | None"]
-"""``(target, the shim's own wrapper already there or None, function to wrap, its new state)``: a wrapper
-already there (switched off by ``unpatch``, or left by a reloaded copy of this module) is switched on
-again instead of stacking another."""
-
-
 def patch(namespace: str, fix: Fix, plan: Plan, *, disabled: bool = False) -> FixStatus:
     """Apply ``fix`` to an imported namespace whose release lacks it; leave any other alone.
 
@@ -273,12 +268,12 @@ def patch(namespace: str, fix: Fix, plan: Plan, *, disabled: bool = False) -> Fi
         return status(namespace, fix)
     key = (namespace, fix.name)
     with _lock:
-        if _current(_records.get(key), module, disabled):
+        if _current(_records.get(key), namespace, module, disabled):
             return status(namespace, fix)
     decided = _decide(namespace, fix, plan, module, disabled)
     with _lock:
         record = _records.get(key)
-        if _current(record, module, disabled):
+        if _current(record, namespace, module, disabled):
             return status(namespace, fix)  # another thread got here first
         if record is not None:
             _retired.extend(w for w in record.wrappers if placement(w) != "gone" and not w.shim_state.shared)
@@ -297,26 +292,36 @@ def patch(namespace: str, fix: Fix, plan: Plan, *, disabled: bool = False) -> Fi
     return status(namespace, fix)
 
 
-def _current(record: _Record | None, module: Any, disabled: bool) -> bool:
+def _current(record: _Record | None, namespace: str, module: Any, disabled: bool) -> bool:
     """Whether ``record`` describes the namespace as imported now, with the fix switched off or not
     as now, and is in force (not unpatched)."""
     return (
         record is not None
-        and record.module is module
         and record.disabled == disabled
         and not record.deactivated
-        and all(_owner_is_current(wrapper) for wrapper in record.wrappers)
+        and _imported_again(record, namespace, module) is None
     )
 
 
-def _owner_is_current(wrapper: Any) -> bool:
-    owner = wrapper.shim_state.owner
-    if isinstance(owner, ModuleType):
-        return sys.modules.get(owner.__name__) is owner
-    return getattr(sys.modules.get(owner.__module__), owner.__name__, None) is owner
+def _imported_again(record: _Record, namespace: str, module: Any) -> str | None:
+    """What was imported again since ``record`` was made (its classes are gone), if anything."""
+    if record.module is not module:
+        return f"{namespace} was imported again after fsdp-shim checked it"
+    for wrapper in record.wrappers:
+        owner = wrapper.shim_state.owner
+        if isinstance(owner, ModuleType):
+            current = sys.modules.get(owner.__name__)
+        else:
+            current = getattr(sys.modules.get(owner.__module__), owner.__name__, None)
+        if current is not owner:
+            label = wrapper.shim_state.label
+            return f"{owner.__module__} was imported again after fsdp-shim patched it ({label} is a new class)"
+    return None
 
 
-def _decide(namespace: str, fix: Fix, plan: Plan, module: Any, disabled: bool) -> _Record | tuple[str, list[_Step]]:
+def _decide(
+    namespace: str, fix: Fix, plan: Plan, module: Any, disabled: bool
+) -> _Record | tuple[str, list[tuple[Any, bool]]]:
     """Gate the namespace and resolve every target; nothing is changed yet."""
     version = getattr(module, "__version__", None)
     if not isinstance(version, str):
@@ -335,41 +340,29 @@ def _decide(namespace: str, fix: Fix, plan: Plan, module: Any, disabled: bool) -
             owner = getattr(holder, target.class_name, None) if target.class_name else holder
             if not isinstance(owner, (type, ModuleType)):
                 raise TargetChanged(f"{module_name} has no class {target.class_name}")
-            label = target.label(namespace)
-            mine = _own_wrapper(owner, target.attribute)
-            if mine is not None:
-                steps.append((target, mine, None, None))
-                continue
-            function, original, composed_with = _function_to_wrap(owner, target, label)
-            inherited = original is MISSING
-            state = WrapperState(
-                fix.name, label, owner, target.attribute, None if inherited else original, inherited, target.shared
-            )
-            state.composed_with = composed_with
-            steps.append((target, None, function, state))
+            steps.append(_resolve(owner, target, fix.name, target.label(namespace)))
     except (ImportError, TargetChanged) as error:
         return _Record(module, version, True, f"not patched: {error}")
     return version, steps
 
 
-def _install_all(module: Any, version: str, steps: list[_Step]) -> _Record:
-    """Install every wrapper or none (call with the lock held)."""
-    done: list[Any] = []
+def _install_all(module: Any, version: str, steps: list[tuple[Any, bool]]) -> _Record:
+    """Install every new wrapper and switch on every one already there, or none (call with the lock held)."""
+    installed: list[Any] = []
     try:
-        for target, reuse, function, state in steps:
-            if reuse is not None:
-                reuse.shim_state.on = True
-                done.append(reuse)
+        for wrapper, new in steps:
+            if new:
+                setattr(wrapper.shim_state.owner, wrapper.shim_state.attribute, wrapper)
+                installed.append(wrapper)
             else:
-                done.append(_install(state.owner, target, function, state))  # type: ignore[union-attr]
+                wrapper.shim_state.on = True
     except Exception as error:  # setattr on a class can fail (slots, metaclasses): undo what was done
-        for wrapper, (_, reuse, _, _) in zip(reversed(done), reversed(steps[: len(done)])):
-            if reuse is None:
-                remove(wrapper)
+        for wrapper in reversed(installed):
+            remove(wrapper)
         return _Record(
             module, version, True, f"not patched: installing a wrapper failed ({type(error).__name__}: {error})"
         )
-    return _Record(module, version, True, "patched", done)
+    return _Record(module, version, True, "patched", [wrapper for wrapper, _ in steps])
 
 
 def unpatch(namespace: str, fix: Fix) -> list[tuple[Any, Placement]]:
@@ -401,51 +394,29 @@ def status(namespace: str, fix: Fix) -> FixStatus:
     record = _records.get((namespace, fix.name))
     if record is None:
         return FixStatus(fix.name, reason="imported; not checked yet")
-    base = FixStatus(fix.name, record.affected, False, record.reason)
-    if record.module is not module:
-        return _stale(base, f"{namespace} was imported again after fsdp-shim checked it")
-    for wrapper in record.wrappers:
-        if not _owner_is_current(wrapper):
-            owner, label = wrapper.shim_state.owner.__module__, wrapper.shim_state.label
-            return _stale(base, f"{owner} was imported again after fsdp-shim patched it ({label} is a new class)")
+    why = _imported_again(record, namespace, module)
+    if why is not None:
+        reason = f"not patched: {why}, and its new classes were not checked yet (fsdp_shim.activate() checks them)"
+        return FixStatus(fix.name, record.affected, False, reason)
     if record.reason != "patched":
-        return base
+        return FixStatus(fix.name, record.affected, False, record.reason)
     targets = tuple(wrapper.shim_state.label for wrapper in record.wrappers)
-    problems, notes = _inspect(record.wrappers)
+    problems, notes = [], []
+    for wrapper in record.wrappers:
+        state, where, top = wrapper.shim_state, placement(wrapper), found_on_top(wrapper)
+        if where == "gone":
+            problems.append(f"other code replaced its wrapper on {state.label} (the class holds {top})")
+        elif not state.on:
+            problems.append(f"its wrapper on {state.label} stays under {top} and passes calls through")
+        elif state.fallback is not None:
+            problems.append(f"{state.label} fell back to {state.owners_own()} at call time ({state.fallback})")
+        else:
+            if where == "under another wrapper":
+                notes.append(f"its wrapper on {state.label} is under {top}")
+            if state.composed_with is not None:
+                notes.append(f"on {state.label} it wraps {state.composed_with}, which was there before")
     if record.deactivated:
         return FixStatus(fix.name, True, False, "; ".join(["deactivated", *problems]), targets)
     if problems:
         return FixStatus(fix.name, True, False, "not patched: " + "; ".join(problems), targets)
     return FixStatus(fix.name, True, True, "patched" + (f" ({'; '.join(notes)})" if notes else ""), targets)
-
-
-def _stale(base: FixStatus, why: str) -> FixStatus:
-    return FixStatus(
-        base.fix,
-        base.affected,
-        False,
-        f"not patched: {why}, and its new classes were not checked yet (fsdp_shim.activate() checks them)",
-    )
-
-
-def _inspect(wrappers: list[Any]) -> tuple[list[str], list[str]]:
-    problems, notes = [], []
-    for wrapper in wrappers:
-        state = wrapper.shim_state
-        where = placement(wrapper)
-        if where == "gone":
-            problems.append(
-                f"other code replaced its wrapper on {state.label} (the class holds {found_on_top(wrapper)})"
-            )
-        elif not state.on:
-            problems.append(
-                f"its wrapper on {state.label} stays under {found_on_top(wrapper)} and passes calls through"
-            )
-        elif state.fallback is not None:
-            problems.append(f"{state.label} fell back to {state.owners_own()} at call time ({state.fallback})")
-        else:
-            if where == "under another wrapper":
-                notes.append(f"its wrapper on {state.label} is under {found_on_top(wrapper)}")
-            if state.composed_with is not None:
-                notes.append(f"on {state.label} it wraps {state.composed_with}, which was there before")
-    return problems, notes
