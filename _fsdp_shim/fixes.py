@@ -37,23 +37,18 @@ the wrap): the layers built later stay float32 and FSDP refuses the mix ("Must f
 uniform dtype"). So the shim holds the conversion back in `FSDPStrategy.connect` (the wrapper sits on
 `FSDPStrategy` only) and converts at the start of `FSDPStrategy.setup`. **2.1.0** names the Trainer's
 class `FSDPPrecisionPlugin`; from 2.2.0 that name is a deprecated subclass, so it is used on 2.1.0 only.
-
-Bodies have wrapt's signature `(wrapped, instance, args, kwargs)`; `wrapped` is what the class held or
-inherited (another library's wrapper still runs). When the shim's own glue fails, a body raises
-`GlueError` before changing anything and the wrapper calls `wrapped`; the user's errors propagate as
-without the shim.
 """
 
 from __future__ import annotations
 
-import contextvars
 import weakref
 from collections.abc import Callable
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 from _fsdp_shim import failures, rank_check
 from _fsdp_shim.config import CAST, NAMESPACES, RANK_CHECK, RECOMPUTE, Fix, Release, base_release
-from _fsdp_shim.wrappers import GlueError, Target
+from _fsdp_shim.wrappers import Args, GlueError, Kwargs, Plan, Target
 
 if TYPE_CHECKING:
     import torch
@@ -88,9 +83,8 @@ def precision_class(namespace: str, version: str) -> str:
 def cast_targets(namespace: str, version: str) -> tuple[Target, ...]:
     """2.5.0's ``FSDPPrecision.convert_module``; the strategy's FSDP wrap, which puts back the modules FSDP
     keeps in full precision; and on 2.1.x the Trainer's conversion moved to setup."""
-    convert = Target(
-        "plugins.precision.fsdp", precision_class(namespace, version), "convert_module", True, convert_module_as_in_2_5
-    )
+    plugin = precision_class(namespace, version)
+    convert = Target("plugins.precision.fsdp", plugin, "convert_module", True, convert_module_as_in_2_5)
     if NAMESPACES[namespace] == "fabric":
         return (convert, Target("strategies.fsdp", "FSDPStrategy", "setup_module", False, keep_float32_where_fsdp_does))
     wrap = Target("strategies.fsdp", "FSDPStrategy", "_setup_model", False, keep_float32_where_fsdp_does)
@@ -103,16 +97,10 @@ def cast_targets(namespace: str, version: str) -> tuple[Target, ...]:
 
 def recompute_targets(namespace: str, version: str) -> tuple[Target, ...]:
     """torch's two checkpoint entry points, shared by every namespace (see above)."""
+    module = "torch.utils.checkpoint"
     return (
-        Target("torch.utils.checkpoint", "CheckpointFunction", "forward", False, reentrant_in_forward_dtype, True),
-        Target(
-            "torch.utils.checkpoint",
-            "",
-            "_checkpoint_without_reentrant_generator",
-            False,
-            non_reentrant_in_forward_dtype,
-            True,
-        ),
+        Target(module, "CheckpointFunction", "forward", False, reentrant_in_forward_dtype, True),
+        Target(module, "", "_checkpoint_without_reentrant_generator", False, non_reentrant_in_forward_dtype, True),
     )
 
 
@@ -121,7 +109,7 @@ def rank_check_targets(namespace: str, version: str) -> tuple[Target, ...]:
     return (Target("strategies.fsdp", "FSDPStrategy", "setup_environment", False, confirm_every_rank_after_setup),)
 
 
-PLANS: dict[str, Callable[[str, str], tuple[Target, ...]]] = {
+PLANS: dict[str, Plan] = {
     CAST.name: cast_targets,
     RECOMPUTE.name: recompute_targets,
     RANK_CHECK.name: rank_check_targets,
@@ -129,7 +117,7 @@ PLANS: dict[str, Callable[[str, str], tuple[Target, ...]]] = {
 """Each fix's targets, by fix name (``_fsdp_shim.config.FIXES`` lists the fixes), and the rank check's."""
 
 
-def plan_of(fix: Fix) -> Callable[[str, str], tuple[Target, ...]]:
+def plan_of(fix: Fix) -> Plan:
     return PLANS[fix.name]
 
 
@@ -137,36 +125,19 @@ def plan_of(fix: Fix) -> Callable[[str, str], tuple[Target, ...]]:
 _was_float32: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 """Modules whose own floating-point parameters were float32 before the cast (see ``keep_float32_where_fsdp_does``)."""
 
-_conversion_deferred: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "fsdp_shim_conversion_deferred", default=False
-)
+_conversion_deferred: ContextVar[bool] = ContextVar("fsdp_shim_conversion_deferred", default=False)
 """True while 2.1.x's ``Strategy.connect`` runs for an FSDP strategy (see above)."""
-
-
-def true_precision_dtype(precision_plugin: Any) -> torch.dtype | None:
-    """The dtype 2.5.0 casts the module to, or ``None`` where 2.5.0 leaves it alone: every ``*-true``
-    precision casts (``"32-true"`` included, which turns float64 parameters into float32);
-    ``*-mixed`` does not."""
-    if "true" in precision_plugin.precision:
-        dtype: torch.dtype = precision_plugin._desired_input_dtype
-        return dtype
-    return None
 
 
 def namespace_of(instance: Any) -> str:
     """The Lightning namespace (``lightning.pytorch``, ``lightning_fabric``, ...) of a plugin or strategy:
     that of the first class in its MRO that Lightning defines (a user's subclass is defined elsewhere)."""
-    for klass in type(instance).__mro__:
-        module = klass.__module__
-        found = next((name for name in NAMESPACES if module == name or module.startswith(name + ".")), None)
-        if found is not None:
-            return found
-    return type(instance).__module__
+    modules = [klass.__module__ for klass in type(instance).__mro__]
+    found = (name for module in modules for name in NAMESPACES if module == name or module.startswith(name + "."))
+    return next(found, type(instance).__module__)
 
 
-def convert_module_as_in_2_5(
-    wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
+def convert_module_as_in_2_5(wrapped: Callable[..., Any], instance: Any, args: Args, kwargs: Kwargs) -> Any:
     """``FSDPPrecision.convert_module`` as Lightning 2.5.0 defines it.
 
     On Lightning the wrapped method is the identity every affected class inherits from ``Precision``,
@@ -174,8 +145,8 @@ def convert_module_as_in_2_5(
     """
     if instance is None or _conversion_deferred.get():
         return wrapped(*args, **kwargs)
-    try:
-        dtype = true_precision_dtype(instance)
+    try:  # every "*-true" precision casts ("32-true" turns float64 parameters into float32), "*-mixed" not
+        dtype = instance._desired_input_dtype if "true" in instance.precision else None
     except Exception as error:
         raise GlueError(error) from error
     module = wrapped(*args, **kwargs)
@@ -198,9 +169,7 @@ def convert_module_as_in_2_5(
     return module.to(dtype=dtype)
 
 
-def keep_float32_where_fsdp_does(
-    wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
+def keep_float32_where_fsdp_does(wrapped: Callable[..., Any], instance: Any, args: Args, kwargs: Kwargs) -> Any:
     """The strategy's FSDP wrap, after putting back to float32 the modules FSDP runs in full precision.
 
     With an ``auto_wrap_policy``, FSDP wraps the classes its ``MixedPrecision`` ignores (``_BatchNorm``
@@ -224,9 +193,7 @@ def keep_float32_where_fsdp_does(
     return wrapped(*args, **kwargs)
 
 
-def connect_without_early_conversion(
-    wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
+def connect_without_early_conversion(wrapped: Callable[..., Any], instance: Any, args: Args, kwargs: Kwargs) -> Any:
     """2.1.x's ``Strategy.connect`` for FSDP, with the injected conversion held back: 2.2.0's timing,
     for FSDP only (every other strategy's inherited ``connect`` is untouched)."""
     token = _conversion_deferred.set(True)
@@ -236,9 +203,7 @@ def connect_without_early_conversion(
         _conversion_deferred.reset(token)
 
 
-def convert_before_setup(
-    wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
+def convert_before_setup(wrapped: Callable[..., Any], instance: Any, args: Args, kwargs: Kwargs) -> Any:
     """2.2.0's call site in 2.1.x's ``FSDPStrategy.setup``, before the FSDP wrap.
 
     2.2.0+ converts after ``accelerator.setup`` and the SyncBatchNorm conversion; converting first is
@@ -277,9 +242,7 @@ def in_forward_dtype(function: Callable[..., Any]) -> Callable[..., Any]:
     return run_in_forward_dtype
 
 
-def reentrant_in_forward_dtype(
-    wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
+def reentrant_in_forward_dtype(wrapped: Callable[..., Any], instance: Any, args: Args, kwargs: Kwargs) -> Any:
     """``CheckpointFunction.forward(ctx, run_function, preserve_rng_state, *args)`` with
     ``run_function`` pinned: its backward recomputes through ``ctx.run_function``, the pinned one."""
     if len(args) < 2 or not callable(args[1]):
@@ -287,9 +250,7 @@ def reentrant_in_forward_dtype(
     return wrapped(args[0], in_forward_dtype(args[1]), *args[2:], **kwargs)
 
 
-def non_reentrant_in_forward_dtype(
-    wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
+def non_reentrant_in_forward_dtype(wrapped: Callable[..., Any], instance: Any, args: Args, kwargs: Kwargs) -> Any:
     """``_checkpoint_without_reentrant_generator(fn, ...)`` with ``fn`` pinned: ``checkpoint`` runs the
     forward itself and hands ``fn`` to this generator only for the recompute."""
     if not args or not callable(args[0]):
@@ -297,9 +258,7 @@ def non_reentrant_in_forward_dtype(
     return wrapped(in_forward_dtype(args[0]), *args[1:], **kwargs)
 
 
-def confirm_every_rank_after_setup(
-    wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
+def confirm_every_rank_after_setup(wrapped: Callable[..., Any], instance: Any, args: Args, kwargs: Kwargs) -> Any:
     """The FSDP strategy's ``setup_environment``, which creates the process group, then the check that
     every rank runs the same fixes, for "bf16-true" and "16-true" (where the fixes change anything)."""
     try:
