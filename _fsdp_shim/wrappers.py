@@ -1,14 +1,13 @@
 """The one wrapper layer: ``patch``, ``unpatch`` and ``status`` for one namespace and one fix, next to
 other code that patches the same functions (tracers, profilers, a team's own hot-fix).
 
-What to wrap comes from ``_fsdp_shim.fixes`` as ``Target``s. Every target of one fix in one namespace is
-resolved before anything changes, then all are wrapped or none. Four rules, each because breaking it
-is silently wrong: the shim knows its wrappers by their type, never by an attribute (a wrapt proxy
-answers ``getattr`` for what it wraps); each wrapper carries what removing it needs, so any copy of
-this module, a reloaded one too, reuses it instead of stacking another; it never removes what is not
-its own (a wrapper other code wrapped since is switched off in place); removal restores the very object
-that was there before. Everything here can run inside an import hook: problems go through
-``_fsdp_shim.failures.report``, and the lock guards only the records and ``setattr``, never an import.
+Every ``Target`` (``_fsdp_shim.fixes``) of one fix in one namespace is resolved before anything changes,
+then all are wrapped or none. Four rules, each because breaking it is silently wrong: a wrapper is known
+by its type, never by an attribute (a wrapt proxy answers ``getattr`` for what it wraps); it carries what
+removing it needs, so any copy of this module, a reloaded one too, reuses it instead of stacking another;
+what is not the shim's is never removed (a wrapper other code wrapped since is switched off in place);
+removal restores the very object that was there before. All of it can run inside an import hook: problems
+go through ``failures.report``, and the lock guards only the records and ``setattr``, never an import.
 """
 
 from __future__ import annotations
@@ -53,10 +52,8 @@ class TargetChanged(Exception):
 @dataclass(frozen=True)
 class Target:
     """A function a fix wraps: a method of a Lightning class, or (``shared``) a function of torch.
-
-    ``inherited`` says how it ships: ``True``, the class inherits it (the wrapper goes on the class,
-    and removing it restores inheritance); ``False``, the class or module defines it (the wrapper
-    replaces it, and removal puts the function back)."""
+    ``inherited``: the class inherits it (removing the wrapper restores inheritance), else the class or
+    module defines it (removal puts the function back)."""
 
     module: str
     """Relative to the namespace, e.g. ``plugins.precision.fsdp``; absolute where ``shared``."""
@@ -80,13 +77,14 @@ Plan = Callable[[str, str], tuple[Target, ...]]
 # ----------------------------------------------------------------------------- one wrapper
 @dataclass
 class WrapperState:
-    """What one wrapper does and what taking it off needs. Called by wrapt before every call
-    (``enabled=``): ``False`` passes the call straight to the wrapped function."""
+    """What one wrapper does (``run``) and what taking it off needs. It is wrapt's switch (``enabled=``),
+    called before every call: ``False`` passes the call straight to the wrapped function."""
 
     fix: str
     label: str
     owner: type | ModuleType
     attribute: str
+    body: Body
     original: Any
     """What the class dict held before: Lightning's function or another library's object; ``None``
     where the class held nothing (it inherited the method), and ``inherited`` says so."""
@@ -104,13 +102,29 @@ class WrapperState:
     def owners_own(self) -> str:
         return "torch's own function" if self.shared else "Lightning's own method"
 
+    def run(self, wrapped: Callable[..., Any], instance: Any, args: Args, kwargs: Kwargs) -> Any:
+        """The wrapper: the fix's body, or where the shim's own glue fails, the wrapped function."""
+        try:
+            return self.body(wrapped, instance, args, kwargs)
+        except GlueError as error:
+            self.fallback = str(error)
+            failures.report(
+                f"fsdp-shim: {self.label} could not read what it needs ({error})",
+                f"{self.owners_own()} was used for this call, so it runs without the "
+                + ("rank check" if self.fix == RANK_CHECK.name else f"{self.fix} fix"),
+                key=f"glue:{self.label}",
+                cause=error,
+            )
+            return wrapped(*args, **kwargs)
+
 
 class ShimWrapper(wrapt.FunctionWrapper):
-    """The only kind of wrapper fsdp-shim puts on a Lightning class."""
+    """The only kind of wrapper fsdp-shim puts on a Lightning class: ``ShimWrapper(function, state.run,
+    enabled=state)``, so its switch is its state."""
 
     @property
     def shim_state(self) -> WrapperState:
-        state: WrapperState = self._self_state
+        state: WrapperState = self._self_enabled
         return state
 
 
@@ -172,28 +186,6 @@ def remove(wrapper: Any) -> Placement:
     return where
 
 
-def _new_wrapper(function: Any, body: Body, state: WrapperState) -> ShimWrapper:
-    """A ``ShimWrapper`` of ``function`` running ``body``, not installed yet."""
-
-    def call(wrapped: Callable[..., Any], instance: Any, args: Args, kwargs: Kwargs) -> Any:
-        try:
-            return body(wrapped, instance, args, kwargs)
-        except GlueError as error:
-            state.fallback = str(error)
-            failures.report(
-                f"fsdp-shim: {state.label} could not read what it needs ({error})",
-                f"{state.owners_own()} was used for this call, so it runs without the "
-                + ("rank check" if state.fix == RANK_CHECK.name else f"{state.fix} fix"),
-                key=f"glue:{state.label}",
-                cause=error,
-            )
-            return wrapped(*args, **kwargs)
-
-    wrapper = ShimWrapper(function, call, enabled=state)
-    wrapper._self_state = state
-    return wrapper
-
-
 def _resolve(owner: type | ModuleType, target: Target, fix: str, label: str) -> tuple[Any, bool]:
     """``(wrapper, whether it is new)``: the shim's own wrapper already there (switched off by
     ``unpatch``, or left by a reloaded copy of this module), switched on again instead of stacking
@@ -220,9 +212,10 @@ def _resolve(owner: type | ModuleType, target: Target, fix: str, label: str) -> 
         raise TargetChanged(f"{label} is a {type(function).__name__}, expected a function")
     if inherited:
         function = _inherited_at_call_time(owner, target.attribute, function)  # type: ignore[arg-type]
-    state = WrapperState(fix, label, owner, target.attribute, None if inherited else own, inherited, target.shared)
+    original = None if inherited else own
+    state = WrapperState(fix, label, owner, target.attribute, target.body, original, inherited, target.shared)
     state.composed_with = describe(own) if target.inherited and not inherited else None
-    return _new_wrapper(function, target.body, state), True
+    return ShimWrapper(function, state.run, enabled=state), True
 
 
 def _inherited_at_call_time(owner: type, attribute: str, found: Any) -> Callable[..., Any]:
