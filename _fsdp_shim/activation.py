@@ -1,11 +1,8 @@
-"""``activate`` / ``deactivate`` / ``status``: the shim on and off in this process, and where the
-start-up finder hands each executed Lightning namespace over (``namespace_executed``).
-
-``activate()`` (``import fsdp_shim``) arms the start-up finder (``_fsdp_shim.arm``) and patches what
-is imported already; a start-up file, ``fsdp-shim run`` or ``FSDP_SHIM=1`` arm the same finder without
-importing this module, which the finder then imports at the first Lightning namespace it sees execute.
-The patching code (wrapt, packaging, logging) loads only then.
-"""
+"""``activate`` / ``deactivate`` / ``status`` in this process, and ``namespace_executed``, where the
+start-up finder hands each executed Lightning namespace over. ``activate()`` (``import fsdp_shim``) arms
+that finder (``_fsdp_shim.arm``) and patches what is imported already; a start-up file, ``fsdp-shim run``
+or ``FSDP_SHIM=1`` arm it without importing this module, which the finder imports at the first Lightning
+namespace it sees execute: the patching code (wrapt, packaging, logging) loads only then."""
 
 from __future__ import annotations
 
@@ -17,20 +14,9 @@ from collections.abc import Mapping
 from types import ModuleType
 
 import _fsdp_shim as startup
-from _fsdp_shim import failures
+from _fsdp_shim import NAMESPACES, SHIM_VARIABLE, STRICT_VARIABLE, config, failures
 from _fsdp_shim._version import __version__
-from _fsdp_shim.config import (
-    DISABLED_FIXES_VARIABLE,
-    FIX_NAMES,
-    FIXES,
-    NAMESPACES,
-    RANK_CHECK,
-    RANK_CHECK_TIMEOUT_VARIABLE,
-    SHIM_VARIABLE,
-    STRICT_VARIABLE,
-    disabled_fixes,
-)
-from _fsdp_shim.failures import FSDPShimError
+from _fsdp_shim.config import DISABLED_FIXES_VARIABLE, FIX_NAMES, FIXES, RANK_CHECK, RANK_CHECK_TIMEOUT_VARIABLE
 from _fsdp_shim.status import FixStatus, NamespaceStatus, ShimStatus
 
 _lock = threading.Lock()  # guards the globals below; never held while patching or importing
@@ -131,7 +117,7 @@ def _patch(name: str) -> None:
             return
         from _fsdp_shim import fixes, wrappers
 
-        skipped, unknown = disabled_fixes()
+        skipped, unknown = config.disabled_fixes()
         if unknown:
             failures.warn_once(
                 f"fsdp-shim: {DISABLED_FIXES_VARIABLE} names {', '.join(map(repr, unknown))}, which is no fix of "
@@ -144,19 +130,15 @@ def _patch(name: str) -> None:
         new = [status for was, status in zip(before, after) if status.patched and not was]
         version = getattr(sys.modules.get(name), "__version__", "")
         if new:
-            failures.info_on_rank_zero(
-                "fsdp-shim: patched %s %s: %s",
-                name,
-                version,
-                "; ".join(f"{status.fix} ({', '.join(status.targets)})" for status in new),
-            )
+            patched = "; ".join(f"{status.fix} ({', '.join(status.targets)})" for status in new)
+            failures.info_on_rank_zero("fsdp-shim: patched %s %s: %s", name, version, patched)
             if name in _imported_before_activation and any(status.fix == "cast" for status in new):
                 _warn_about_models_already_wrapped(name)
         for status in after:
             failures.debug("%s %s, %s fix: %s", name, version, status.fix, status.reason)
         if name in _missed and any(status.affected for status in after):
             _report_loaded_past_the_finder(name, after)
-    except (FSDPShimError, Warning):
+    except (failures.FSDPShimError, Warning):
         raise
     except ImportError as error:  # the shim's own dependencies (wrapt, packaging) are missing
         failures.report(
@@ -205,10 +187,8 @@ def _finders_in_front(module: ModuleType) -> str:
     for finder in sys.meta_path:
         if getattr(finder, "__name__", None) == "fsdp_shim_finder":
             break
-        if (
-            type(finder).__module__ not in _STANDARD_FINDERS
-            and getattr(finder, "__module__", "") not in _STANDARD_FINDERS
-        ):
+        modules = (type(finder).__module__, getattr(finder, "__module__", ""))
+        if all(module not in _STANDARD_FINDERS for module in modules):
             names.append(repr(finder))
     if names:
         return "the finder(s) in front of fsdp-shim's import watcher on sys.meta_path (" + ", ".join(names) + ")"
@@ -231,11 +211,8 @@ def _warn_about_models_already_wrapped(name: str) -> None:
         return
     # type(), not isinstance(): isinstance reads __class__, which some module-level proxies (torch's
     # deprecated aliases) answer with a FutureWarning.
-    count = sum(
-        1
-        for obj in gc.get_objects()
-        if issubclass(type(obj), holder) and isinstance(getattr(obj, attribute, None), fsdp)
-    )
+    holders = (obj for obj in gc.get_objects() if issubclass(type(obj), holder))
+    count = sum(isinstance(getattr(obj, attribute, None), fsdp) for obj in holders)
     if count:
         failures.warn_once(
             f"fsdp-shim was activated after {name} had already set up {count} FSDP model(s); their parameters "
@@ -249,7 +226,7 @@ def _warn_about_models_already_wrapped(name: str) -> None:
 def status() -> ShimStatus:
     """Per namespace and per fix: version, affected or not, patched or not, and why."""
     on = enabled()
-    skipped, _ = disabled_fixes()
+    skipped, _ = config.disabled_fixes()
     return ShimStatus(
         shim_version=__version__,
         enabled=on,
