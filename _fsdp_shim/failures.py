@@ -1,11 +1,6 @@
 """The one failure policy: ``report`` raises ``FSDPShimError`` in strict mode (saying nothing about
 falling back, since nothing does), else warns once and says what happened instead; and the rank-zero
-log. Everything said "once" is said once per process and key.
-
-Warnings point at the first frame outside fsdp-shim, the import machinery, wrapt and Lightning (the
-user's ``import lightning``, ``trainer.fit(...)`` or ``fsdp_shim.activate()``): no fixed
-``stacklevel`` can, because the same code runs under imports of different depths.
-"""
+log. Everything said "once" is said once per process and key."""
 
 from __future__ import annotations
 
@@ -102,7 +97,9 @@ _INTERNAL_DIRECTORIES = (
 
 
 def user_frame() -> FrameType | None:
-    """The innermost frame that belongs to neither fsdp-shim nor the code it runs inside of."""
+    """The innermost frame outside fsdp-shim, the import machinery, wrapt and Lightning (the user's
+    ``import lightning``, ``trainer.fit(...)`` or ``fsdp_shim.activate()``), where warnings point: no
+    fixed ``stacklevel`` can, because the same code runs under imports of different depths."""
     internal = list(_INTERNAL_DIRECTORIES)
     for name in (COPY_NAME, "wrapt", *LIGHTNING_PACKAGES):
         path = getattr(sys.modules.get(name), "__file__", None)

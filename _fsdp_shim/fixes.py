@@ -9,14 +9,13 @@ returns the module as it is.
 the forward, so activation checkpointing recomputes a block in float32 that its forward ran in bfloat16
 (`CheckpointError`, a dtype mismatch, or with reentrant checkpointing other gradients). torch's
 checkpoint restores autocast, RNG and device context for the recompute but not the default dtype: the
-shim wraps the two functions every `torch.utils.checkpoint` call goes through,
-`CheckpointFunction.forward` (reentrant) and `_checkpoint_without_reentrant_generator`, and pins the
-checkpointed function to the default dtype of its forward. That covers every checkpoint (Lightning's
-policy, the user's own, a loss checkpointed outside the forward), precision and backward call, and
-changes nothing where the dtype did not change. (Running the backward in the forward's context, tried
-first, recomputed a loss checkpointed outside the forward in the wrong dtype and changed backward
-hooks; a `context_fn` reaches only Lightning's policy, non-reentrant.) The torch wrappers are shared by
-every namespace that needs the fix; the last one unpatched removes them.
+shim wraps the two functions every `torch.utils.checkpoint` call goes through, `CheckpointFunction.forward`
+(reentrant) and `_checkpoint_without_reentrant_generator`, and pins the checkpointed function to the
+default dtype of its forward. That covers every checkpoint (Lightning's policy, the user's own, a loss
+checkpointed outside the forward), precision and backward call, and changes nothing where the dtype did
+not change. (Running the backward in the forward's context, tried first, recomputed a loss checkpointed
+outside the forward in the wrong dtype and changed backward hooks; a `context_fn` reaches only
+Lightning's policy, non-reentrant.)
 
 **The rank check** is no fix but is patched like one (`RANK_CHECK`) wherever the shim is active: at
 the end of `FSDPStrategy.setup_environment`, every rank says which fixes it runs (`_fsdp_shim.rank_check`).
