@@ -273,9 +273,8 @@ def _namespace_status(name: str, on: bool) -> NamespaceStatus:
     needed = [f for f in fixes if f.affected and not f.reason.startswith(f"switched off by {DISABLED_FIXES_VARIABLE}")]
     patched = bool(needed) and all(f.patched for f in needed)
     targets = tuple(target for f in fixes for target in f.targets)
-    return NamespaceStatus(
-        name, True, version, affected, patched, _reason(name, module, fixes, patched), targets, late, fixes
-    )
+    reason = _reason(name, module, fixes, patched)
+    return NamespaceStatus(name, True, version, affected, patched, reason, targets, late, fixes)
 
 
 def _reason(name: str, module: ModuleType, fixes: tuple[FixStatus, ...], patched: bool) -> str:

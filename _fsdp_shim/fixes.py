@@ -52,12 +52,9 @@ from _fsdp_shim.wrappers import Args, GlueError, Kwargs, Plan, Target
 if TYPE_CHECKING:
     import torch
 
-FIRST_CONVERTING_IN_SETUP: Release = (2, 2, 0)
-"""Lightning PR #19061 moved the Trainer's ``convert_module`` call into ``FSDPStrategy.setup``."""
-FIRST_WITH_NEW_CLASS_NAMES: Release = (2, 1, 1)
-"""2.1.1 renamed the Trainer's ``FSDPPrecisionPlugin`` / ``HalfPrecisionPlugin`` (see above)."""
+FIRST_CONVERTING_IN_SETUP: Release = (2, 2, 0)  # PR #19061 (see above)
+FIRST_WITH_NEW_CLASS_NAMES: Release = (2, 1, 1)  # FSDPPrecisionPlugin, HalfPrecisionPlugin renamed
 NUMERICS_PAGE = "docs/numerics.md ('16-true keeps weights in float16')"
-HALF_PRECISIONS = ("bf16-true", "16-true")
 
 
 # ----------------------------------------------------------------------------- which methods
@@ -137,11 +134,9 @@ def namespace_of(instance: Any) -> str:
 
 
 def convert_module_as_in_2_5(wrapped: Callable[..., Any], instance: Any, args: Args, kwargs: Kwargs) -> Any:
-    """``FSDPPrecision.convert_module`` as Lightning 2.5.0 defines it.
-
-    On Lightning the wrapped method is the identity every affected class inherits from ``Precision``,
-    so calling it first changes nothing; where another library wrapped it, its code runs too.
-    """
+    """``FSDPPrecision.convert_module`` as Lightning 2.5.0 defines it. The wrapped method is the identity
+    every affected class inherits from ``Precision`` (calling it first changes nothing), or another
+    library's wrapper of it, whose code runs too."""
     if instance is None or _conversion_deferred.get():
         return wrapped(*args, **kwargs)
     try:  # every "*-true" precision casts ("32-true" turns float64 parameters into float32), "*-mixed" not
@@ -170,15 +165,13 @@ def convert_module_as_in_2_5(wrapped: Callable[..., Any], instance: Any, args: A
 
 def keep_float32_where_fsdp_does(wrapped: Callable[..., Any], instance: Any, args: Args, kwargs: Kwargs) -> Any:
     """The strategy's FSDP wrap, after putting back to float32 the modules FSDP runs in full precision.
-
-    With an ``auto_wrap_policy``, FSDP wraps the classes its ``MixedPrecision`` ignores (``_BatchNorm``
-    by default) into units of their own, with mixed precision off and hooks that cast their inputs to
-    float32: their weights must be float32. Unpatched 2.1-2.4 kept them so; 2.5.0's cast makes them
-    bfloat16 and the first forward fails ("mixed dtype (CPU): expect parameter to have scalar type of
-    Float"; 2.5+ fails the same way). Without a policy they share the root's flat parameter and must
-    have its dtype, so the cast cannot decide this: the wrap, which knows the policy, does, and only for
-    modules that were float32 before the cast. A model that trained unpatched keeps training.
-    """
+    With an ``auto_wrap_policy``, FSDP wraps the classes its ``MixedPrecision`` ignores (``_BatchNorm`` by
+    default) into units of their own, with mixed precision off and hooks that cast their inputs to float32:
+    their weights must be float32. Unpatched 2.1-2.4 kept them so; 2.5.0's cast makes them bfloat16 and
+    the first forward fails ("mixed dtype (CPU): expect parameter to have scalar type of Float"; 2.5+ fails
+    the same way). Without a policy they share the root's flat parameter and must have its dtype, so the
+    cast cannot decide this: the wrap, which knows the policy, does, and only for modules that were
+    float32 before the cast. A model that trained unpatched keeps training."""
     try:
         module = args[0] if args else next(iter(kwargs.values()))
         fsdp_kwargs = instance.kwargs if hasattr(instance, "kwargs") else instance._fsdp_kwargs
@@ -203,12 +196,9 @@ def connect_without_early_conversion(wrapped: Callable[..., Any], instance: Any,
 
 
 def convert_before_setup(wrapped: Callable[..., Any], instance: Any, args: Args, kwargs: Kwargs) -> Any:
-    """2.2.0's call site in 2.1.x's ``FSDPStrategy.setup``, before the FSDP wrap.
-
-    2.2.0+ converts after ``accelerator.setup`` and the SyncBatchNorm conversion; converting first is
-    equivalent because neither touches parameter dtypes and the SyncBatchNorm conversion reuses the
-    same parameter tensors.
-    """
+    """2.2.0's call site in 2.1.x's ``FSDPStrategy.setup``, before the FSDP wrap. 2.2.0+ converts after
+    ``accelerator.setup`` and the SyncBatchNorm conversion; converting first is equivalent because neither
+    touches parameter dtypes (the SyncBatchNorm conversion reuses the same parameter tensors)."""
     try:
         model = instance.model
         convert_module = instance.precision_plugin.convert_module
@@ -262,7 +252,7 @@ def confirm_every_rank_after_setup(wrapped: Callable[..., Any], instance: Any, a
     every rank runs the same fixes, for "bf16-true" and "16-true" (where the fixes change anything)."""
     try:
         plugin = instance.precision_plugin if hasattr(instance, "precision_plugin") else instance.precision
-        dtype = plugin._desired_input_dtype if plugin.precision in HALF_PRECISIONS else None
+        dtype = plugin._desired_input_dtype if plugin.precision in ("bf16-true", "16-true") else None
         namespace = namespace_of(instance)
     except Exception as error:
         raise GlueError(error) from error

@@ -86,8 +86,7 @@ class WrapperState:
     attribute: str
     body: Body
     original: Any
-    """What the class dict held before: Lightning's function or another library's object; ``None``
-    where the class held nothing (it inherited the method), and ``inherited`` says so."""
+    """What the class dict held before (Lightning's function or another library's object), else ``None``."""
     inherited: bool
     shared: bool = False
     composed_with: str | None = None
@@ -187,11 +186,10 @@ def remove(wrapper: Any) -> Placement:
 
 
 def _resolve(owner: type | ModuleType, target: Target, fix: str, label: str) -> tuple[Any, bool]:
-    """``(wrapper, whether it is new)``: the shim's own wrapper already there (switched off by
-    ``unpatch``, or left by a reloaded copy of this module), switched on again instead of stacking
-    another; else a new one, not installed yet. Where the class holds an object and Lightning ships
-    none, another library patched it: the shim wraps that object, so both run, and says so. Raises
-    ``TargetChanged`` when there is nothing callable to wrap."""
+    """``(wrapper, whether it is new)``: the shim's own wrapper already there (switched off by ``unpatch``,
+    or left by a reloaded copy of this module), else a new one, not installed yet. Where the class holds
+    an object and Lightning ships none, another library patched it: the shim wraps that object, so both
+    run, and says so. Raises ``TargetChanged`` when there is nothing callable to wrap."""
     own = owner.__dict__.get(target.attribute, MISSING)
     for layer in wrapper_chain(own):
         if is_shim_wrapper(layer):
@@ -252,10 +250,8 @@ _lock = threading.Lock()
 
 
 def patch(namespace: str, fix: Fix, plan: Plan, *, disabled: bool = False) -> FixStatus:
-    """Apply ``fix`` to an imported namespace whose release lacks it; leave any other alone.
-
-    Idempotent: a namespace is checked once per copy of its classes; after ``unpatch`` it is checked
-    again, and a wrapper that had to stay under another library's wrapper is switched back on."""
+    """Apply ``fix`` to an imported namespace whose release lacks it; leave any other alone. Idempotent:
+    a namespace is checked once per copy of its classes, and again after ``unpatch``."""
     module = sys.modules.get(namespace)
     if module is None:
         return status(namespace, fix)
