@@ -200,12 +200,10 @@ def _warn_about_models_already_wrapped(name: str) -> None:
     """The methods live on the classes, so every strategy and plugin uses the fix from its next
     ``setup`` on; only parameters FSDP already flattened cannot change. Found by a garbage-collector
     walk, like gevent's check for stale references."""
-    holder_module, holder_class, attribute = (
-        ("strategies.fsdp", "FSDPStrategy", "_model")
-        if NAMESPACES[name] == "trainer"
-        else ("wrappers", "_FabricModule", "_forward_module")
-    )
+    trainer = NAMESPACES[name] == "trainer"
+    holder_module, holder_class = ("strategies.fsdp", "FSDPStrategy") if trainer else ("wrappers", "_FabricModule")
     holder = getattr(sys.modules.get(f"{name}.{holder_module}"), holder_class, None)
+    attribute = "_model" if trainer else "_forward_module"
     fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FullyShardedDataParallel", None)
     if not isinstance(holder, type) or not isinstance(fsdp, type):
         return

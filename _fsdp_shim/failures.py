@@ -74,18 +74,12 @@ def warn_once(message: str, *, key: str) -> None:
     if frame is None:
         warnings.warn(message, FSDPShimWarning, stacklevel=1)  # no frame outside the shim: this line
         return
-    module_globals = frame.f_globals
-    warnings.warn_explicit(
-        message,
-        FSDPShimWarning,
-        frame.f_code.co_filename,
-        frame.f_lineno,
-        module=module_globals.get("__name__", "<unknown>"),
-        registry=module_globals.setdefault("__warningregistry__", {}),
-        # Only a module with a file: linecache asks the globals' loader for the source otherwise, and
-        # the loader of `python -c`'s __main__ raises ImportError instead of answering None.
-        module_globals=module_globals if module_globals.get("__file__") else None,
-    )
+    found = frame.f_globals
+    module, registry = found.get("__name__", "<unknown>"), found.setdefault("__warningregistry__", {})
+    # The globals only of a module with a file: linecache asks their loader for the source otherwise, and
+    # the loader of `python -c`'s __main__ raises ImportError instead of answering None.
+    source = found if found.get("__file__") else None
+    warnings.warn_explicit(message, FSDPShimWarning, frame.f_code.co_filename, frame.f_lineno, module, registry, source)
 
 
 _PACKAGE_DIRECTORY = os.path.dirname(os.path.abspath(__file__)) + os.sep

@@ -97,9 +97,8 @@ class ShimStatus:
     def __str__(self) -> str:
         state = "active" if self.active else "inactive"
         if not self.enabled:
-            state = "switched off by FSDP_SHIM" + (
-                " (what it patched before stays patched; fsdp_shim.deactivate() removes it)" if self.active else ""
-            )
+            kept = " (what it patched before stays patched; fsdp_shim.deactivate() removes it)"
+            state = "switched off by FSDP_SHIM" + (kept if self.active else "")
         via = f" via {', '.join(self.sources)}" if self.sources and self.enabled else ""
         lines = [f"fsdp-shim {self.shim_version}: {state}{via}" + (" (strict)" if self.strict else "")]
         if self.disabled_fixes:
