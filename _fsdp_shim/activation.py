@@ -187,8 +187,8 @@ def _finders_in_front(module: ModuleType) -> str:
     for finder in sys.meta_path:
         if getattr(finder, "__name__", None) == "fsdp_shim_finder":
             break
-        modules = (type(finder).__module__, getattr(finder, "__module__", ""))
-        if all(module not in _STANDARD_FINDERS for module in modules):
+        defined_in = (type(finder).__module__, getattr(finder, "__module__", ""))
+        if all(where not in _STANDARD_FINDERS for where in defined_in):
             names.append(repr(finder))
     if names:
         return "the finder(s) in front of fsdp-shim's import watcher on sys.meta_path (" + ", ".join(names) + ")"
@@ -223,21 +223,13 @@ def _warn_about_models_already_wrapped(name: str) -> None:
 # ----------------------------------------------------------------------------- status
 def status() -> ShimStatus:
     """Per namespace and per fix: version, affected or not, patched or not, and why."""
-    on = enabled()
+    on, strict = enabled(), failures.strict_mode()
     skipped, _ = config.disabled_fixes()
-    return ShimStatus(
-        shim_version=__version__,
-        enabled=on,
-        strict=failures.strict_mode(),
-        active=bool(_active),
-        sources=sources(),
-        environment={
-            name: os.environ.get(name)
-            for name in (SHIM_VARIABLE, STRICT_VARIABLE, DISABLED_FIXES_VARIABLE, RANK_CHECK_TIMEOUT_VARIABLE)
-        },
-        namespaces=tuple(_namespace_status(name, on) for name in NAMESPACES),
-        disabled_fixes=tuple(name for name in FIX_NAMES if name in skipped),
-    )
+    variables = (SHIM_VARIABLE, STRICT_VARIABLE, DISABLED_FIXES_VARIABLE, RANK_CHECK_TIMEOUT_VARIABLE)
+    environment = {name: os.environ.get(name) for name in variables}
+    namespaces = tuple(_namespace_status(name, on) for name in NAMESPACES)
+    disabled = tuple(name for name in FIX_NAMES if name in skipped)
+    return ShimStatus(__version__, on, strict, bool(_active), sources(), environment, namespaces, disabled)
 
 
 def sources() -> tuple[str, ...]:

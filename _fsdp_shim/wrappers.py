@@ -198,9 +198,8 @@ def _resolve(owner: type | ModuleType, target: Target, fix: str, label: str) -> 
     if not inherited:
         function = own
     elif target.inherited and isinstance(owner, type):
-        function = next(
-            (b.__dict__[target.attribute] for b in owner.__mro__[1:] if target.attribute in b.__dict__), MISSING
-        )
+        found = [base.__dict__ for base in owner.__mro__[1:] if target.attribute in base.__dict__]
+        function = found[0][target.attribute] if found else MISSING
     else:
         raise TargetChanged(f"{label} is not defined on the {'class' if isinstance(owner, type) else 'module'} itself")
     if function is MISSING:
@@ -348,9 +347,8 @@ def _install_all(module: Any, version: str, steps: list[tuple[Any, bool]]) -> _R
     except Exception as error:  # setattr on a class can fail (slots, metaclasses): undo what was done
         for wrapper in reversed(installed):
             remove(wrapper)
-        return _Record(
-            module, version, True, f"not patched: installing a wrapper failed ({type(error).__name__}: {error})"
-        )
+        why = f"not patched: installing a wrapper failed ({type(error).__name__}: {error})"
+        return _Record(module, version, True, why)
     return _Record(module, version, True, "patched", [wrapper for wrapper, _ in steps])
 
 
