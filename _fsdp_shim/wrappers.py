@@ -185,12 +185,17 @@ def remove(wrapper: Any) -> Placement:
     return where
 
 
-def _resolve(owner: type | ModuleType, target: Target, fix: str, label: str) -> tuple[Any, bool]:
+def _resolve(namespace: str, target: Target, fix: str) -> tuple[Any, bool]:
     """``(wrapper, whether it is new)``: the shim's own wrapper already there (switched off by ``unpatch``,
     or left by a reloaded copy of this module), else a new one, not installed yet. Where the class holds
     an object and Lightning ships none, another library patched it: the shim wraps that object, so both
     run, and says so. Raises ``TargetChanged`` when there is nothing callable to wrap."""
-    own = owner.__dict__.get(target.attribute, MISSING)
+    module_name = target.module if target.shared else f"{namespace}.{target.module}"
+    holder = importlib.import_module(module_name)
+    owner = getattr(holder, target.class_name, None) if target.class_name else holder
+    if not isinstance(owner, (type, ModuleType)):
+        raise TargetChanged(f"{module_name} has no class {target.class_name}")
+    label, own = target.label(namespace), owner.__dict__.get(target.attribute, MISSING)
     for layer in wrapper_chain(own):
         if is_shim_wrapper(layer):
             return layer, False
@@ -320,15 +325,8 @@ def _decide(
         return _Record(module, version, False, fix.unaffected_reason(version))
     if disabled:
         return _Record(module, version, True, f"switched off by {DISABLED_FIXES_VARIABLE}")
-    steps = []
     try:
-        for target in plan(namespace, version):
-            module_name = target.module if target.shared else f"{namespace}.{target.module}"
-            holder = importlib.import_module(module_name)
-            owner = getattr(holder, target.class_name, None) if target.class_name else holder
-            if not isinstance(owner, (type, ModuleType)):
-                raise TargetChanged(f"{module_name} has no class {target.class_name}")
-            steps.append(_resolve(owner, target, fix.name, target.label(namespace)))
+        steps = [_resolve(namespace, target, fix.name) for target in plan(namespace, version)]
     except (ImportError, TargetChanged) as error:
         return _Record(module, version, True, f"not patched: {error}")
     return version, steps
