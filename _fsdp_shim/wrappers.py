@@ -286,14 +286,11 @@ def patch(namespace: str, fix: Fix, plan: Plan, *, disabled: bool = False) -> Fi
 
 
 def _current(record: _Record | None, namespace: str, module: Any, disabled: bool) -> bool:
-    """Whether ``record`` describes the namespace as imported now, with the fix switched off or not
-    as now, and is in force (not unpatched)."""
-    return (
-        record is not None
-        and record.disabled == disabled
-        and not record.deactivated
-        and _imported_again(record, namespace, module) is None
-    )
+    """Whether ``record`` is in force (not unpatched) for the namespace as imported now, with the fix
+    switched off or not as now."""
+    if record is None or record.deactivated or record.disabled != disabled:
+        return False
+    return _imported_again(record, namespace, module) is None
 
 
 def _imported_again(record: _Record, namespace: str, module: Any) -> str | None:
@@ -301,13 +298,12 @@ def _imported_again(record: _Record, namespace: str, module: Any) -> str | None:
     if record.module is not module:
         return f"{namespace} was imported again after fsdp-shim checked it"
     for wrapper in record.wrappers:
-        owner = wrapper.shim_state.owner
+        owner, label = wrapper.shim_state.owner, wrapper.shim_state.label
         if isinstance(owner, ModuleType):
             current = sys.modules.get(owner.__name__)
         else:
             current = getattr(sys.modules.get(owner.__module__), owner.__name__, None)
         if current is not owner:
-            label = wrapper.shim_state.label
             return f"{owner.__module__} was imported again after fsdp-shim patched it ({label} is a new class)"
     return None
 
