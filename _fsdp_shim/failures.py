@@ -94,19 +94,16 @@ def user_frame() -> FrameType | None:
     """The innermost frame outside fsdp-shim, the import machinery, wrapt and Lightning (the user's
     ``import lightning``, ``trainer.fit(...)`` or ``fsdp_shim.activate()``), where warnings point: no
     fixed ``stacklevel`` can, because the same code runs under imports of different depths."""
-    internal = list(_INTERNAL_DIRECTORIES)
+    internal = ["<frozen importlib", *_INTERNAL_DIRECTORIES]
     for name in (COPY_NAME, "wrapt", *LIGHTNING_PACKAGES):
         path = getattr(sys.modules.get(name), "__file__", None)
         if path:
             path = os.path.abspath(path)
             internal.append(os.path.dirname(path) + os.sep if os.path.basename(path) == "__init__.py" else path)
     frame: FrameType | None = sys._getframe(1)
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if not (filename.startswith("<frozen importlib") or filename.startswith(tuple(internal))):
-            return frame
+    while frame is not None and frame.f_code.co_filename.startswith(tuple(internal)):
         frame = frame.f_back
-    return None
+    return frame
 
 
 # ----------------------------------------------------------------------------- the rank-zero log
