@@ -7,6 +7,7 @@ namespace it sees execute: the patching code (wrapt, packaging, logging) loads o
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import sys
 import threading
@@ -73,23 +74,21 @@ def deactivate() -> None:
     wrappers = sys.modules.get("_fsdp_shim.wrappers")
     if wrappers is None:
         return
-    for name in NAMESPACES:
-        for fix in (*FIXES, RANK_CHECK):
-            for wrapper, where in wrappers.unpatch(name, fix):
-                label, top = wrapper.shim_state.label, wrappers.found_on_top(wrapper)
-                if where == "under another wrapper":
-                    failures.warn_once(
-                        f"fsdp-shim: deactivated its wrapper on {label} in place, because other code ({top}) "
-                        "has wrapped it since; it now passes every call through, and the other code's wrapper "
-                        "is left as it is",
-                        key=f"buried:{label}",
-                    )
-                elif where == "gone":
-                    failures.warn_once(
-                        f"fsdp-shim: its wrapper on {label} had already been replaced by other code ({top}); "
-                        "nothing of the shim's is left there to remove",
-                        key=f"gone:{label}",
-                    )
+    for name, fix in itertools.product(NAMESPACES, (*FIXES, RANK_CHECK)):
+        for wrapper, where in wrappers.unpatch(name, fix):
+            label, top = wrapper.shim_state.label, wrappers.found_on_top(wrapper)
+            if where == "under another wrapper":
+                failures.warn_once(
+                    f"fsdp-shim: deactivated its wrapper on {label} in place, because other code ({top}) has "
+                    "wrapped it since; it now passes every call through, and the other code's wrapper is left as it is",
+                    key=f"buried:{label}",
+                )
+            elif where == "gone":
+                failures.warn_once(
+                    f"fsdp-shim: its wrapper on {label} had already been replaced by other code ({top}); nothing "
+                    "of the shim's is left there to remove",
+                    key=f"gone:{label}",
+                )
 
 
 def namespace_executed(module: ModuleType, noticed_at: str | None = None) -> None:
