@@ -128,8 +128,7 @@ class ShimWrapper(wrapt.FunctionWrapper):
 
 
 def is_shim_wrapper(obj: object) -> bool:
-    """Whether ``obj`` itself (not what it wraps) is a wrapper of fsdp-shim's, from this copy of this
-    module or an earlier one (a reloaded module defines a new class of the same name)."""
+    """Whether ``obj`` itself (not what it wraps) is a ``ShimWrapper`` of this module or of an earlier copy."""
     return any(k.__name__ == "ShimWrapper" and k.__module__ == __name__ for k in type(obj).__mro__)
 
 
@@ -251,6 +250,7 @@ _retired: list[Any] = []
 """Wrappers on the classes of an earlier copy of a namespace (imported again since): ``unpatch``
 still restores those classes, which old objects may still use."""
 _lock = threading.Lock()
+_Steps = list[tuple[Any, bool]]  # (wrapper, whether it is new) per target, from _resolve
 
 
 def patch(namespace: str, fix: Fix, plan: Plan, *, disabled: bool = False) -> FixStatus:
@@ -308,9 +308,7 @@ def _imported_again(record: _Record, namespace: str, module: Any) -> str | None:
     return None
 
 
-def _decide(
-    namespace: str, fix: Fix, plan: Plan, module: Any, disabled: bool
-) -> _Record | tuple[str, list[tuple[Any, bool]]]:
+def _decide(namespace: str, fix: Fix, plan: Plan, module: Any, disabled: bool) -> _Record | tuple[str, _Steps]:
     """Gate the namespace and resolve every target; nothing is changed yet."""
     version = getattr(module, "__version__", None)
     if not isinstance(version, str):
@@ -328,7 +326,7 @@ def _decide(
     return version, steps
 
 
-def _install_all(module: Any, version: str, steps: list[tuple[Any, bool]]) -> _Record:
+def _install_all(module: Any, version: str, steps: _Steps) -> _Record:
     """Install every new wrapper and switch on every one already there, or none (call with the lock held)."""
     installed: list[Any] = []
     try:
