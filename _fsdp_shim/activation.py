@@ -180,8 +180,7 @@ _STANDARD_FINDERS = ("_frozen_importlib", "_frozen_importlib_external", "importl
 
 
 def _finders_in_front(module: ModuleType) -> str:
-    """The finders on ``sys.meta_path`` in front of the shim's, for messages: what loaded a module
-    the shim did not see execute."""
+    """The finders on ``sys.meta_path`` in front of the shim's: what loaded a module it did not see execute."""
     names = []
     for finder in sys.meta_path:
         if getattr(finder, "__name__", None) == "fsdp_shim_finder":
@@ -196,9 +195,9 @@ def _finders_in_front(module: ModuleType) -> str:
 
 
 def _warn_about_models_already_wrapped(name: str) -> None:
-    """The methods live on the classes, so every strategy and plugin uses the fix from its next
-    ``setup`` on; only parameters FSDP already flattened cannot change. Found by a garbage-collector
-    walk, like gevent's check for stale references."""
+    """The methods live on the classes, so every strategy and plugin uses the fix from its next ``setup`` on;
+    only parameters FSDP already flattened cannot change. Found by a garbage-collector walk, like gevent's
+    check for stale references."""
     trainer = NAMESPACES[name] == "trainer"
     holder_module, holder_class = ("strategies.fsdp", "FSDPStrategy") if trainer else ("wrappers", "_FabricModule")
     holder = getattr(sys.modules.get(f"{name}.{holder_module}"), holder_class, None)

@@ -108,8 +108,7 @@ def user_frame() -> FrameType | None:
 
 # ----------------------------------------------------------------------------- the rank-zero log
 def _logger() -> logging.Logger:
-    """Imports ``logging`` at the first record, not at start-up (it costs milliseconds): by then
-    Lightning, which imports it too, is loaded."""
+    """Imports ``logging`` at the first record, not at start-up (it costs milliseconds): by then Lightning has."""
     import logging
 
     return logging.getLogger("fsdp_shim")

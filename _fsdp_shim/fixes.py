@@ -211,9 +211,9 @@ def convert_before_setup(wrapped: Callable[..., Any], instance: Any, args: Args,
 
 # ----------------------------------------------------------------------------- the recompute
 def in_forward_dtype(function: Callable[..., Any]) -> Callable[..., Any]:
-    """``function``, to be run later in the default dtype that is current now: the checkpointed
-    forward's, for its recompute. Where the dtype is the same then (the forward itself, or any run whose
-    default dtype never changes), it calls ``function`` and nothing else."""
+    """``function``, to be run later in the default dtype current now (the checkpointed forward's, for its
+    recompute). Where the dtype is the same then (the forward itself, or any run whose default dtype never
+    changes), it calls ``function`` and nothing else."""
     import torch  # imported already by Lightning; not at the top, so importing this module does not
 
     dtype = torch.get_default_dtype()

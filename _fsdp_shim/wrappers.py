@@ -118,8 +118,7 @@ class WrapperState:
 
 
 class ShimWrapper(wrapt.FunctionWrapper):
-    """The only kind of wrapper fsdp-shim puts on a Lightning class: ``ShimWrapper(function, state.run,
-    enabled=state)``, so its switch is its state."""
+    """The only kind of wrapper fsdp-shim puts on a class: ``ShimWrapper(function, state.run, enabled=state)``."""
 
     @property
     def shim_state(self) -> WrapperState:
@@ -286,8 +285,7 @@ def patch(namespace: str, fix: Fix, plan: Plan, *, disabled: bool = False) -> Fi
 
 
 def _current(record: _Record | None, namespace: str, module: Any, disabled: bool) -> bool:
-    """Whether ``record`` is in force (not unpatched) for the namespace as imported now, with the fix
-    switched off or not as now."""
+    """Whether ``record`` is in force for the namespace as imported now, with the fix switched off or not as now."""
     if record is None or record.deactivated or record.disabled != disabled:
         return False
     return _imported_again(record, namespace, module) is None
