@@ -1,7 +1,6 @@
-"""``fsdp-shim status``: what this environment holds, what would arm the shim here, and whether the pieces
-agree. Without ``--python-check`` nothing is imported (versions from package metadata, verdicts from the
-fixes' release gates); with it, a fresh interpreter imports Lightning as a training script does, to show
-what the start-up activations actually achieve."""
+"""``fsdp-shim status``: what this environment holds, what would arm the shim here, and whether the pieces agree.
+Nothing is imported (versions from package metadata, verdicts from the fixes' release gates); ``--python-check``
+has a fresh interpreter import Lightning as a training script does, to show what the activations achieve."""
 
 from __future__ import annotations
 
@@ -34,7 +33,6 @@ from _fsdp_shim.distributions import describe_import_failure, distribution_of, n
 from _fsdp_shim.run import BOOTSTRAP_DIRECTORY, bootstrap_on_pythonpath
 
 PYTHON_CHECK = Path(__file__).resolve().parent / "children" / "python_check.py"  # run by its path
-# Where pip puts this installation's ``fsdp_shim_env.pth``: next to the package.
 OWN_ENVIRONMENT_FILE = Path(_fsdp_shim.__file__).resolve().parent.parent / startup_files.ENVIRONMENT_FILE
 Report = dict[str, Any]
 
@@ -108,8 +106,8 @@ def _check_environment_file(report: Report) -> None:
 
 
 def _installed_by_pip() -> bool:
-    """Whether pip put this installation's ``fsdp_shim_env.pth`` next to the package (its record lies
-    there too): a clone's root holds the file as well, as source that no ``site`` reads."""
+    """Whether pip put this installation's ``fsdp_shim_env.pth`` next to the package (its record lies there
+    too): a clone's root holds the file as well, as source that no ``site`` reads."""
     return OWN_ENVIRONMENT_FILE.is_file() and any(OWN_ENVIRONMENT_FILE.parent.glob("fsdp_shim-*.dist-info"))
 
 

@@ -1,13 +1,7 @@
-"""Every rank of a distributed job runs the same fixes, or the job stops before its first optimizer step.
-
-Ranks that differ (``FSDP_SHIM=0`` on one node, a launcher that dropped ``PYTHONPATH``) train without an
-error but in different dtypes, then die in a collective that names no cause or silently diverge. So once
-per attempt of a process group (torchrun's store outlives a restart), at the end of
-``FSDPStrategy.setup_environment`` (no model wrapped yet) in "true"-precision FSDP runs, each rank writes its
-fixes into the group's key-value store, not a collective (a rank without the shim never joins one, and the
-others would hang), and waits for every other rank's, by default as long as the group's own timeout, so the
-shim never stops a job torch would have let run. A failed group fails again at every later call, so a loop
-that catches the error never trains half-patched."""
+"""The rank check (docs/cluster.md): every rank of a distributed job runs the same fixes, or the job stops before
+its first optimizer step, instead of training in different dtypes and dying in a collective that names no cause.
+Ranks meet in the process group's key-value store, not in a collective, which a rank without the shim would never
+join. A failed group fails again at every later call, so a loop that catches the error never trains half-patched."""
 
 from __future__ import annotations
 
@@ -121,7 +115,8 @@ def _behaviour(report: dict[str, Any]) -> tuple[Any, ...]:
 def _exchange(
     store: Any, number: int, rank: int, world_size: int, decision: dict[str, Any], limit: float
 ) -> dict[int, dict[str, Any]]:
-    """Write this rank's key, wait for the others' up to ``limit`` seconds, read what is there."""
+    """Write this rank's key, wait for the others' up to ``limit`` seconds, read what is there. The keys name the
+    torchrun attempt: its store outlives a restart."""
     attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', '-')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     keys = [f"fsdp_shim/rank_check/{attempt}/{number}/{r}" for r in range(world_size)]
     store.set(keys[rank], json.dumps(decision))

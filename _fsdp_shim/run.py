@@ -1,9 +1,7 @@
-"""``fsdp-shim run CMD ...``: exec a command with the shim armed in every Python process it starts.
-
+"""``fsdp-shim run CMD ...``: exec a command with the shim armed in every Python process it starts (docs/activation.md).
 Two ways in, because launchers lose one or the other: ``FSDP_SHIM=1`` (set when unset) arms any interpreter with
 fsdp-shim installed, even where a job script overwrites ``PYTHONPATH``; the bootstrap ``sitecustomize`` first on
-``PYTHONPATH`` arms one of another environment. A launcher that drops both (``srun --export=...``, ``env -i``,
-``sudo``) is warned about before the exec (docs/activation.md)."""
+``PYTHONPATH`` arms one of another environment. A launcher that drops both is warned about before the exec."""
 
 from __future__ import annotations
 
@@ -32,16 +30,15 @@ SKIPPING_FLAGS = {
 
 
 def bootstrap_pythonpath(environ: Mapping[str, str]) -> str:
-    """PYTHONPATH with the bootstrap folder first, once, and every other entry kept as written: an
-    empty one is the current directory (``export PYTHONPATH=$PYTHONPATH:/x`` makes one)."""
+    """PYTHONPATH with the bootstrap folder first, once, and every other entry as written (an empty one is the
+    current directory: ``export PYTHONPATH=$PYTHONPATH:/x`` makes one)."""
     current = environ.get("PYTHONPATH", "")
     entries = [e for e in current.split(os.pathsep) if not (e and os.path.realpath(e) == BOOTSTRAP_DIRECTORY)]
     return os.pathsep.join([BOOTSTRAP_DIRECTORY, *entries]) if current else BOOTSTRAP_DIRECTORY
 
 
 def bootstrap_on_pythonpath(environ: Mapping[str, str]) -> list[str]:
-    """Entries of PYTHONPATH that look like an fsdp-shim bootstrap folder (this one or another), existing
-    or not: a stale entry is worth reporting too."""
+    """Entries of PYTHONPATH that look like any fsdp-shim's bootstrap folder, existing or not (stale ones too)."""
     entries, owners = environ.get("PYTHONPATH", "").split(os.pathsep), ("_fsdp_shim", "fsdp_shim")
     return [e for e in entries if e and Path(e).name == "bootstrap" and Path(e).parent.name in owners]
 
@@ -69,8 +66,8 @@ def python_command(command: list[str]) -> list[str] | None:
 
 
 def _has_this_fsdp_shim(python: list[str]) -> bool:
-    """Whether ``python`` is this very interpreter (links not resolved: a virtual environment's python
-    links to its base) and this one has the start-up file pip installs."""
+    """Whether ``python`` is this very interpreter (links unresolved: a venv's python links to its base) with the
+    start-up file pip installs."""
     found = shutil.which(python[0])
     this_one = found is not None and os.path.abspath(found) == os.path.abspath(sys.executable)
     return this_one and any((directory / ENVIRONMENT_FILE).is_file() for directory in site_directories())
@@ -142,9 +139,7 @@ _LAUNCHERS = {
 # Where srun and sbatch read --export when it is not given (SRUN_EXPORT_ENV overrides SLURM_EXPORT_ENV).
 # salloc has neither the option nor such a variable: its command gets the caller's environment.
 _SLURM_EXPORT_VARIABLES = {"srun": ("SRUN_EXPORT_ENV", "SLURM_EXPORT_ENV"), "sbatch": ("SBATCH_EXPORT",)}
-# What `fsdp-shim run` gives its command: the bootstrap arms any Python (or says why it cannot),
-# FSDP_SHIM one with fsdp-shim installed, as the Python the user means has. Either one reaching the
-# command counts, except where sudo picks the Python (`_through_sudo`).
+# What `fsdp-shim run` gives its command: either one reaching it counts, except where sudo picks the Python.
 _SHIM_VARIABLES = frozenset(("PYTHONPATH", SHIM_VARIABLE))
 _Options = list[tuple[str, Optional[str]]]  # a launcher's options as (name, value) pairs
 
@@ -154,10 +149,9 @@ def _is_assignment(word: str) -> bool:
 
 
 def _leading_options(words: list[str], syntax: _Syntax) -> tuple[_Options, list[str], list[str]]:
-    """A launcher's options, its NAME=VALUE words, and the command it starts, read as the launcher reads
-    them, so that no value is taken for the command, nor the command's option for the launcher's:
-    ``sudo -uE python`` is user "E" (no -E), ``sudo -Eu bob python`` is -E and user "bob", ``srun -N 2
-    python`` runs python, and in ``sudo -u bob python -E`` the -E is python's."""
+    """A launcher's options, its NAME=VALUE words, and the command it starts, read as the launcher reads them:
+    ``sudo -uE python`` is user "E" (no -E), ``sudo -Eu bob python`` is -E and user "bob", ``srun -N 2 python``
+    runs python, and in ``sudo -u bob python -E`` the -E is python's."""
     options: _Options = []
     assignments: list[str] = []
     index = 0
@@ -196,9 +190,8 @@ def _leading_options(words: list[str], syntax: _Syntax) -> tuple[_Options, list[
 
 
 def _assign(reaching: frozenset[str], assignments: list[str]) -> frozenset[str]:
-    """``reaching`` after NAME=VALUE words. ``FSDP_SHIM=`` anything reaches (``=0`` is off on purpose).
-    ``PYTHONPATH=VALUE`` reaches only with a bootstrap folder in VALUE, which a typed value lacks (the
-    shell expands ``$PYTHONPATH`` before fsdp-shim run adds the folder)."""
+    """``reaching`` after NAME=VALUE words: ``FSDP_SHIM=`` anything reaches (``=0`` is off on purpose),
+    ``PYTHONPATH=VALUE`` only with a bootstrap folder in VALUE (a shell expands ``$PYTHONPATH`` before run adds it)."""
     result = set(reaching)
     for assignment in assignments:
         name, _, value = assignment.partition("=")
@@ -212,10 +205,9 @@ def _assign(reaching: frozenset[str], assignments: list[str]) -> frozenset[str]:
 def _through_slurm(
     program: str, options: _Options, environ: Mapping[str, str], reaching: frozenset[str]
 ) -> tuple[frozenset[str], str]:
-    """What reaches the tasks of srun or sbatch, and the warning if that is nothing. Read as srun's
-    _build_user_env reads it: the list ends at a NONE, an ALL before it exports everything, both in any
-    case (xstrcasecmp); otherwise only the names listed and NAME=VALUE pairs reach the tasks."""
-    # The last --export option, else the first variable set (``SLURM_EXPORT_ENV=NONE``); neither: ALL.
+    """What reaches the tasks of srun or sbatch, and the warning if that is nothing. The last --export, else the
+    first variable set; neither: ALL. Read as srun's _build_user_env reads it: the list ends at a NONE, an ALL
+    before it exports everything, both in any case; otherwise only the names listed and NAME=VALUE pairs reach."""
     given = [f"--export={value}" for name, value in options if name == "export" and value is not None]
     given = given[-1:] or [f"{name}={environ[name]}" for name in _SLURM_EXPORT_VARIABLES[program] if name in environ]
     if not given:
@@ -251,11 +243,10 @@ def _through_env(options: _Options, assignments: list[str], reaching: frozenset[
 def _through_sudo(
     options: _Options, assignments: list[str], command: list[str], reaching: frozenset[str]
 ) -> tuple[frozenset[str], str]:
-    """What reaches the command ``sudo`` runs, as sudo 1.9 with the default sudoers policy passes it.
-    Without -E: env_reset, neither variable. ``-E`` / ``--preserve-env`` keeps the environment but
-    deletes PYTHONPATH (sudo's built-in unsafe list) and looks the command up on secure_path: FSDP_SHIM
-    alone counts only for a command named by its path (a bare ``python`` is typically the system's,
-    which runs unpatched and says nothing). ``--preserve-env=LIST`` passes what it lists."""
+    """What reaches the command ``sudo`` 1.9 runs with the default sudoers policy. Without -E: neither variable.
+    ``-E`` keeps the environment but deletes PYTHONPATH and looks the command up on secure_path: FSDP_SHIM alone
+    counts only for a command named by its path (a bare ``python`` is typically the system's, which runs
+    unpatched and says nothing). ``--preserve-env=LIST`` passes what it lists."""
     keeps_all = any(name in ("E", "preserve-env") and value is None for name, value in options)
     by_path = keeps_all and bool(command) and "/" in command[0]  # then FSDP_SHIM reaches the Python named
     listed = {name for option, value in options if option == "preserve-env" and value for name in value.split(",")}
@@ -282,11 +273,10 @@ def _through_sudo(
 
 
 def environment_warnings(command: list[str], environ: Mapping[str, str]) -> list[str]:
-    """A warning naming the launcher in ``command`` at which the shim is lost (every rank would train
-    unpatched with exit code 0), else an empty list. Only the launcher chain at the start counts
-    (``srun ... env ... sudo ... python``), each passing on some of what reached it. It ends at the
-    first other program (``python train.py --name sudo`` is no sudo), after sbatch (its operand is a
-    job script), or at ``fsdp-shim run``, which checks its own command. ``&&`` is just an argument."""
+    """A warning naming the launcher in ``command`` at which the shim is lost (every rank would train unpatched
+    with exit code 0), else an empty list. Only the launcher chain at the start counts (``srun ... env ... sudo
+    ... python``); it ends at the first other program, after sbatch (its operand is a job script), or at
+    ``fsdp-shim run``, which checks its own command."""
     reaching = _SHIM_VARIABLES
     warning = ""
     words = command

@@ -1,10 +1,8 @@
-"""``fsdp-shim install`` / ``uninstall`` (docs/activation.md): a copy of the start-up module, which arms itself
-when imported as ``COPY_NAME`` (a copy, so that what ``pip uninstall fsdp-shim`` leaves behind still imports);
-``fsdp_shim.pth``, a bare import of it (``site`` compiles every ``.pth`` line at every start: a call after the
-import cost 0.1 M instructions more); and ``fsdp_shim.start``, the same as a PEP 829 entry point (Python 3.15+
-then ignores the ``.pth`` line). A file at one of these names whose first line is ``MARKER`` is fsdp-shim's,
-whatever wrote it or was appended later. The files change all together or not at all: a ``.pth`` without its
-module prints a traceback at every interpreter start."""
+"""``fsdp-shim install`` / ``uninstall`` (docs/activation.md): ``COPY_FILE``, a copy of the start-up module (so
+that what ``pip uninstall fsdp-shim`` leaves behind still imports); ``fsdp_shim.pth``, a bare import of it (``site``
+compiles every ``.pth`` line at every start: a call after the import cost 0.1 M instructions more); and
+``fsdp_shim.start``, its PEP 829 entry point. A file at these names whose first line is ``MARKER`` is fsdp-shim's.
+The files change all together or not at all: a ``.pth`` without its module prints a traceback at every start."""
 
 from __future__ import annotations
 
@@ -40,8 +38,8 @@ class ForeignFileError(StartupFileError):
 
 
 def file_texts() -> dict[str, str]:
-    """What this version writes at each name, in the order it writes them (``remove_files`` goes the
-    other way), so a starting interpreter never finds the ``.pth`` without the module it imports."""
+    """What this version writes at each name, in the order it writes them (``remove_files`` goes the other way),
+    so a starting interpreter never finds the ``.pth`` without the module it imports."""
     try:  # through the loader, so that a zip import works too
         source = _fsdp_shim.__loader__.get_source("_fsdp_shim")  # type: ignore[union-attr]
     except Exception as error:
@@ -129,10 +127,9 @@ def find() -> list[Existing]:
 
 
 def copy_imported_instead(directory: Path) -> Path | None:
-    """The module that ``directory``'s ``.pth`` imports in place of a current copy (a missing copy by its
-    path), or ``None``: it imports by name, so a file of that name earlier on ``sys.path`` runs instead
-    and silently arms nothing. ``site`` reads it before ``sys.path[0]`` (the script's folder) is added,
-    with only the entries before ``directory`` in place."""
+    """The module that ``directory``'s ``.pth`` imports by name in place of a current copy (a missing copy by its
+    path), or ``None``. ``site`` reads the ``.pth`` with only the entries before ``directory`` on ``sys.path``, and
+    before ``sys.path[0]`` (the script's folder) is added."""
     search_path = sys.path if sys.flags.safe_path else sys.path[1:]
     position = [canonical(entry or os.curdir) for entry in search_path]
     own = canonical(directory)
@@ -158,10 +155,9 @@ class Written:
 
 
 def write_files(directory: Path, create: bool = False, replace_foreign: bool = False) -> Written:
-    """Write every file, or none; idempotent. ``create`` makes a missing directory; a file that is not fsdp-shim's
-    is replaced only with ``replace_foreign``. Each file is written by ``tempfile.mkstemp`` (exclusively: never
-    through a link planted in a shared site-packages) and renamed over its name (replacing a link, not writing
-    through it): a starting interpreter sees the old file or the new one, and concurrent installs all succeed."""
+    """Write every file, or none; idempotent. Each is made by ``mkstemp`` (never through a link planted in a shared
+    site-packages) and renamed over its name: a starting interpreter sees the old file or the new one, and
+    concurrent installs all succeed."""
     if not directory.is_dir():
         if directory.exists():
             raise StartupFileError(f"{directory} is not a directory")
@@ -205,15 +201,13 @@ def write_files(directory: Path, create: bool = False, replace_foreign: bool = F
     finally:
         for temporary, _ in temporaries:
             _unlink(Path(temporary))
-    with contextlib.suppress(OSError, py_compile.PyCompileError):
-        # Now, so that no interpreter compiles it at start-up (site-packages may be read-only for them).
+    with contextlib.suppress(OSError, py_compile.PyCompileError):  # now: site-packages may be read-only at start-up
         py_compile.compile(str(directory / COPY_FILE), doraise=True)
     return result
 
 
 def remove_files(directory: Path) -> tuple[list[Path], list[Existing]]:
-    """Remove fsdp-shim's files and the copy's ``.pyc`` files, all or none (none where any file at the
-    names is someone else's); returns (removed, left)."""
+    """Remove fsdp-shim's files and the copy's ``.pyc`` files, or none where any is someone else's: (removed, left)."""
     found = (inspect(directory / name, None) for name in reversed(list(file_texts())))
     present = [existing for existing in found if existing.kind != "missing"]
     left = [existing for existing in present if existing.kind not in ("current", "ours")]

@@ -1,11 +1,7 @@
 """Start-up hook that ``fsdp-shim run`` puts first on ``PYTHONPATH``: arms the shim, then imports the
-``sitecustomize`` it shadows exactly once (docs/activation.md, section 2). Where arming fails (another
-environment's interpreter), the first Lightning import says so, and fails in strict mode.
-
-Every Python that ``run`` starts runs this file, ``python2.7`` too: so it parses under any Python (no
-f-strings, no annotations), and under one older than 3.9 only chains, silently. It runs in every
-process the command starts: import nothing heavy here.
-"""
+``sitecustomize`` it shadows exactly once (docs/activation.md). Where arming fails (another environment's
+interpreter), the first Lightning import says so, and fails in strict mode. Every process the command starts
+runs this file, ``python2.7`` too: so it imports nothing heavy, and under a Python older than 3.9 only chains."""
 # ruff: noqa: ANN001, ANN202, ANN204, UP031  (parsed by every Python: no annotations, no f-strings)
 
 import os
@@ -25,9 +21,8 @@ def _arm_shim():
 
 
 def _startup_module():
-    """The start-up module (``_fsdp_shim/__init__.py``, standard library only), loaded by its path
-    under another name, which runs nothing: it cannot be imported (why arming failed), and it holds the
-    one table of Lightning namespaces and the one switch parser. ``None`` where it cannot be read."""
+    """``_fsdp_shim/__init__.py`` (Lightning's namespaces, the switch parser), loaded by its path under another
+    name, which runs nothing: it cannot be imported (why arming failed). ``None`` where it cannot be read."""
     try:
         import importlib.util
 
@@ -41,8 +36,8 @@ def _startup_module():
 
 
 class _NotArmed:
-    """Finder that reports, once, that the shim could not be armed: at the first Lightning import (at the
-    first import of anything where the start-up module cannot be read either)."""
+    """Finder that says, once, that the shim could not be armed: at the first Lightning import (of anything
+    where the start-up module cannot be read either)."""
 
     def __init__(self, error, startup):
         self.error = error
@@ -69,8 +64,8 @@ def _packages(startup):
 
 
 def _run_shadowed_sitecustomize():
-    """Import the next ``sitecustomize``, with only this folder (and any alias) off ``sys.path`` for
-    good, so that the entries the other module adds stay."""
+    """Import the next ``sitecustomize`` with only this folder (and any alias) off ``sys.path``, for good: the
+    entries that module adds stay."""
     here = os.path.realpath(_HERE)
     this_module = sys.modules.pop(__name__, None)
     sys.path[:] = [entry for entry in sys.path if os.path.realpath(entry or os.curdir) != here]
