@@ -1,6 +1,5 @@
-"""Which Lightning packages are installed, and why one fails to import, for ``fsdp-shim status`` and
-``verify``: one whose import fails must not be left out (a broken ``lightning`` next to a working
-``pytorch_lightning`` once got a "not needed" verdict for the wrong package)."""
+"""Which Lightning packages are installed, and why one fails to import, for ``status`` and ``verify``: a broken
+``lightning`` next to a working ``pytorch_lightning`` once got a "not needed" verdict for the wrong package."""
 
 from __future__ import annotations
 
@@ -22,8 +21,7 @@ def installed_packages() -> list[str]:
 
 
 def distribution_of(package: str) -> tuple[str, str] | None:
-    """``(distribution, version)`` that provides the top-level ``package``, from metadata (so it also
-    answers for a package whose import fails)."""
+    """``(distribution, version)`` that provides ``package``, from metadata (so also where its import fails)."""
     try:
         names = metadata.packages_distributions().get(package, [])
     except AttributeError:  # Python 3.9
@@ -44,8 +42,7 @@ def import_failure(error: BaseException) -> list[str | None]:
 
 
 def describe_import_failure(name: str, failure: list[str | None]) -> str:
-    """One line naming the package or namespace ``name``, the release installed, the cause, and the
-    fix where it is known."""
+    """One line naming the package or namespace ``name``, its release, the cause, and the fix where known."""
     kind, message, missing = failure
     found = distribution_of(name.partition(".")[0])
     installed = f" ({found[0]} {found[1]})" if found else ""

@@ -106,8 +106,7 @@ def _check_environment_file(report: Report) -> None:
 
 
 def _installed_by_pip() -> bool:
-    """Whether pip put this installation's ``fsdp_shim_env.pth`` next to the package (its record lies there
-    too): a clone's root holds the file as well, as source that no ``site`` reads."""
+    """Whether pip put ``fsdp_shim_env.pth`` next to the package (a clone's root holds it too, as mere source)."""
     return OWN_ENVIRONMENT_FILE.is_file() and any(OWN_ENVIRONMENT_FILE.parent.glob("fsdp_shim-*.dist-info"))
 
 

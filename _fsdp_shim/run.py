@@ -30,8 +30,7 @@ SKIPPING_FLAGS = {
 
 
 def bootstrap_pythonpath(environ: Mapping[str, str]) -> str:
-    """PYTHONPATH with the bootstrap folder first, once, and every other entry as written (an empty one is the
-    current directory: ``export PYTHONPATH=$PYTHONPATH:/x`` makes one)."""
+    """PYTHONPATH with the bootstrap folder first, once, and every other entry as written (an empty one too)."""
     current = environ.get("PYTHONPATH", "")
     entries = [e for e in current.split(os.pathsep) if not (e and os.path.realpath(e) == BOOTSTRAP_DIRECTORY)]
     return os.pathsep.join([BOOTSTRAP_DIRECTORY, *entries]) if current else BOOTSTRAP_DIRECTORY
@@ -66,8 +65,7 @@ def python_command(command: list[str]) -> list[str] | None:
 
 
 def _has_this_fsdp_shim(python: list[str]) -> bool:
-    """Whether ``python`` is this very interpreter (links unresolved: a venv's python links to its base) with the
-    start-up file pip installs."""
+    """Whether ``python`` is this interpreter (links kept: a venv's links to its base) with pip's start-up file."""
     found = shutil.which(python[0])
     this_one = found is not None and os.path.abspath(found) == os.path.abspath(sys.executable)
     return this_one and any((directory / ENVIRONMENT_FILE).is_file() for directory in site_directories())
@@ -136,8 +134,7 @@ _LAUNCHERS = {
         assignments=True,
     ),
 }
-# Where srun and sbatch read --export when it is not given (SRUN_EXPORT_ENV overrides SLURM_EXPORT_ENV).
-# salloc has neither the option nor such a variable: its command gets the caller's environment.
+# Where srun and sbatch read --export when it is not given, the first one set wins (salloc has neither).
 _SLURM_EXPORT_VARIABLES = {"srun": ("SRUN_EXPORT_ENV", "SLURM_EXPORT_ENV"), "sbatch": ("SBATCH_EXPORT",)}
 # What `fsdp-shim run` gives its command: either one reaching it counts, except where sudo picks the Python.
 _SHIM_VARIABLES = frozenset(("PYTHONPATH", SHIM_VARIABLE))

@@ -58,7 +58,6 @@ def file_texts() -> dict[str, str]:
 
 
 def default_directory(user: bool = False) -> Path:
-    """Where ``install`` writes without ``--target``: this interpreter's site-packages (or user site)."""
     return Path(site.getusersitepackages()) if user else Path(sysconfig.get_paths()["purelib"])
 
 
@@ -155,9 +154,8 @@ class Written:
 
 
 def write_files(directory: Path, create: bool = False, replace_foreign: bool = False) -> Written:
-    """Write every file, or none; idempotent. Each is made by ``mkstemp`` (never through a link planted in a shared
-    site-packages) and renamed over its name: a starting interpreter sees the old file or the new one, and
-    concurrent installs all succeed."""
+    """Write every file, or none; idempotent. Each is made by ``mkstemp`` (never through a planted link) and renamed
+    over its name: a starting interpreter sees the old file or the new one; concurrent installs all succeed."""
     if not directory.is_dir():
         if directory.exists():
             raise StartupFileError(f"{directory} is not a directory")

@@ -36,8 +36,7 @@ def _startup_module():
 
 
 class _NotArmed:
-    """Finder that says, once, that the shim could not be armed: at the first Lightning import (of anything
-    where the start-up module cannot be read either)."""
+    """Finder that says, once, at the first Lightning import, that the shim could not be armed."""
 
     def __init__(self, error, startup):
         self.error = error
@@ -64,8 +63,7 @@ def _packages(startup):
 
 
 def _run_shadowed_sitecustomize():
-    """Import the next ``sitecustomize`` with only this folder (and any alias) off ``sys.path``, for good: the
-    entries that module adds stay."""
+    """Import the next ``sitecustomize``, with only this folder off ``sys.path`` (for good: that module's stay)."""
     here = os.path.realpath(_HERE)
     this_module = sys.modules.pop(__name__, None)
     sys.path[:] = [entry for entry in sys.path if os.path.realpath(entry or os.curdir) != here]

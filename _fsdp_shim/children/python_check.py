@@ -1,6 +1,5 @@
-"""``fsdp-shim status --python-check``'s child: ``python <this file> OUT.json``. Imports every installed Lightning
-package as a training script does, without activating the shim itself, and writes what the shim did to ``OUT.json``,
-not to stdout, which the environment's start-up code (an ``atexit`` print in a sitecustomize) may write to as well."""
+"""``python <this file> OUT.json``, ``status --python-check``'s child: imports Lightning as a training script does
+and writes what the shim did to ``OUT.json``, not to stdout, where the environment's start-up code may print too."""
 
 from __future__ import annotations
 
@@ -17,7 +16,6 @@ ROOT = os.path.dirname(os.path.dirname(HERE))  # holds _fsdp_shim: site-packages
 
 
 def check() -> dict[str, Any]:
-    """Import every installed Lightning package; what imported, what failed and what the shim did."""
     borrowed = importlib.util.find_spec("_fsdp_shim") is None
     if borrowed:  # a clone run uninstalled: last on the path, and only for this import
         sys.path.append(ROOT)

@@ -1,6 +1,5 @@
-"""``fsdp-shim verify``'s probe: ``python <this file> REQUEST_JSON`` runs ``_fsdp_shim.verify.probe.main``.
-Run by its path (see ``__init__.py``); Lightning's launcher re-runs ``sys.argv``, this same file with the
-same request, on every other rank, so every rank starts here."""
+"""``python <this file> REQUEST_JSON``: verify's probe, run by its path (see ``__init__.py``). Lightning's launcher
+re-runs ``sys.argv``, this same file with the same request, on every other rank, so every rank starts here."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""``fsdp-shim verify`` (docs/verify.md): read every installed Trainer namespace (the gate probe), train
-what it cannot decide with the shim off and on, print a verdict per fix. Each probe runs the child script
-with a ``ProbeRequest`` and writes files: ``gate.json``, ``<out>.rank<N>.json`` or ``<out>.rank<N>.error.json``."""
+"""``fsdp-shim verify`` (docs/verify.md): read every installed Trainer namespace (the gate probe), train what it
+cannot decide with the shim off and on (measure probes), print a verdict per fix."""
 
 from __future__ import annotations
 
@@ -38,7 +37,6 @@ class Stop(Exception):
 
 
 def environment_problem() -> str | None:
-    """Why verify cannot run in this interpreter at all (no torch, no Lightning), if it cannot."""
     if importlib.util.find_spec("torch") is None:
         return (
             f"torch is not installed in this interpreter ({sys.executable}); install torch (pinned) and "

@@ -1,8 +1,7 @@
-"""Let real FSDP run on CPU with gloo in processes that only measure (verify's probes, benchmarks, test
-scenarios), never in training: torch refuses CPU modules unless ``device_id`` is ``torch.device("cpu")``
-(Lightning passes ``None``), and Lightning's ``_check_strategy_and_fallback`` raises for FSDP without a GPU
-(2.1.x/2.2.x via ``isinstance``: no subclass helps) and does nothing else for a strategy instance. Uses only
-torch and Lightning; lifting twice changes nothing."""
+"""Let real FSDP run on CPU with gloo in processes that only measure (verify's probes, benchmarks, test scenarios),
+never in training: torch refuses CPU modules unless ``device_id`` is ``torch.device("cpu")`` (Lightning passes
+``None``), and Lightning's ``_check_strategy_and_fallback`` raises for FSDP without a GPU (2.1.x/2.2.x via
+``isinstance``: no subclass helps) and does nothing else for a strategy instance. Lifting twice changes nothing."""
 
 from __future__ import annotations
 

@@ -12,7 +12,6 @@ from _fsdp_shim.verify.records import RankResult
 
 
 def flat_parameters(root: Any) -> list[Any]:
-    """FSDP's flat parameters under ``root``, one per FSDP unit that holds parameters."""
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     return [m._handle.flat_param for m in root.modules() if isinstance(m, FSDP) and m._handle is not None]

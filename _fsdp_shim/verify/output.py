@@ -117,7 +117,6 @@ def render_section(section: Section, options: Options, used: set[str]) -> list[s
 
 
 def render(sections: list[Section], options: Options) -> str:
-    """The whole text report: a header, every section, the terms used, and the overall verdict."""
     lines = [f"fsdp-shim verify ({options.precision}, {options.devices} device(s), {options.steps} steps)", ""]
     used: set[str] = set()
     for section in sections:

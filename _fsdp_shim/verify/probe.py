@@ -1,6 +1,5 @@
-"""The verify probe (``children/verify_probe.py REQUEST_JSON``): ``gate`` reads every installed Trainer
-namespace and refuses unusable user modules before anything trains; ``measure`` trains with FSDP and writes
-a ``RankResult`` per rank. Exits 0 (done), 1 (the user's code raised) or 2 (a usage problem)."""
+"""The verify probe: ``gate`` reads every installed Trainer namespace and refuses unusable user modules before
+anything trains; ``measure`` trains with FSDP and writes a ``RankResult`` per rank."""
 
 from __future__ import annotations
 
@@ -75,7 +74,6 @@ def checked(spec: str, kind: str) -> Any:
 
 
 def check_training_data(spec: str, model: Any, namespace: str) -> None:
-    """Without ``--datamodule``, a LightningModule (class or instance) needs its own ``train_dataloader``."""
     cls = model if isinstance(model, type) else type(model)
     if cls.train_dataloader is sys.modules[namespace].LightningModule.train_dataloader:
         raise usage_error(f"{spec} has no train_dataloader; pass --datamodule module:attr")

@@ -1,6 +1,5 @@
 """The model verify trains without ``--model``: two copies of Lightning's demo Transformer, one built in
-``configure_model``, one loaded in float32 as ``from_pretrained`` does, each its own FSDP unit (one flat
-parameter cannot mix dtypes), both reported."""
+``configure_model``, one loaded in float32 as ``from_pretrained`` does, each its own FSDP unit (no mixed dtypes)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The verdicts per fix ("fixed", "not needed" or "FAILED", with the reason): what verify promises. The
-recompute compares each checkpointed run with the unchecked one in the same shim state (on 2.1-2.4 the cast
-alone makes shim-off and shim-on runs differ)."""
+"""The verdicts per fix: what verify promises. The recompute compares each checkpointed run with the unchecked one
+in the same shim state (on 2.1-2.4 the cast alone makes shim-off and shim-on runs differ)."""
 
 from __future__ import annotations
 
@@ -131,7 +130,7 @@ def judge_recompute(
 
 
 def overall(sections: list[Section]) -> tuple[str, str]:
-    """One verdict for the whole run: FAILED if any verdict failed, else fixed if any was fixed."""
+    """One verdict for the whole run, and every section's in one line."""
     verdicts = {s.verdict for s in sections} | {e["verdict"] for s in sections for e in s.fixes}
     verdict = "FAILED" if "FAILED" in verdicts else ("fixed" if "fixed" in verdicts else "not needed")
     parts = [(s, next((e["verdict"] for e in s.fixes if e["fix"] == RECOMPUTE.name), None)) for s in sections]
