@@ -1,7 +1,6 @@
-"""``fsdp-shim run CMD ...``: exec a command with the shim armed in every Python process it starts (docs/activation.md).
-Two ways in, because launchers lose one or the other: ``FSDP_SHIM=1`` (set when unset) arms any interpreter with
-fsdp-shim installed, even where a job script overwrites ``PYTHONPATH``; the bootstrap ``sitecustomize`` first on
-``PYTHONPATH`` arms one of another environment. A launcher that drops both is warned about before the exec."""
+"""``fsdp-shim run CMD ...`` (docs/activation.md), two ways in, because launchers lose one or the other: ``FSDP_SHIM=1``
+arms any interpreter with fsdp-shim installed, even where a job script overwrites ``PYTHONPATH``; the bootstrap
+``sitecustomize`` first on ``PYTHONPATH`` arms one of another environment. A launcher that drops both is warned of."""
 
 from __future__ import annotations
 
@@ -240,10 +239,9 @@ def _through_env(options: _Options, assignments: list[str], reaching: frozenset[
 def _through_sudo(
     options: _Options, assignments: list[str], command: list[str], reaching: frozenset[str]
 ) -> tuple[frozenset[str], str]:
-    """What reaches the command ``sudo`` 1.9 runs with the default sudoers policy. Without -E: neither variable.
-    ``-E`` keeps the environment but deletes PYTHONPATH and looks the command up on secure_path: FSDP_SHIM alone
-    counts only for a command named by its path (a bare ``python`` is typically the system's, which runs
-    unpatched and says nothing). ``--preserve-env=LIST`` passes what it lists."""
+    """What reaches the command ``sudo`` 1.9 runs with the default policy. ``-E`` deletes PYTHONPATH and looks the
+    command up on secure_path: FSDP_SHIM alone counts only for a command named by its path (a bare ``python`` is
+    typically the system's, which runs unpatched and says nothing)."""
     keeps_all = any(name in ("E", "preserve-env") and value is None for name, value in options)
     by_path = keeps_all and bool(command) and "/" in command[0]  # then FSDP_SHIM reaches the Python named
     listed = {name for option, value in options if option == "preserve-env" and value for name in value.split(",")}
@@ -271,9 +269,8 @@ def _through_sudo(
 
 def environment_warnings(command: list[str], environ: Mapping[str, str]) -> list[str]:
     """A warning naming the launcher in ``command`` at which the shim is lost (every rank would train unpatched
-    with exit code 0), else an empty list. Only the launcher chain at the start counts (``srun ... env ... sudo
-    ... python``); it ends at the first other program, after sbatch (its operand is a job script), or at
-    ``fsdp-shim run``, which checks its own command."""
+    with exit code 0), else an empty list. Only the launcher chain at the start counts: it ends at the first other
+    program, after sbatch (its operand is a job script), or at ``fsdp-shim run``, which checks its own command."""
     reaching = _SHIM_VARIABLES
     warning = ""
     words = command

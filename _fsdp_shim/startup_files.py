@@ -1,8 +1,7 @@
-"""``fsdp-shim install`` / ``uninstall`` (docs/activation.md): ``COPY_FILE``, a copy of the start-up module (so
-that what ``pip uninstall fsdp-shim`` leaves behind still imports); ``fsdp_shim.pth``, a bare import of it (``site``
-compiles every ``.pth`` line at every start: a call after the import cost 0.1 M instructions more); and
-``fsdp_shim.start``, its PEP 829 entry point. A file at these names whose first line is ``MARKER`` is fsdp-shim's.
-The files change all together or not at all: a ``.pth`` without its module prints a traceback at every start."""
+"""``fsdp-shim install`` / ``uninstall`` (docs/activation.md). The start-up module is copied, so that what ``pip
+uninstall`` leaves behind still imports; ``fsdp_shim.pth`` only imports it (``site`` compiles every ``.pth`` line at
+every start: a call after the import cost 0.1 M instructions more). The files change all together or not at all:
+a ``.pth`` without its module prints a traceback at every start. A file whose first line is ``MARKER`` is ours."""
 
 from __future__ import annotations
 
@@ -81,8 +80,7 @@ class Existing:
 
     path: Path
     kind: str
-    """``missing``, ``current`` (this version's text), ``ours`` (the marker first: an earlier version's
-    file or an edited one), ``foreign`` (a file without the marker), ``link``, ``directory``, ``special``."""
+    """``missing``, ``current``, ``ours`` (marked: old or edited), ``foreign``, ``link``, ``directory``, ``special``"""
 
     def why_not_ours(self) -> str:
         return {

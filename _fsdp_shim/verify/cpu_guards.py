@@ -1,7 +1,6 @@
-"""Let real FSDP run on CPU with gloo in processes that only measure (verify's probes, benchmarks, test scenarios),
-never in training: torch refuses CPU modules unless ``device_id`` is ``torch.device("cpu")`` (Lightning passes
-``None``), and Lightning's ``_check_strategy_and_fallback`` raises for FSDP without a GPU (2.1.x/2.2.x via
-``isinstance``: no subclass helps) and does nothing else for a strategy instance. Lifting twice changes nothing."""
+"""Let real FSDP run on CPU with gloo in processes that only measure, never in training: torch refuses CPU modules
+unless ``device_id`` is ``torch.device("cpu")`` (Lightning passes ``None``), and Lightning's
+``_check_strategy_and_fallback`` raises for FSDP without a GPU (2.1.x/2.2.x via ``isinstance``: no subclass helps)."""
 
 from __future__ import annotations
 
@@ -38,7 +37,7 @@ def lift(*namespaces: str) -> None:
 
         def not_for_fsdp(original: Callable[[Any], None], fsdp: type = fsdp_strategy) -> Callable[[Any], None]:
             def _check_strategy_and_fallback(self: Any) -> None:
-                if not isinstance(self._strategy_flag, fsdp):
+                if not isinstance(self._strategy_flag, fsdp):  # it does nothing else for a strategy instance
                     original(self)
 
             return _check_strategy_and_fallback
