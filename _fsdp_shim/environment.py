@@ -88,8 +88,7 @@ def _check_toggles(report: Report) -> None:
 
 
 def _check_environment_file(report: Report) -> None:
-    """``FSDP_SHIM=1`` arms the shim only where ``site`` reads this installation's start-up file, which
-    a ``PYTHONPATH`` folder (``pip install --target``) or a clone never is."""
+    """``FSDP_SHIM=1`` arms only where ``site`` reads our start-up file: never in a PYTHONPATH folder or a clone."""
     read = [d / startup_files.ENVIRONMENT_FILE for d in startup_files.site_directories()]
     found = next((path for path in read if path.is_file()), None)
     report["environment_file"] = {

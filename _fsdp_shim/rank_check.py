@@ -115,8 +115,7 @@ def _behaviour(report: dict[str, Any]) -> tuple[Any, ...]:
 def _exchange(
     store: Any, number: int, rank: int, world_size: int, decision: dict[str, Any], limit: float
 ) -> dict[int, dict[str, Any]]:
-    """Write this rank's key, wait for the others' up to ``limit`` seconds, read what is there. The keys name the
-    torchrun attempt: its store outlives a restart."""
+    """Write this rank's key (per torchrun attempt: its store outlives a restart), wait ``limit`` s for the others'."""
     attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', '-')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
     keys = [f"fsdp_shim/rank_check/{attempt}/{number}/{r}" for r in range(world_size)]
     store.set(keys[rank], json.dumps(decision))

@@ -21,8 +21,7 @@ def _arm_shim():
 
 
 def _startup_module():
-    """``_fsdp_shim/__init__.py`` (Lightning's namespaces, the switch parser), loaded by its path under another
-    name, which runs nothing: it cannot be imported (why arming failed). ``None`` where it cannot be read."""
+    """``_fsdp_shim/__init__.py``, which cannot be imported, loaded by its path under a name that runs nothing."""
     try:
         import importlib.util
 
