@@ -221,13 +221,19 @@ def _warn_about_models_already_wrapped(name: str) -> None:
 # ----------------------------------------------------------------------------- status
 def status() -> ShimStatus:
     """Per namespace and per fix: version, affected or not, patched or not, and why."""
-    on, strict = enabled(), failures.strict_mode()
+    on = enabled()
     skipped, _ = config.disabled_fixes()
     variables = (SHIM_VARIABLE, STRICT_VARIABLE, DISABLED_FIXES_VARIABLE, RANK_CHECK_TIMEOUT_VARIABLE)
-    environment = {name: os.environ.get(name) for name in variables}
-    namespaces = tuple(_namespace_status(name, on) for name in NAMESPACES)
-    disabled = tuple(name for name in FIX_NAMES if name in skipped)
-    return ShimStatus(__version__, on, strict, bool(_active), sources(), environment, namespaces, disabled)
+    return ShimStatus(  # by keyword: three of its fields are booleans
+        shim_version=__version__,
+        enabled=on,
+        strict=failures.strict_mode(),
+        active=bool(_active),
+        sources=sources(),
+        environment={name: os.environ.get(name) for name in variables},
+        namespaces=tuple(_namespace_status(name, on) for name in NAMESPACES),
+        disabled_fixes=tuple(name for name in FIX_NAMES if name in skipped),
+    )
 
 
 def sources() -> tuple[str, ...]:
