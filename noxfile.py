@@ -147,23 +147,30 @@ interpreters (a quarter of a release session's time). None of its dependencies i
 
 
 def install_target(
-    session: nox.Session, name: str, python: str = sys.executable, specs: list[str] | None = None
+    session: nox.Session,
+    name: str,
+    python: str = sys.executable,
+    specs: list[str] | None = None,
+    with_dependencies: bool = False,
 ) -> Path:
-    """``specs`` (default: the release(s) of MATRIX[name], without their dependencies) in .matrix/<name>."""
+    """``specs`` (default: the release(s) of MATRIX[name]) in .matrix/<name>, compiled. The stamp records how,
+    so that a folder installed another way (before COMPILE, say) is installed again."""
     target = MATRIX_DIR / name
     stamp = target / ".installed"
     specs = MATRIX[name] if specs is None else specs
-    if stamp.exists() and stamp.read_text() == json.dumps(specs):
+    options = [] if with_dependencies else ["--no-deps"]
+    how = json.dumps([COMPILE, *options, *specs])
+    if stamp.exists() and stamp.read_text() == how:
         return target
     if target.exists():
         session.run("rm", "-rf", str(target), external=True)
     target.mkdir(parents=True)
     if specs:
-        uv_install(session, python, *(["--no-deps"] if name in MATRIX else []), "--target", str(target), *specs)
+        uv_install(session, python, *options, "--target", str(target), *specs)
     if name == "lightning-2.0.9":
         # Their own dependencies come along, but never torch: none of them asks for it.
         uv_install(session, python, "--target", str(target), *APP_DEPS_2_0)
-    stamp.write_text(json.dumps(specs))
+    stamp.write_text(how)
     return target
 
 
@@ -176,7 +183,7 @@ def run_matrix_session(
         "FSDP_SHIM_TEST_SCOPE": "all" if name in (DEFAULT_SESSION, "no-lightning") else "release",
     }
     if name == DEFAULT_SESSION:
-        env["FSDP_SHIM_TEST_TRANSFORMERS"] = str(install_target(session, "transformers", python, TRANSFORMERS))
+        env["FSDP_SHIM_TEST_TRANSFORMERS"] = str(install_target(session, "transformers", python, TRANSFORMERS, True))
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     junit = RESULTS_DIR / f"{name}.xml"
     try:
