@@ -124,7 +124,11 @@ def _patch(name: str) -> None:
                 key=f"disabled:{','.join(unknown)}",
             )
         before = [wrappers.status(name, fix).patched for fix in FIXES]
-        after = [wrappers.patch(name, fix, fixes.plan_of(fix), disabled=fix.name in skipped) for fix in FIXES]
+        proofs = fixes.PROOFS
+        after = [
+            wrappers.patch(name, fix, fixes.plan_of(fix), disabled=fix.name in skipped, proof=proofs.get(fix.name))
+            for fix in FIXES
+        ]
         wrappers.patch(name, RANK_CHECK, fixes.plan_of(RANK_CHECK))  # says what this rank runs, whatever it is
         new = [status for was, status in zip(before, after) if status.patched and not was]
         version = getattr(sys.modules.get(name), "__version__", "")

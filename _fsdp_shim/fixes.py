@@ -1,4 +1,4 @@
-"""THE FIXES: what each one wraps, per Lightning release, and the code that runs in the wrappers.
+"""What each fix wraps, per Lightning release, and the code that runs in the wrappers.
 
 **The cast** (2.1.0-2.4.x): those releases' `FSDPPrecision` inherits the identity `convert_module`, so
 the model is never cast to the "true" precision's dtype before FSDP wraps it. The shim adds the body of
@@ -9,13 +9,16 @@ returns the module as it is.
 the forward, so activation checkpointing recomputes a block in float32 that its forward ran in bfloat16
 (`CheckpointError`, a dtype mismatch, or with reentrant checkpointing other gradients). torch's
 checkpoint restores autocast, RNG and device context for the recompute but not the default dtype: the
-shim wraps the two functions every `torch.utils.checkpoint` call goes through, `CheckpointFunction.forward`
-(reentrant) and `_checkpoint_without_reentrant_generator`, and pins the checkpointed function to the
-default dtype of its forward. That covers every checkpoint (Lightning's policy, the user's own, a loss
-checkpointed outside the forward), precision and backward call, and changes nothing where the dtype did
-not change. (Running the backward in the forward's context, tried first, recomputed a loss checkpointed
-outside the forward in the wrong dtype and changed backward hooks; a `context_fn` reaches only
-Lightning's policy, non-reentrant.)
+shim wraps what every checkpoint goes through, `CheckpointFunction.forward` (reentrant) and the
+non-reentrant generator (`_checkpoint_without_reentrant_generator_impl` from torch 2.14,
+`_checkpoint_without_reentrant_generator` before; the composable checkpoint of FSDP2 holds its own
+reference, wrapped too), and pins the checkpointed function to the default dtype of its forward. That
+covers every checkpoint (Lightning's policy, the user's own, a loss checkpointed outside the forward),
+precision and backward call, and changes nothing where the dtype did not change. (Running the backward
+in the forward's context, tried first, recomputed a loss checkpointed outside the forward in the wrong
+dtype and changed backward hooks; a `context_fn` reaches only Lightning's policy, non-reentrant.)
+These are private names, so a wrapper is a guess about torch's call path: the fix counts as in effect
+only once `prove_recompute` has seen each path recompute in its forward's dtype on the torch in hand.
 
 **The rank check** is no fix but is patched like one (`RANK_CHECK`) wherever the shim is active: at
 the end of `FSDPStrategy.setup_environment`, every rank says which fixes it runs (`_fsdp_shim.rank_check`).
@@ -28,7 +31,7 @@ the end of `FSDPStrategy.setup_environment`, every rank says which fixes it runs
 | 2.5.0 and on | nothing: fixed upstream | nothing | checkpoint | `setup_environment` |
 
 ("convert": the FSDP precision class's `convert_module`, `FSDPPrecisionPlugin` in 2.1.0's Trainer; the
-other methods are `FSDPStrategy`'s; "checkpoint": torch's two functions above.)
+other methods are `FSDPStrategy`'s; "checkpoint": torch's functions above.)
 
 **2.1.x** calls `convert_module` only in `Strategy.connect`, before the `setup()` hook and
 `configure_model` build their layers (2.2.0, PR #19061, moved it into `FSDPStrategy.setup`, just before
@@ -40,9 +43,13 @@ class `FSDPPrecisionPlugin`; from 2.2.0 that name is a deprecated subclass, so i
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import threading
 import weakref
 from collections.abc import Callable
 from contextvars import ContextVar
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from _fsdp_shim import failures, rank_check
@@ -91,13 +98,41 @@ def cast_targets(namespace: str, version: str) -> tuple[Target, ...]:
     return (convert, wrap)
 
 
+CHECKPOINT_MODULE = "torch.utils.checkpoint"
+COMPOSABLE_MODULE = "torch.distributed._composable.checkpoint_activation"
+GENERATORS = ("_checkpoint_without_reentrant_generator_impl", "_checkpoint_without_reentrant_generator")
+"""The non-reentrant generator's names, newest first: torch 2.14 calls the first and keeps the second
+as an alias that calls it; torch 2.1-2.13 have the second only."""
+
+
 def recompute_targets(namespace: str, version: str) -> tuple[Target, ...]:
-    """torch's two checkpoint entry points, shared by every namespace (see above)."""
-    module = "torch.utils.checkpoint"
-    return (
-        Target(module, "CheckpointFunction", "forward", False, reentrant_in_forward_dtype, True),
-        Target(module, "", "_checkpoint_without_reentrant_generator", False, non_reentrant_in_forward_dtype, True),
-    )
+    """What the running torch's checkpoints call (see above), shared by every namespace: the reentrant
+    ``CheckpointFunction.forward``, the newest generator torch defines, and the composable checkpoint's
+    own reference to it, where torch has one."""
+    import torch.utils.checkpoint  # imported already by Lightning
+
+    generator = next((name for name in GENERATORS if hasattr(torch.utils.checkpoint, name)), GENERATORS[-1])
+    targets = [
+        Target(CHECKPOINT_MODULE, "CheckpointFunction", "forward", False, reentrant_in_forward_dtype, True),
+        Target(CHECKPOINT_MODULE, "", generator, False, non_reentrant_in_forward_dtype, True),
+    ]
+    composable = _composable_checkpoint_module()
+    if composable is not None and generator in vars(composable):
+        targets.append(Target(COMPOSABLE_MODULE, "", generator, False, non_reentrant_in_forward_dtype, True))
+    return tuple(targets)
+
+
+def _composable_checkpoint_module() -> ModuleType | None:
+    """The composable checkpoint's module, where this torch has one (``torch.distributed.fsdp``, which
+    Lightning imports, imports it already)."""
+    import torch
+
+    if not torch.distributed.is_available():
+        return None
+    try:
+        return importlib.import_module(COMPOSABLE_MODULE)
+    except ImportError:
+        return None
 
 
 def rank_check_targets(namespace: str, version: str) -> tuple[Target, ...]:
@@ -210,23 +245,70 @@ def convert_before_setup(wrapped: Callable[..., Any], instance: Any, args: Args,
 
 
 # ----------------------------------------------------------------------------- the recompute
+class _Pins:
+    """The default dtype while pinned recomputes run, for the whole process: torch's default dtype is one
+    global, and two threads' backwards (autograd's per-device threads, two models trained in two threads)
+    can recompute at once. The first pin to start records the dtype to come back to, the last to end puts
+    it back, and while several run the newest's dtype holds; two that overlap in different dtypes cannot
+    both have theirs, so that is said once (``FSDPShimWarning``) instead of passing silently."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # guards the list and every change of the dtype it makes
+        self._running: list[tuple[object, torch.dtype]] = []
+        self._before: torch.dtype | None = None
+
+    def enter(self, token: object, dtype: torch.dtype) -> None:
+        import torch
+
+        with self._lock:
+            if not self._running:
+                self._before = torch.get_default_dtype()
+            clash = any(other != dtype for _, other in self._running)
+            self._running.append((token, dtype))
+            if torch.get_default_dtype() != dtype:
+                torch.set_default_dtype(dtype)
+        if clash:
+            failures.warn_once(
+                "fsdp-shim: two activation-checkpointed recomputes ran at once in different default dtypes "
+                "(two threads' backwards); torch's default dtype is one for the whole process, so one of them "
+                "ran in the other's dtype. The default dtype is put back when both end. See docs/how-it-works.md "
+                "('Threads').",
+                key="recompute:threads",
+            )
+
+    def leave(self, token: object) -> None:
+        import torch
+
+        with self._lock:
+            self._running = [(other, dtype) for other, dtype in self._running if other is not token]
+            dtype = self._running[-1][1] if self._running else self._before
+            if dtype is not None and torch.get_default_dtype() != dtype:
+                torch.set_default_dtype(dtype)
+
+
+_pins = _Pins()
+
+
 def in_forward_dtype(function: Callable[..., Any]) -> Callable[..., Any]:
     """``function``, to be run later in the default dtype current now (the checkpointed forward's, for its
     recompute). Where the dtype is the same then (the forward itself, or any run whose default dtype never
-    changes), it calls ``function`` and nothing else."""
+    changes), nothing changes the dtype. Inside a region ``torch.compile`` traces, the call is left as
+    torch makes it: a dtype switch there is traced into the graph (compiled autograd with ``aot_eager``
+    failed with it, and trained without it)."""
     import torch  # imported already by Lightning; not at the top, so importing this module does not
 
     dtype = torch.get_default_dtype()
+    compiling = getattr(torch.compiler, "is_compiling", None) if hasattr(torch, "compiler") else None
 
     def run_in_forward_dtype(*args: Any, **kwargs: Any) -> Any:
-        current = torch.get_default_dtype()
-        if current == dtype:
+        if compiling is not None and compiling():
             return function(*args, **kwargs)
-        torch.set_default_dtype(dtype)
+        token = object()
         try:
+            _pins.enter(token, dtype)
             return function(*args, **kwargs)
         finally:
-            torch.set_default_dtype(current)
+            _pins.leave(token)
 
     return run_in_forward_dtype
 
@@ -240,11 +322,78 @@ def reentrant_in_forward_dtype(wrapped: Callable[..., Any], instance: Any, args:
 
 
 def non_reentrant_in_forward_dtype(wrapped: Callable[..., Any], instance: Any, args: Args, kwargs: Kwargs) -> Any:
-    """``_checkpoint_without_reentrant_generator(fn, ...)`` with ``fn`` pinned: ``checkpoint`` runs the
-    forward itself and hands ``fn`` to this generator only for the recompute."""
+    """The non-reentrant generator (``fn`` first, in every release's signature) with ``fn`` pinned:
+    ``checkpoint`` and the composable checkpoint run the forward themselves and hand ``fn`` to the
+    generator only for the recompute."""
     if not args or not callable(args[0]):
         raise GlueError(TypeError("expected the checkpointed function as the first positional argument"))
     return wrapped(in_forward_dtype(args[0]), *args[1:], **kwargs)
+
+
+class _StopRecompute(Exception):
+    """Ends the reentrant check inside its recompute, before torch's backward would run the autograd engine."""
+
+
+def prove_recompute() -> str | None:
+    """Show, on the torch in hand, that each checkpoint path recomputes in its forward's dtype: ``None``,
+    or what was found instead. Each path checkpoints ``x * x`` of a one-element tensor with the forward
+    in one default dtype, then reads the recompute's default dtype in another (a millisecond or two).
+    No backward runs: reading a saved tensor of the non-reentrant checkpoint recomputes it, and the
+    reentrant backward is stopped inside its recompute, so the autograd engine never starts (an engine
+    started before a fork breaks autograd in the forked children)."""
+    import torch
+    import torch.utils.checkpoint as checkpoint
+
+    before = torch.get_default_dtype()
+    forward = torch.float64 if before != torch.float64 else torch.float32
+    seen: list[torch.dtype] = []
+    reentrant = False  # the path being checked (read by the closures below)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        seen.append(torch.get_default_dtype())
+        if len(seen) > 1 and reentrant:
+            raise _StopRecompute
+        return x * x
+
+    class Block(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return block(x)
+
+    def recompute(path: str) -> None:
+        x = torch.ones(1, dtype=forward, requires_grad=True)
+        torch.set_default_dtype(forward)
+        try:
+            if path == "composable":
+                module = Block()
+                _composable_checkpoint_module().checkpoint(module)  # type: ignore[union-attr]
+                out = module(x)
+            else:
+                out = checkpoint.checkpoint(block, x, use_reentrant=reentrant, preserve_rng_state=False)
+        finally:
+            torch.set_default_dtype(before)
+        if reentrant:
+            with contextlib.suppress(_StopRecompute):
+                out.grad_fn.apply(torch.ones_like(out))
+        else:
+            out.grad_fn._saved_self  # noqa: B018 (reading it recomputes)
+
+    composable = _composable_checkpoint_module()
+    paths = ["reentrant", "non-reentrant"] + (["composable"] if hasattr(composable, "checkpoint") else [])
+    wrong = []
+    for path in paths:
+        reentrant = path == "reentrant"
+        seen.clear()
+        try:
+            recompute(path)
+        except Exception as error:
+            wrong.append(f"the {path} check raised {type(error).__name__}: {error}")
+            continue
+        if seen[1:] != [forward]:
+            found = ", ".join(str(dtype).removeprefix("torch.") for dtype in seen[1:]) or "no recompute"
+            wrong.append(f"the {path} checkpoint recomputed in {found}, not its forward's {str(forward)[6:]}")
+    if not wrong:
+        return None
+    return f"not in effect on torch {torch.__version__} ({'; '.join(wrong)})"
 
 
 def confirm_every_rank_after_setup(wrapped: Callable[..., Any], instance: Any, args: Args, kwargs: Kwargs) -> Any:
@@ -260,3 +409,7 @@ def confirm_every_rank_after_setup(wrapped: Callable[..., Any], instance: Any, a
     if dtype is not None:
         rank_check.confirm_every_rank(namespace, dtype)
     return result
+
+
+PROOFS: dict[str, Callable[[], str | None]] = {RECOMPUTE.name: prove_recompute}
+"""The fixes that live on private names of torch, and how each shows it works (``wrappers.patch``)."""

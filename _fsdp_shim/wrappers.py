@@ -72,6 +72,8 @@ class Target:
 
 Plan = Callable[[str, str], tuple[Target, ...]]
 """``(namespace, version) -> targets``: what a fix wraps in one namespace of one release."""
+Proof = Callable[[], "str | None"]
+"""Shows that a fix works once its wrappers are on: ``None``, or what was found instead."""
 
 
 # ----------------------------------------------------------------------------- one wrapper
@@ -245,6 +247,8 @@ class _Record:
 
 
 _records: dict[tuple[str, str], _Record] = {}
+_proofs: dict[tuple[tuple[int, str, int], ...], str | None] = {}
+"""What each proof found, per set of wrapped functions: it runs once per torch, not once per namespace."""
 _retired: list[Any] = []
 """Wrappers on the classes of an earlier copy of a namespace (imported again since): ``unpatch``
 still restores those classes, which old objects may still use."""
@@ -252,13 +256,18 @@ _lock = threading.Lock()
 _Steps = list[tuple[Any, bool]]  # (wrapper, whether it is new) per target, from _resolve
 
 
-def patch(namespace: str, fix: Fix, plan: Plan, *, disabled: bool = False) -> FixStatus:
+def patch(namespace: str, fix: Fix, plan: Plan, *, disabled: bool = False, proof: Proof | None = None) -> FixStatus:
     """Apply ``fix`` to an imported namespace whose release lacks it; leave any other alone. Idempotent:
-    a namespace is checked once per copy of its classes, and again after ``unpatch``."""
+    a namespace is checked once per copy of its classes, and again after ``unpatch``. A fix switched
+    off (``disabled``) after it was patched is taken off, as ``unpatch`` does. Where ``proof`` is given
+    (a fix on private names of torch), the fix stays on only if it shows on this torch that it works."""
     module = sys.modules.get(namespace)
     if module is None:
         return status(namespace, fix)
     key = (namespace, fix.name)
+    held = _records.get(key)
+    if disabled and held is not None and not held.deactivated and held.wrappers:
+        unpatch(namespace, fix)
     with _lock:
         if _current(_records.get(key), namespace, module, disabled):
             return status(namespace, fix)
@@ -273,6 +282,8 @@ def patch(namespace: str, fix: Fix, plan: Plan, *, disabled: bool = False) -> Fi
             decided = _install_all(module, *decided)
         decided.disabled = disabled
         _records[key] = decided
+    if proof is not None and decided.reason == "patched":
+        _keep_if_proven(key, decided, proof)
     if decided.reason.startswith("not patched: "):
         version = decided.version or "(unknown version)"
         which = f" ({fix.name} fix)" if decided.affected else ""
@@ -282,6 +293,33 @@ def patch(namespace: str, fix: Fix, plan: Plan, *, disabled: bool = False) -> Fi
             key=f"patch:{namespace}" + (f":{fix.name}" if decided.affected else ""),
         )
     return status(namespace, fix)
+
+
+def _keep_if_proven(key: tuple[str, str], record: _Record, proof: Proof) -> None:
+    """Run ``proof`` once per set of wrapped functions; where it fails, take the wrappers off again (those
+    no other namespace's record holds), record why, and say it once for every namespace."""
+    found = tuple((id(w.shim_state.owner), w.shim_state.attribute, id(w.__wrapped__)) for w in record.wrappers)
+    if found not in _proofs:
+        try:
+            _proofs[found] = proof()
+        except Exception as error:  # the check itself broke: nothing was shown
+            _proofs[found] = f"not in effect: its check failed ({type(error).__name__}: {error})"
+    why = _proofs[found]
+    if why is None:
+        return
+    with _lock:
+        held_elsewhere = [held for other, held in _records.items() if other != key and not held.deactivated]
+        still_used = {id(wrapper) for held in held_elsewhere for wrapper in held.wrappers}
+        for wrapper in reversed(record.wrappers):
+            if id(wrapper) not in still_used:
+                remove(wrapper)
+        record.wrappers, record.reason = [], why
+    fix = key[1]
+    failures.report(
+        f"fsdp-shim: the {fix} fix is {why}",
+        "torch was left as it was, so this fix is off in this process",
+        key=f"proof:{fix}",
+    )
 
 
 def _current(record: _Record | None, namespace: str, module: Any, disabled: bool) -> bool:

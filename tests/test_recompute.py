@@ -31,6 +31,9 @@ SCRIPT = ROOT / "tests" / "scenarios" / "recompute.py"
 BLOCKS = ("ones", "scalar", "mask", "castback")
 MODES = ("policy", "nonreentrant", "reentrant")
 """Each compared with the same block without checkpointing (``none``)."""
+COMPOSABLE_CASES = ["ones:composable", "mask:composable"]
+"""FSDP2's composable checkpoint, on one block of each kind of failure (a dtype mismatch and a
+``CheckpointError``): it shares the non-reentrant generator with the other modes."""
 PROOF_RELEASES = {(2, 1, 4), (2, 4, 0), (2, 6, 6)}
 """Where the whole matrix runs (issue 25, item 4): the first release line, the last affected by the cast,
 and the newest."""
@@ -104,11 +107,12 @@ def test_fsdp_with_checkpointing_equals_fsdp_without(
     api: str, devices: int, precision: str, layouts: dict[str, Layout], tmp_path: Path
 ) -> None:
     """Lightning's ``activation_checkpointing_policy`` and the user's own ``torch.utils.checkpoint``,
-    reentrant and not, for every block (each block is its own FSDP unit: ``auto_wrap_policy``)."""
+    reentrant and not, for every block, and the composable checkpoint (each block is its own FSDP unit:
+    ``auto_wrap_policy``)."""
     layout = trainer_layout(layouts)
     if not in_proof_release(layout) and (devices, precision) != (1, "bf16-true"):
         pytest.skip(f"the whole matrix runs on {sorted(PROOF_RELEASES)}; this release runs one rank in bf16-true")
-    cases = [f"{block}:{mode}" for block in BLOCKS for mode in ("none", *MODES)]
+    cases = [f"{block}:{mode}" for block in BLOCKS for mode in ("none", *MODES)] + COMPOSABLE_CASES
     results = run(tmp_path, api, cases, devices=devices, precision=precision, package=layout.package)
     assert_like_the_run_without_checkpointing(results, cases)
     assert len({by_case["ones:none"]["params"] for by_case in results.values()}) == devices  # each rank its shard
@@ -158,6 +162,7 @@ def test_without_the_shim_every_release_recomputes_in_float32(
         "ones:policy",
         "ones:nonreentrant",
         "mask:policy",
+        "ones:composable",
         "castback:none",
         "castback:reentrant",
     ]
@@ -170,7 +175,7 @@ def test_without_the_shim_every_release_recomputes_in_float32(
     )
     # the blocks' forwards in bfloat16, their recomputes in float32
     assert set(off["probe:nonreentrant"]["block_dtypes"]) == {"torch.bfloat16", "torch.float32"}, fixed_upstream
-    for case in ("ones:policy", "ones:nonreentrant", "mask:policy"):
+    for case in ("ones:policy", "ones:nonreentrant", "mask:policy", "ones:composable"):
         assert (off[case]["error"] or "").startswith(BUG), (case, off[case], fixed_upstream)
     assert off["castback:reentrant"]["error"] is None
     # silently differs: in the gradients (in bfloat16 parameters, 3 small steps can round that away)

@@ -20,7 +20,8 @@ and float32 in a recompute that runs outside that context:
 * ``llama``: a tiny Hugging Face ``LlamaForCausalLM`` (its decoder layers are the blocks).
 
 Modes: ``none`` (no checkpointing), ``policy`` (Lightning's ``activation_checkpointing_policy``, FSDP
-only), ``nonreentrant`` and ``reentrant`` (``torch.utils.checkpoint`` in the model's own forward), and
+only), ``nonreentrant`` and ``reentrant`` (``torch.utils.checkpoint`` in the model's own forward),
+``composable`` (``torch.distributed._composable.checkpoint`` applied to each block, as FSDP2 users do), and
 ``loss-nonreentrant`` / ``loss-reentrant`` (no block checkpointed: the loss is, in the training step,
 outside the model's forward; it makes ``torch.tensor(1 / 3)``). APIs: ``trainer``, ``manual`` (the
 Trainer with manual optimization and ``manual_backward``), ``fabric`` (``fabric.backward``; with
@@ -111,6 +112,11 @@ class Net(nn.Module):
         self.inp = nn.Linear(FEATURES, FEATURES)
         self.blocks = nn.ModuleList([Block(kind), Block(kind)])
         self.out = nn.Linear(FEATURES, FEATURES)
+        if mode == "composable":  # FSDP2's checkpoint: hooks on each block, which checkpoint its forward
+            from torch.distributed._composable import checkpoint
+
+            for block in self.blocks:
+                checkpoint(block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
