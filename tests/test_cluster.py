@@ -445,6 +445,31 @@ def test_a_node_with_another_release_and_other_fixes_stops_the_job_named_with_it
     assert_nobody_trained(out, 2)
 
 
+def test_a_rank_whose_torch_recomputes_past_the_fix_stops_the_job(tmp_path, layouts):
+    """Rank 1's torch checkpoint calls names the shim did not wrap (``hide_checkpoint_internals``): its
+    recompute fix is not in effect, so it runs other fixes than rank 0, and both ranks stop before any
+    model is wrapped, naming rank 1 with the cast alone."""
+    layout = affected_layout(layouts, "lightning")
+    proc, out = torchrun_job(
+        tmp_path,
+        "moved-checkpoint",
+        2,
+        package=layout.package,
+        env={RANK_CHECK_TIMEOUT_VARIABLE: "30"},
+        extra=("--env-on-rank", "1:FSDP_SHIM_TEST_HIDE_CHECKPOINT_INTERNALS=1"),
+        expect_ok=False,
+    )
+    output = by_rank(proc)
+    rank1 = f"rank 1 on {socket.gethostname()}: bfloat16; fixes: cast (lightning.pytorch {layout.trainer_version}"
+    assert "the recompute fix is not in effect on torch" in output[1], output[1][-3000:]
+    for rank in (0, 1):
+        (message,) = shim_errors(output[rank])
+        assert message.startswith("fsdp-shim: the 2 ranks of this job run different fixes or dtypes ("), message
+        assert reported("0", "lightning.pytorch", layout.trainer_version) in message, message
+        assert rank1 in message, message
+    assert_nobody_trained(out, 2)
+
+
 def test_on_a_release_with_the_cast_built_in_ranks_agree_before_the_model_is_wrapped(tmp_path, layouts):
     """Trainer, 2 ranks, a Lightning that casts itself (the shim leaves its ``convert_module`` alone) and
     lacks the recompute fix: the check runs at the end of ``setup_environment`` through the recompute

@@ -1,0 +1,172 @@
+"""The recompute fix says it is in effect only where it has shown it on the torch in hand.
+
+Its wrappers sit on private names of torch (``_fsdp_shim.fixes``: the reentrant ``CheckpointFunction.forward``,
+the non-reentrant generator torch calls, the composable checkpoint's own reference), so each is a guess about
+torch's call path; ``prove_recompute`` checks the guess at run time. Here, on the session's torch: what is
+wrapped and shown; a torch whose checkpoint calls other names (simulated: ``hide_checkpoint_internals``) is
+reported "not in effect" everywhere and left as it was; switching the fix off in a running process takes
+it off; threads' concurrent recomputes leave the default dtype as it was. The torch sessions of the matrix
+run the ``per_release`` ones on the newest and an old torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, Layout, child_json, clean_env, fsdp_shim
+
+from _fsdp_shim.config import RECOMPUTE, base_release
+
+HIDE = "from children.recompute_proof import hide_checkpoint_internals; hide_checkpoint_internals()\n"
+
+
+def affected_package(layouts: dict[str, Layout]) -> str:
+    for layout in layouts.values():
+        if RECOMPUTE.affects(layout.trainer_version):
+            return layout.package
+    pytest.skip("needs an installed Lightning with 'true' precisions for FSDP")
+
+
+def torch_release() -> tuple[int, int, int]:
+    import torch
+
+    release = base_release(torch.__version__)
+    assert release is not None
+    return release
+
+
+@pytest.mark.per_release
+def test_every_checkpoint_path_of_this_torch_is_wrapped_and_shown(layouts: dict[str, Layout]) -> None:
+    """The generator torch calls is the one wrapped (``_impl`` from torch 2.14, the old name before), in
+    ``torch.utils.checkpoint`` and in the composable checkpoint's module; the check passes with the
+    shim on and fails on the same torch once ``deactivate()`` put torch's own functions back."""
+    package = affected_package(layouts)
+    result = child_json("recompute_proof:wrapped_and_shown", {"package": package})
+    generator = result["generators"][0]
+    assert generator == (
+        "_checkpoint_without_reentrant_generator_impl"
+        if torch_release() >= (2, 14, 0)
+        else "_checkpoint_without_reentrant_generator"
+    )
+    assert result["checkpoint"] == {
+        **{name: "ShimWrapper" for name in result["generators"][:1]},
+        **{name: "function" for name in result["generators"][1:]},
+        "CheckpointFunction.forward": "ShimWrapper",
+    }
+    assert result["composable"] == {generator: "ShimWrapper"}
+    for status in result["status"].values():
+        assert status["patched"] is True, status
+        assert status["targets"] == [
+            "torch.utils.checkpoint.CheckpointFunction.forward",
+            f"torch.utils.checkpoint.{generator}",
+            f"torch.distributed._composable.checkpoint_activation.{generator}",
+        ]
+    assert result["check_on"] is None
+    off = result["check_off"]
+    for path in ("reentrant", "non-reentrant", "composable"):
+        assert f"the {path} checkpoint recomputed in float32, not its forward's float64" in off, off
+    assert result["checkpoint_off"]["CheckpointFunction.forward"] == "staticmethod"
+    assert result["composable_off"] == {generator: "function"}
+
+
+@pytest.mark.per_release
+def test_a_torch_whose_checkpoint_calls_other_names_is_reported_not_in_effect_and_left_alone(
+    layouts: dict[str, Layout],
+) -> None:
+    """Every namespace says "not in effect on torch X.Y" with what was found, one warning for all of
+    them, torch holds its own functions again, and the rank check reports the fix off."""
+    import torch
+
+    packages = [name for name in ("lightning.pytorch", "lightning.fabric", "pytorch_lightning") if _importable(name)]
+    affected_package(layouts)
+    result = child_json("recompute_proof:moved_internals", {"packages": packages})
+    expected = f"not in effect on torch {torch.__version__} (the non-reentrant checkpoint recomputed in float32"
+    assert result["status"], result
+    for namespace, status in result["status"].items():
+        assert status["patched"] is False and status["reason"].startswith(expected), (namespace, status)
+        assert result["rank_check"][namespace]["recompute"] == "off"
+    (warning,) = [w for w in result["warnings"] if "recompute" in w]
+    assert warning.startswith(f"fsdp-shim: the recompute fix is {expected}"), warning
+    assert "torch was left as it was" in warning
+    assert "ShimWrapper" not in result["checkpoint"].values(), result["checkpoint"]
+
+
+def test_strict_mode_raises_where_the_recompute_is_not_in_effect(layouts: dict[str, Layout]) -> None:
+    affected_package(layouts)
+    result = child_json("recompute_proof:moved_internals", {"packages": ["lightning.pytorch"], "strict": True})
+    assert result["raised"].startswith("FSDPShimError: fsdp-shim: the recompute fix is not in effect on torch"), result
+    assert result["raised"].endswith("(FSDP_SHIM_STRICT is on)"), result
+
+
+def test_status_python_check_and_json_say_not_in_effect(layouts: dict[str, Layout], tmp_path: Path) -> None:
+    """``fsdp-shim status --python-check --json`` in an environment whose every interpreter has the moved
+    checkpoint (a ``sitecustomize`` that hides it): exit 1, the problem named, the child's JSON status."""
+    affected_package(layouts)
+    (tmp_path / "sitecustomize.py").write_text(f"import sys\nsys.path.insert(0, {str(ROOT / 'tests')!r})\n" + HIDE)
+    pythonpath = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    proc = fsdp_shim("status", "--python-check", "--json", env=clean_env(PYTHONPATH=pythonpath, FSDP_SHIM="1"))
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    problems = [p for p in report["problems"] if "lacks the recompute fix, and it was not applied: not in effect" in p]
+    assert problems, report["problems"]
+    fixes = [f for ns in report["child"]["status"]["namespaces"] if ns["imported"] for f in ns["fixes"]]
+    assert any(f["fix"] == "recompute" and f["reason"].startswith("not in effect on torch") for f in fixes)
+
+
+def test_switching_a_fix_off_in_a_running_process_takes_it_off(layouts: dict[str, Layout]) -> None:
+    """``FSDP_SHIM_DISABLED_FIXES`` then ``activate()``: torch and Lightning hold their own functions, as
+    status says; unset and ``activate()`` again: both fixes back."""
+    package = affected_package(layouts)
+    namespace = "lightning.pytorch" if package == "lightning" else "pytorch_lightning"
+    result = child_json("recompute_proof:switched_off_in_process", {"package": namespace})
+    wrapped = {"CheckpointFunction.forward": "ShimWrapper"}
+    assert result["before"]["status"] == {"cast": "patched", "recompute": "patched"}
+    assert result["before"]["checkpoint"]["CheckpointFunction.forward"] == "ShimWrapper"
+    off = result["off"]
+    assert off["status"] == {fix: "switched off by FSDP_SHIM_DISABLED_FIXES" for fix in ("cast", "recompute")}
+    assert "ShimWrapper" not in off["checkpoint"].values(), off
+    assert off["convert_module_on_class"] is False  # the inherited identity again
+    assert result["on_again"] == result["before"]
+    assert wrapped.items() <= result["on_again"]["checkpoint"].items()
+
+
+@pytest.mark.parametrize(
+    ("shim", "dtypes"),
+    [(True, ["bfloat16", "bfloat16"]), (True, ["bfloat16", "float64"]), (False, ["bfloat16", "bfloat16"])],
+)
+def test_backwards_in_two_threads_leave_the_default_dtype_as_it_was(
+    shim: bool, dtypes: list[str], layouts: dict[str, Layout]
+) -> None:
+    """30 rounds of two checkpointed backwards at once. In one dtype (one model's blocks on two devices'
+    autograd threads) each recompute runs in its forward's dtype; in two dtypes they cannot both (torch's
+    default dtype is one per process): said once. Either way the process's default dtype is float32 after
+    every round. Without the shim every recompute runs in float32 (the bug these threads would hide)."""
+    affected_package(layouts)
+    result = child_json(
+        "recompute_proof:backwards_in_threads",
+        {"shim": shim, "dtypes": dtypes, "rounds": 30},
+        env=clean_env(PYTHONWARNINGS="ignore"),
+    )
+    assert result["after"] == ["torch.float32"] * 30
+    seen = [dtype for each in result["seen"].values() for dtype in each]  # 30 forwards, 30 recomputes each
+    if not shim:
+        assert seen.count("torch.float32") == 30 * len(dtypes), result["seen"]
+        assert result["errors"], "without the shim the recomputes' ones(1) must differ from the forward's"
+    elif len(set(dtypes)) == 1:
+        assert set(result["seen"][dtypes[0]]) == {f"torch.{dtypes[0]}"}
+        assert result["errors"] == [] and result["warnings"] == []
+    else:
+        (warning,) = result["warnings"]
+        assert "two activation-checkpointed recomputes ran at once in different default dtypes" in warning
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:
+        return False
