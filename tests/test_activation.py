@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from children.classes import shared_targets
 from conftest import NAMESPACES as LAYOUT_NAMESPACES
 from conftest import (
     ROOT,
@@ -47,12 +48,16 @@ def child(target: str, arguments: dict | None = None, **env: str | None) -> Any:
 
 
 # ----------------------------------------------------------------------------- what each fix wraps
-SHARED = (
-    "torch.utils.checkpoint:CheckpointFunction.forward",
-    "torch.utils.checkpoint:_checkpoint_without_reentrant_generator",
+SHARED = tuple(
+    sorted(
+        f"{module}:{'.'.join(filter(None, (owner, name)))}"
+        for module, owner, names in shared_targets()
+        for name in names
+        if name != "backward"  # in the snapshot to prove it stays untouched
+    )
 )
 """torch's checkpoint entry points, as ``children.classes.snapshot`` keys them: one key (and one wrapper)
-for every namespace that needs the recompute fix."""
+for every namespace that needs the recompute fix (the generator's name is the torch in hand's)."""
 
 
 BF16_RECOMPUTE = {"reentrant": "torch.bfloat16", "non_reentrant": "torch.bfloat16"}
@@ -781,7 +786,9 @@ def test_an_unknown_fix_name_warns_once_and_is_ignored(disabled_fixes: list[dict
 
 
 # ============================================================================= the recompute's shared wrappers
-THE_SHIMS = {"forward": "shim", "generator": "shim"}
+TORCH_KEYS = ("forward", "generator", "composable")
+THE_SHIMS = dict.fromkeys(TORCH_KEYS, "shim")
+AS_SHIPPED = dict.fromkeys(TORCH_KEYS, "as shipped")
 """``children.activation.shared_wrappers``: torch's two targets hold wrappers of the shim's."""
 
 
@@ -809,7 +816,7 @@ def test_a_fix_switched_off_and_then_on_again_is_patched_and_status_says_so(
     assert set(namespaces) == set(versions)
     for step in ("switched_off", "switched_off_again"):
         off = result[step]
-        assert off["torch"] == {"forward": "as shipped", "generator": "as shipped"}, step
+        assert off["torch"] == AS_SHIPPED, step
         assert off["recompute_dtypes"] == FLOAT32_RECOMPUTE
         expected = expected_for(versions)
         assert off["changed"] == [key for key in expected if key not in SHARED], step
@@ -839,27 +846,23 @@ def test_every_namespace_shares_torchs_wrappers_and_the_last_one_removes_them(
     shipped: ``CheckpointFunction``'s staticmethod object itself and the generator function."""
     _, result = shared_wrappers
     namespaces = result["namespaces"]
-    assert result["layers"] == {
-        "torch.utils.checkpoint:CheckpointFunction.forward": 1,
-        "torch.utils.checkpoint:CheckpointFunction.backward": 0,
-        "torch.utils.checkpoint:_checkpoint_without_reentrant_generator": 1,
-    }
-    assert result["held"] == {namespace: ["forward", "generator"] for namespace in namespaces}
+    assert result["layers"] == {**dict.fromkeys(SHARED, 1), "torch.utils.checkpoint:CheckpointFunction.backward": 0}
+    assert result["held"] == {namespace: list(TORCH_KEYS) for namespace in namespaces}
     steps = result["unpatched"]
     assert [step["namespace"] for step in steps] == namespaces and len(steps) > 1
     for number, step in enumerate(steps, 1):
         last = number == len(steps)
         done = set(namespaces[:number])
-        assert step["returned"] == (["forward", "generator"] if last else []), step["namespace"]
-        assert step["still_the_shims"] == {"forward": not last, "generator": not last}
-        assert step["torch"] == ({"forward": "as shipped", "generator": "as shipped"} if last else THE_SHIMS)
+        assert sorted(step["returned"]) == (sorted(TORCH_KEYS) if last else []), step["namespace"]
+        assert step["still_the_shims"] == dict.fromkeys(TORCH_KEYS, not last)
+        assert step["torch"] == (AS_SHIPPED if last else THE_SHIMS)
         assert step["recompute_dtypes"] == (FLOAT32_RECOMPUTE if last else BF16_RECOMPUTE)
         for namespace, entry in step["recompute"].items():
             expected = ("deactivated", False) if namespace in done else ("patched", True)
             assert (entry["reason"], entry["patched"]) == expected, (step["namespace"], namespace, entry)
-    assert result["restored"] == {"forward": True, "generator": True}
+    assert result["restored"] == dict.fromkeys(TORCH_KEYS, True)
     final = result["final"]  # after activate() and the public deactivate()
-    assert final == {"restored": {"forward": True, "generator": True}, "changed": [], "as_shipped": True}
+    assert final == {"restored": dict.fromkeys(TORCH_KEYS, True), "changed": [], "as_shipped": True}
 
 
 def test_the_pin_does_nothing_where_the_dtype_did_not_change(

@@ -5,7 +5,7 @@ Other wrappers: the shim composes with what was there, never takes another libra
 own, never removes one, and says so when it cannot simply remove its own. Each check runs in one
 process on a target of each kind the shim wraps: the cast's ``convert_module`` (inherited from
 ``Precision``), and the recompute's ``CheckpointFunction.forward`` (a staticmethod in torch's class dict)
-and ``_checkpoint_without_reentrant_generator`` (a function of the module ``torch.utils.checkpoint``),
+and the non-reentrant generator (a function of the module ``torch.utils.checkpoint``, ``_impl`` from torch 2.14),
 which every namespace that needs the fix shares; the classes and the module are read directly, by
 identity. And a library that wraps the base class of an inherited target after the shim.
 
@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from children.classes import COMPOSABLE_MODULE, checkpoint_generator
 from conftest import ROOT, Layout, an_affected_namespace, child_json, clean_env, installed_versions, make_venv
 
 from _fsdp_shim.config import CAST, RECOMPUTE
@@ -34,7 +35,7 @@ its forward's bfloat16) and without it (Lightning's own: no cast; torch's own: r
 KINDS = {
     "convert": (CAST, "convert_module"),
     "reentrant": (RECOMPUTE, "forward"),
-    "non_reentrant": (RECOMPUTE, "_checkpoint_without_reentrant_generator"),
+    "non_reentrant": (RECOMPUTE, checkpoint_generator()),
 }
 """Each kind of target: the fix that wraps it and the attribute (see ``children/coexistence.py``)."""
 
@@ -52,7 +53,8 @@ def targets(layouts: dict[str, Layout]) -> list[dict[str, Any]]:
     for kind, (fix, attribute) in KINDS.items():
         namespace = next((ns for ns, v in versions.items() if fix.affects(v)), None)
         if namespace is not None:
-            [target] = [t for t in plan_of(fix)(namespace, versions[namespace]) if t.attribute == attribute]
+            planned = plan_of(fix)(namespace, versions[namespace])
+            [target] = [t for t in planned if t.attribute == attribute and t.module != COMPOSABLE_MODULE]
             found.append(
                 {
                     "fix": fix.name,

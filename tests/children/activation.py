@@ -19,6 +19,7 @@ from children.classes import (
     NAMESPACES,
     as_shipped,
     changed,
+    checkpoint_generator,
     converted_dtype,
     import_all,
     layers,
@@ -357,12 +358,14 @@ def disabled_fixes(settings: list[str]) -> list[dict[str, Any]]:
 
 # ----------------------------------------------------------------------------- the recompute's shared wrappers
 def _torch_targets() -> dict[str, Any]:
-    """What ``torch.utils.checkpoint`` holds now, in the class and module dicts (a staticmethod itself)."""
+    """What torch's checkpoint modules hold now, in the class and module dicts (a staticmethod itself)."""
+    from torch.distributed._composable import checkpoint_activation
     from torch.utils import checkpoint
 
     return {
         "forward": checkpoint.CheckpointFunction.__dict__["forward"],
-        "generator": checkpoint.__dict__["_checkpoint_without_reentrant_generator"],
+        "generator": checkpoint.__dict__[checkpoint_generator()],
+        "composable": checkpoint_activation.__dict__[checkpoint_generator()],
     }
 
 

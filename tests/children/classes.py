@@ -31,13 +31,28 @@ TARGETS = (
     ("strategies.fsdp", ("FSDPStrategy",), ("setup", "connect", "_setup_model", "setup_module", "setup_environment")),
 )
 SHARED_MODULE = "torch.utils.checkpoint"
-# torch's checkpoint entry points the recompute fix wraps (one wrapper for every namespace), keyed
-# ``torch.utils.checkpoint:Class.attribute`` or ``torch.utils.checkpoint:function``; the class's
-# ``backward`` is there to prove it stays untouched.
-SHARED_TARGETS = (
-    ("CheckpointFunction", ("forward", "backward")),
-    ("", ("_checkpoint_without_reentrant_generator",)),
-)
+COMPOSABLE_MODULE = "torch.distributed._composable.checkpoint_activation"
+GENERATORS = ("_checkpoint_without_reentrant_generator_impl", "_checkpoint_without_reentrant_generator")
+
+
+def checkpoint_generator() -> str:
+    """The non-reentrant generator the torch in hand calls: the newest of its names that it defines."""
+    checkpoint = importlib.import_module(SHARED_MODULE)
+    return next(name for name in GENERATORS if name in vars(checkpoint))
+
+
+def shared_targets() -> tuple[tuple[str, str, tuple[str, ...]], ...]:
+    """torch's checkpoint entry points the recompute fix wraps (one wrapper for every namespace), as
+    ``(module, class, attributes)``, keyed ``module:Class.attribute`` or ``module:function``: the non-reentrant
+    generator torch's ``checkpoint`` calls (the newest name it defines) in ``torch.utils.checkpoint`` and in the
+    composable checkpoint's module, which imports it by name; the class's ``backward`` is there to prove it
+    stays untouched."""
+    generator = checkpoint_generator()
+    return (
+        (SHARED_MODULE, "CheckpointFunction", ("forward", "backward")),
+        (SHARED_MODULE, "", (generator,)),
+        (COMPOSABLE_MODULE, "", (generator,)),
+    )
 
 
 def import_all() -> list[str]:
@@ -55,16 +70,16 @@ def import_all() -> list[str]:
 def snapshot() -> dict[str, Any]:
     """Every class attribute the shim could touch in the imported namespaces, as the objects themselves
     (``MISSING`` where the class inherits it), keyed ``namespace:Class.attribute``; once torch is
-    imported, also torch's checkpoint entry points (``SHARED_TARGETS``), the objects in the class or
+    imported, also torch's checkpoint entry points (``shared_targets``), the objects in the class or
     module dict (a staticmethod is the staticmethod object itself)."""
     out = {}
     if "torch" in sys.modules:
-        checkpoint = importlib.import_module(SHARED_MODULE)
-        for class_name, attributes in SHARED_TARGETS:
-            owner = checkpoint.__dict__[class_name] if class_name else checkpoint
+        for module_name, class_name, attributes in shared_targets():
+            module = importlib.import_module(module_name)
+            owner = module.__dict__[class_name] if class_name else module
             for attribute in attributes:
                 name = ".".join(filter(None, (class_name, attribute)))
-                out[f"{SHARED_MODULE}:{name}"] = owner.__dict__.get(attribute, MISSING)
+                out[f"{module_name}:{name}"] = owner.__dict__.get(attribute, MISSING)
     for namespace in NAMESPACES:
         if namespace not in sys.modules:
             continue
@@ -99,6 +114,7 @@ def as_shipped(objects: dict[str, Any]) -> dict[str, bool]:
         if type(obj) is staticmethod:
             obj = obj.__func__
         home = key.partition(":")[0]
+        home = "torch" if home.startswith("torch.") else home  # the composable module holds torch.utils.checkpoint's
         return type(obj) is types.FunctionType and (obj.__module__ == home or obj.__module__.startswith(home + "."))
 
     return {key: ships(key, obj) for key, obj in objects.items()}

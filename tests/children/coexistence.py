@@ -16,7 +16,14 @@ import importlib
 import warnings
 from typing import Any
 
-from children.classes import converted_dtype, precision_class, recompute_dtype, shim_warnings, statuses
+from children.classes import (
+    checkpoint_generator,
+    converted_dtype,
+    precision_class,
+    recompute_dtype,
+    shim_warnings,
+    statuses,
+)
 
 
 class Target:
@@ -30,7 +37,7 @@ class Target:
         elif kind == "reentrant":
             self.owner, self.attribute = checkpoint.CheckpointFunction, "forward"
         else:
-            self.owner, self.attribute = checkpoint, "_checkpoint_without_reentrant_generator"
+            self.owner, self.attribute = checkpoint, checkpoint_generator()
         self.calls: list[str] = []
 
     def dtype(self) -> str:
@@ -93,7 +100,9 @@ def foreign_wrapper_first(targets: list[dict[str, str]], kind: str) -> dict[str,
 
     out: dict[str, Any] = {}
     for key, target in found.items():
-        out[key] = {"dtype_on": target.dtype(), "their_calls_on": len(target.calls), "status_on": target.status()}
+        calls = len(target.calls)  # the recompute's check at activation ran through theirs too
+        out[key] = {"dtype_on": target.dtype(), "their_calls_on": len(target.calls) - calls}
+        out[key]["status_on"] = target.status()
     fsdp_shim.deactivate()
     for key, target in found.items():
         calls = len(target.calls)

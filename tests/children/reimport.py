@@ -9,7 +9,6 @@ from typing import Any
 
 from children.classes import (
     PACKAGES,
-    SHARED_MODULE,
     converted_dtype,
     import_all,
     precision_class,
@@ -27,7 +26,7 @@ def forget(prefix: str) -> None:
 
 
 def _torch_objects() -> dict[str, Any]:
-    return {key: obj for key, obj in snapshot().items() if key.startswith(SHARED_MODULE + ":")}
+    return {key: obj for key, obj in snapshot().items() if key.startswith("torch.")}
 
 
 def _facts(namespace: str, torch_before: dict[str, Any]) -> dict[str, Any]:
