@@ -120,8 +120,9 @@ def _parser() -> argparse.ArgumentParser:
         type=_class_list,
         default=[],
         metavar="MODULE:CLASS[,...]",
-        help="also train with Lightning's FSDP activation checkpointing of these classes "
-        "(activation_checkpointing_policy={...}), shim off and on, and judge the recompute fix (default: not checked)",
+        help="also train with Lightning's FSDP activation checkpointing of these classes, each MODULE:CLASS as "
+        "activation_checkpointing_policy={...} takes them (torch.nn:TransformerEncoderLayer), shim off and on, and "
+        "judge the recompute fix (default: the seed model's own causal block; with --model, not checked)",
     )
     add(
         "--model-path",

@@ -16,6 +16,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +40,7 @@ from _fsdp_shim.config import CAST, FIXES, RECOMPUTE, base_release
 from _fsdp_shim.verify import seed
 from _fsdp_shim.verify.output import render
 from _fsdp_shim.verify.records import Options, RankResult
-from _fsdp_shim.verify.verdict import Section, judge_recompute
+from _fsdp_shim.verify.verdict import Section, fix_entries, judge_recompute
 
 MODELS = ROOT / "tests" / "verify_models"
 BYTE_KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes")
@@ -113,10 +114,23 @@ def assert_seed_fixed(section: dict[str, Any], precision: str) -> None:
         units_off, units_on = off["unit_param_bytes"], on["unit_param_bytes"]
         assert units_on["pretrained"] * 2 == units_off["pretrained"]  # loaded in float32: exactly half
         assert units_on["model"] == units_off["model"]  # built in configure_model: already half precision
+        assert units_on["block"] == units_off["block"] > 0  # the causal block: built in configure_model too
         # Two equal models, one already half precision, one loaded in float32 (twice the bytes):
-        # unpatched 1 + 2 = 3 units, patched 1 + 1 = 2.
-        for key in BYTE_KEYS:
-            assert on[key] * 3 == off[key] * 2, key
+        # unpatched 1 + 2 = 3 units, patched 1 + 1 = 2; the causal block's bytes (Adam: two moments) aside.
+        for key, blocks in zip(BYTE_KEYS, (1, 1, 2)):
+            block = units_on["block"] * blocks
+            assert (on[key] - block) * 3 == (off[key] - block) * 2, key
+
+
+def assert_seed_recompute_fixed(section: dict[str, Any], recompute: dict[str, Any]) -> None:
+    """The seed's causal block makes its mask without a dtype: checkpointed, it raises without the shim
+    (float32 meets the precision's dtype in the recompute) and equals the unchecked run with it, bit for bit."""
+    assert recompute["verdict"] == "fixed", recompute["reason"]
+    assert recompute["reason"].startswith("with the shim, checkpointing CausalBlock (")
+    assert same_bits(section["shim_on"], section["checkpointed_shim_on"])
+    assert all(r["checkpointed"] > 0 for r in section["checkpointed_shim_on"])
+    error = section["checkpointed_shim_off"][0]["error"]
+    assert error is not None and f"with the shim off, the checkpointed run raised {error}" in recompute["reason"]
 
 
 def assert_exactly_half(section: dict[str, Any], devices: int, steps: int = 3) -> None:
@@ -176,21 +190,25 @@ def test_every_installed_trainer_namespace_gets_its_own_verdict_naming_each_fix(
         cast = fix_entry(section, CAST.name)
         assert (cast["verdict"], cast["reason"]) == (section["verdict"], section["reason"])
         recompute = fix_entry(section, RECOMPUTE.name)
-        if RECOMPUTE.affects(version):
-            assert recompute["verdict"] is None and "--activation-checkpointing" in recompute["reason"]
+        if RECOMPUTE.affects(version):  # the seed's causal block, checkpointed: measured on every such release
+            assert_seed_recompute_fixed(section, recompute)
         if CAST.affects(version):
             assert_seed_fixed(section, precision)
         else:
             assert section["verdict"] == "not needed"
-            assert section["shim_off"] is None and section["shim_on"] is None  # decided by the gates alone
+            assert section["shim_off"] is None  # the cast is decided by the gates alone
             if base_release(version) >= CAST.first_affected:
                 assert CAST.unaffected_reason(version) in section["reason"]
-                assert "nothing was trained" in section["reason"]
+            if RECOMPUTE.affects(version):
+                assert "not measured: trained for the recompute only" in section["reason"]
+            elif base_release(version) >= CAST.first_affected:
+                assert section["shim_on"] is None and "nothing was trained" in section["reason"]
 
 
 def test_the_table_two_processes_the_fixes_and_the_phases(layouts: dict[str, Layout]) -> None:
     """The text report with 2 processes: the table's rows, the fixes each release lacks and what the
-    shim did, one line per fix's verdict, the phases on stderr, 100 columns, each term once."""
+    shim did, one line per fix's verdict (the recompute's measured with the seed's causal block), the
+    phases on stderr, 100 columns, each term once."""
     versions = trainer_versions(layouts)
     affected = [ns for ns, v in versions.items() if CAST.affects(v)]
     if not affected:
@@ -222,17 +240,23 @@ def test_the_table_two_processes_the_fixes_and_the_phases(layouts: dict[str, Lay
         assert [line for line in verdicts if not line.startswith("    ")] == [f"  {fix.name}" for fix in FIXES]
     assert "  fixes this release lacks: cast (applied by the shim), recompute (applied by the shim)" in lines
     assert any(line.startswith("  cast: fixed: sharded parameters, gradients and optimizer state") for line in lines)
-    not_checked = [line for line in lines if line.startswith("  recompute: not checked: --activation-checkpointing")]
-    assert len(not_checked) == sum(RECOMPUTE.affects(v) for v in versions.values())
+    recompute = [line for line in lines if line.startswith("  recompute: fixed: with the shim, checkpointing Causal")]
+    assert len(recompute) == sum(RECOMPUTE.affects(v) for v in versions.values())
+    assert "not checked" not in proc.stdout
     # The counter counts the runs once (the gate, before their number is known, is not
     # numbered), everything fits 100 columns, and each term is explained once.
     phases = [line for line in proc.stderr.splitlines() if line.startswith("fsdp-shim verify: ")]
     assert phases[0] == "fsdp-shim verify: reading the installed Lightning ..."
     label = f"{affected[0]} {versions[affected[0]]}"
-    assert phases[1:] == [
-        f"fsdp-shim verify: [1/2] {label}: training with the shim off ...",
-        f"fsdp-shim verify: [2/2] {label}: training with the shim on ...",
+    total = len(phases) - 1
+    assert phases[1:5] == [
+        f"fsdp-shim verify: [1/{total}] {label}: training with the shim off ...",
+        f"fsdp-shim verify: [2/{total}] {label}: training with the shim on ...",
+        f"fsdp-shim verify: [3/{total}] {label}: training with the shim off, with activation checkpointing ...",
+        f"fsdp-shim verify: [4/{total}] {label}: training with the shim on, with activation checkpointing ...",
     ]
+    # A release that has the cast is trained for the recompute only: 3 runs (the checkpointed one raised).
+    assert total == 4 * len(affected) + 3 * sum(RECOMPUTE.affects(v) and not CAST.affects(v) for v in versions.values())
     assert max(len(line) for line in lines) <= 100, proc.stdout
     for term in ("GPU guards lifted:", "flat parameter:", "seed model:"):
         assert sum(line.startswith(f"  {term}") for line in lines) == 1, term
@@ -446,7 +470,151 @@ def test_an_error_in_the_users_code_is_theirs(layouts: dict[str, Layout]) -> Non
     assert str(MODELS / "user_models.py") in proc.stderr
     assert "ValueError: a bug in the user's training_step" in proc.stderr
     assert "your code raised while training (shim off)" in proc.stderr
+    # It was trained with the shim too, which raised the same: the user's code, not what the shim fixes.
+    assert "training with the shim on ..." in proc.stderr
+    assert "and with the shim on too (ValueError: a bug in the user's training_step)" in proc.stderr
     assert "FAILED" not in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(("package", "devices", "extra"), [("lightning", 1, ()), ("standalone", 2, ("--measure",))])
+def test_a_model_that_checkpoints_in_its_own_forward_and_raises_without_the_shim_is_fixed(
+    package: str, devices: int, extra: tuple[str, ...], layouts: dict[str, Layout]
+) -> None:
+    """``user_models.ChecksItsOwnForward`` calls ``torch.utils.checkpoint`` in its own forward: without the
+    shim its backward raises (a recompute in float32 meets bfloat16), so there is no run to compare with;
+    verify trains it with the shim anyway, and it trains: the recompute is "fixed", named by what it raised.
+    The cast cannot be compared on 2.1-2.4 ("not checked", its dtypes shown); 2.5+ has it."""
+    layout = layout_or_skip(layouts, package)
+    if not RECOMPUTE.affects(layout.trainer_version):
+        pytest.skip("needs a release that lacks the recompute fix")
+    namespace = NAMESPACES[package][0]
+    args = ("--model", "user_models:ChecksItsOwnForward", "--devices", str(devices), *extra)
+    proc = verify_model(namespace, *args, "--json")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    section = only_section(proc)
+    assert section["namespace"] == namespace and section["shim_off"] is None
+    assert [r["rank"] for r in section["shim_on"]] == list(range(devices))
+    assert "CheckpointError" in section["shim_off_error"] and "Traceback" in section["shim_off_error"]
+    recompute = fix_entry(section, RECOMPUTE.name)
+    assert recompute["verdict"] == "fixed", recompute["reason"]
+    assert recompute["reason"].startswith(
+        "without the shim, a recompute of torch's checkpoint raised CheckpointError: "
+    )
+    assert recompute["reason"].endswith("; with the shim it trains")
+    cast = fix_entry(section, CAST.name)
+    if CAST.affects(layout.trainer_version):
+        assert (cast["verdict"], section["verdict"]) == (None, "not checked")
+        assert "so there is nothing to compare with; with the shim, LightningModule.dtype and every" in cast["reason"]
+    else:
+        assert cast["verdict"] == section["verdict"] == "not needed"
+    assert document(proc)["verdict"] == "fixed"
+    text = render([as_section(section)], Options(devices=devices, model="user_models:ChecksItsOwnForward"))
+    assert "\n  recompute: fixed: without the shim, a recompute of torch's checkpoint raised CheckpointError" in text
+    assert "your code raised" not in proc.stderr
+
+
+TORCH_2_1_CPU_STREAM = """
+import torch.cpu
+
+
+class Stream:  # torch 2.1's CPU stream: no __init__, so FSDP's Stream(priority=0) raises TypeError
+    pass
+
+
+torch.cpu.Stream = Stream
+"""
+
+
+@pytest.mark.usefixtures("lightning_installed")
+def test_a_torch_that_cannot_run_fsdp_on_cpu_is_named_not_the_model(tmp_path: Path) -> None:
+    """torch 2.1's CPU device handle has no streams, so FSDP's lazy init raises ``TypeError: Stream() takes
+    no arguments`` inside torch, whatever the model. Here torch 2.1's ``torch.cpu.Stream`` is put in place
+    in verify's processes (a ``sitecustomize`` on ``PYTHONPATH``) and the real FSDP raises it: verify names
+    torch and where in its FSDP it raised, exit 2, before any model (``--model`` too) is imported."""
+    (tmp_path / "sitecustomize.py").write_text(TORCH_2_1_CPU_STREAM)
+    env = clean_env()
+    env["PYTHONPATH"] = f"{tmp_path}:{env.get('PYTHONPATH', '')}"
+    pids = tmp_path / "pids"
+    pids.mkdir()
+    for args in ([], ["--model", "hanging_models:Model"]):  # that module hangs once imported
+        proc = verify(*args, env={**env, "FSDP_SHIM_TEST_PIDS": str(pids)}, cwd=MODELS)
+        assert proc.returncode == 2, proc.stdout + proc.stderr
+        release = ".".join(torch_version().split(".")[:2])
+        assert proc.stderr.strip().splitlines()[-1] == (
+            f"fsdp-shim verify: torch {release} cannot run FSDP on this machine's CPU (TypeError: Stream() takes "
+            "no arguments, raised in torch/distributed/fsdp/_runtime_utils.py: _init_streams)"
+        )
+        assert "your model" not in proc.stderr and "Traceback" not in proc.stderr
+    assert list(pids.iterdir()) == []
+
+
+def torch_version() -> str:
+    import torch
+
+    return torch.__version__.split("+")[0]
+
+
+def test_where_an_error_was_raised_in_torchs_fsdp() -> None:
+    """The classifier on real exceptions: FSDP on CPU without ``device_id`` raises in its own set-up: torch's
+    FSDP, named by the innermost FSDP frame. An error raised by code FSDP called (a wrap policy of the
+    user's) is not torch's, nor is one raised outside torch."""
+    torch = pytest.importorskip("torch")
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from _fsdp_shim.verify.probe import raised_in_torch_fsdp
+
+    with pytest.raises(RuntimeError, match="FSDP needs a non-CPU accelerator device") as inside:
+        FullyShardedDataParallel(torch.nn.Linear(2, 2))  # no device_id on CPU: torch's FSDP refuses
+    where = raised_in_torch_fsdp(inside.value)
+    assert where is not None and where.startswith("torch/distributed/fsdp/_init_utils.py: "), where
+
+    def policy(*args: Any, **kwargs: Any) -> bool:
+        raise RuntimeError("the user's policy")
+
+    store = torch.distributed.HashStore()
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        with pytest.raises(RuntimeError, match="the user's policy") as called:
+            FullyShardedDataParallel(torch.nn.Linear(2, 2), auto_wrap_policy=policy, device_id=torch.device("cpu"))
+    finally:
+        torch.distributed.destroy_process_group()
+    assert raised_in_torch_fsdp(called.value) is None
+    with pytest.raises(ValueError) as outside:
+        int("x")
+    assert raised_in_torch_fsdp(outside.value) is None
+
+
+def test_a_recompute_the_shim_says_is_not_in_effect_is_failed_never_applied(
+    layouts: dict[str, Layout], runs: Runs
+) -> None:
+    """``fsdp_shim.status()`` says the recompute is ``patched=False``, "not in effect on torch ..." where the
+    shim could not show, on that torch, that a checkpoint recomputes in its forward's dtype. verify's verdict
+    and text on real runs (2.4.0's, from the test above) with that status in their shim-on results: the
+    recompute is FAILED with that reason, checked or not, and nothing says it was applied or fixed."""
+    layout = layout_or_skip(layouts, "lightning")
+    if not CAST.affects(layout.trainer_version):
+        pytest.skip("needs an unpatched 2.1–2.4 (the runs of the test above)")
+    args = ("--model", "user_models:Checkpointed", "--init-args", '{"cast": true}', "--activation-checkpointing")
+    proc = runs.model("lightning.pytorch", *args, "user_models:Block", "--devices", "1", "--json")
+    section = as_section(only_section(proc))
+    reason = "not in effect on torch 2.13.0 (the non-reentrant checkpoint recomputed in float32, not its forward's)"
+    state = {"fix": RECOMPUTE.name, "affected": True, "patched": False, "reason": reason, "targets": []}
+
+    def with_state(results: list[RankResult] | None) -> list[RankResult]:
+        assert results is not None
+        return [replace(r, fixes={**r.fixes, RECOMPUTE.name: state}) for r in results]
+
+    on, on_ac = with_state(section.shim_on), with_state(section.checkpointed_shim_on)
+    verdict, why = judge_recompute(section.shim_off, on, section.checkpointed_shim_off or [], on_ac, "Block")
+    assert (verdict, why) == ("FAILED", f"the shim's fix is {reason}" + why.partition(reason)[2])
+    for verdicts in ({RECOMPUTE.name: (verdict, why)}, {}):  # checked, and not checked (--model alone)
+        fixes = fix_entries(on[0].fixes, verdicts)
+        text = render([replace(section, shim_on=on, fixes=fixes, checkpointed_shim_on=on_ac)], Options(model="m:M"))
+        flat = " ".join(text.split())
+        assert f"recompute (NOT applied: {reason})" in flat
+        assert f"recompute: FAILED: {'the shim' + chr(39) + 's fix is ' if verdicts else ''}{reason}" in flat
+        assert "recompute (applied" not in flat and "recompute: fixed" not in flat
+        assert "recompute FAILED)" in flat
 
 
 @pytest.mark.parametrize(
@@ -685,9 +853,10 @@ def test_the_help_has_a_description_its_defaults_and_an_example() -> None:
         "(default: 1)",
         "(default: 3)",
         "(default: 1800)",
-        "(default: not checked)",
+        "(default: the seed model's own causal block; with --model, not checked)",
     ):
         assert default in text, default
     assert "the Lightning precision both runs use" in proc.stdout
     assert "--activation-checkpointing MODULE:CLASS[,...]" in proc.stdout
-    assert "activation_checkpointing_policy" in text
+    assert "each MODULE:CLASS as activation_checkpointing_policy={...} takes them" in text
+    assert "CLASSES" not in proc.stdout

@@ -12,8 +12,10 @@ from typing import Any
 import torch
 from torch.distributed.fsdp import FullyShardedDataParallel
 
+from _fsdp_shim import NAMESPACES
+
 _LIFTED = "_fsdp_shim_cpu_guard_lifted"
-CONNECTORS = {  # per kind of namespace: (connector module, connector class)
+CONNECTORS = {  # per kind of namespace (``_fsdp_shim.NAMESPACES``): (connector module, connector class)
     "trainer": ("trainer.connectors.accelerator_connector", "_AcceleratorConnector"),
     "fabric": ("connector", "_Connector"),
 }
@@ -32,7 +34,7 @@ def lift(*namespaces: str) -> None:
 
     _replace_once(FullyShardedDataParallel, "__init__", device_cpu)
     for namespace in namespaces:
-        module, name = CONNECTORS["trainer" if namespace in ("lightning.pytorch", "pytorch_lightning") else "fabric"]
+        module, name = CONNECTORS[NAMESPACES[namespace]]
         fsdp_strategy = importlib.import_module(f"{namespace}.strategies.fsdp").FSDPStrategy
 
         def not_for_fsdp(original: Callable[[Any], None], fsdp: type = fsdp_strategy) -> Callable[[Any], None]:

@@ -23,7 +23,8 @@ TERMS = {
     "flat parameter": "FSDP keeps the parameters of each wrapped unit in one flat tensor per rank; its dtype is "
     "what the sharded parameter, gradient and optimizer-state bytes are made of.",
     "seed model": "verify's own model when --model is not given: two copies of Lightning's demo Transformer, "
-    "one built in configure_model, one loaded in float32 as from_pretrained does.",
+    "one built in configure_model, one loaded in float32 as from_pretrained does, and a causal block that makes "
+    "its mask without a dtype, checkpointed in the runs that check the recompute.",
 }
 
 

@@ -27,8 +27,61 @@ class ProbeStop(Exception):
         self.code, self.record = code, record
 
 
+def one_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
+
+
 def user_error(phase: str, **extra: int) -> ProbeStop:
-    return ProbeStop(USER_ERROR, {"kind": "user", "phase": phase, "traceback": traceback.format_exc(), **extra})
+    """The exception being handled, as the user's: its traceback, one line, and whether it was raised in a
+    recompute of torch's checkpoint (a frame of ``torch/utils/checkpoint.py``)."""
+    error = sys.exc_info()[1]
+    files = [frame.filename for frame in traceback.extract_tb(error.__traceback__)] if error else []
+    record = {"kind": "user", "phase": phase, "traceback": traceback.format_exc(), **extra}
+    in_recompute = any(Path(name).parts[-3:] == ("torch", "utils", "checkpoint.py") for name in files)
+    return ProbeStop(USER_ERROR, {**record, "error": one_line(error) if error else "", "in_recompute": in_recompute})
+
+
+def raised_in_torch_fsdp(error: BaseException) -> str | None:
+    """Where ``error`` was raised, as ``torch/distributed/fsdp/FILE: FUNCTION``, when it was raised inside
+    torch's FSDP: the innermost frames are torch's own, and one of them is FSDP's; else ``None``."""
+    import torch
+
+    root = Path(torch.__file__).resolve().parent
+    frames = traceback.extract_tb(error.__traceback__)
+    for frame in reversed(frames):
+        path = Path(frame.filename).resolve()
+        if not path.is_relative_to(root):
+            return None  # code torch called (or its caller) raised it before any FSDP frame
+        if path.is_relative_to(root / "distributed" / "fsdp"):
+            return f"torch/{path.relative_to(root).as_posix()}: {frame.name}"
+    return None
+
+
+def check_fsdp_on_cpu() -> None:
+    """Train one step of a one-layer FSDP model in a one-rank gloo group, as the CPU check does, before any
+    user code runs: a torch that cannot run FSDP on CPU (torch 2.1's CPU device handle has no streams:
+    ``TypeError: Stream() takes no arguments``) is named here, not blamed on the model."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    release = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    try:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    except Exception as error:
+        message = f"torch {release} cannot start a gloo process group on this machine ({one_line(error)})"
+        raise ProbeStop(USAGE_ERROR, {"kind": "usage", "message": message}) from error
+    try:
+        model = FullyShardedDataParallel(torch.nn.Linear(2, 2), device_id=torch.device("cpu"))
+        model(torch.ones(1, 2)).sum().backward()
+    except Exception as error:
+        where = raised_in_torch_fsdp(error)
+        if where is None:
+            raise
+        message = f"torch {release} cannot run FSDP on this machine's CPU ({one_line(error)}, raised in {where})"
+        raise ProbeStop(USAGE_ERROR, {"kind": "usage", "message": message}) from error
+    finally:
+        dist.destroy_process_group()
 
 
 def usage_error(message: str) -> ProbeStop:
@@ -108,8 +161,12 @@ def fix_states(namespace: str) -> dict[str, dict[str, Any]]:
 def gate(options: Options) -> dict[str, Any]:
     """Every installed Trainer namespace's ``version`` and the shim's ``fixes``, or its ``import_failure``;
     with ``--model``, ``model_namespaces``: the namespace of the model's class, or those imported with it."""
+    import torch
+
     from _fsdp_shim.distributions import import_failure, installed_packages
 
+    if not torch.cuda.is_available():
+        check_fsdp_on_cpu()
     namespaces, model_namespaces = {}, []
     if options.model is not None:
         target = checked(options.model, "LightningModule")
@@ -151,6 +208,8 @@ def train_and_measure(request: ProbeRequest) -> None:
         else:
             check_training_data(options.model, model, namespace)  # type: ignore[arg-type]
     baseline, classes = measure.rss_bytes(), checkpointed_classes(options.activation_checkpointing)
+    if options.model is None and not classes:
+        classes = {seed.causal_block()}  # the seed's own block that makes tensors without a dtype
     counted = tuple(classes)  # a checkpointed run counts the wrappers Lightning's policy put in
     if request.checkpointing:
         from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
@@ -177,8 +236,8 @@ def train_and_measure(request: ProbeRequest) -> None:
     except Exception as raised:
         if not request.checkpointing:
             raise user_error("training", rank=trainer.global_rank) from raised
-        error = f"{type(raised).__name__}: {(str(raised).strip().splitlines() or [''])[0]}"
-    if classes and not callback.checkpointed and not error:
+        error = one_line(raised)
+    if options.activation_checkpointing and not callback.checkpointed and not error:
         names = ", ".join(options.activation_checkpointing)
         raise usage_error(f"--activation-checkpointing: this model has no module of {names} to checkpoint")
     fixes = fix_states(namespace)  # type: ignore[arg-type]

@@ -12,7 +12,9 @@ from _fsdp_shim.verify.records import RankResult
 
 DTYPES = {"bf16-true": "torch.bfloat16", "16-true": "torch.float16"}
 BYTE_KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes")
-NOT_CHECKED = "not checked: --activation-checkpointing CLASSES trains your checkpointed blocks with it"
+NOT_CHECKED = "not checked: --activation-checkpointing MODULE:CLASS[,...] trains your checkpointed blocks with it"
+NOT_IN_EFFECT = "not in effect on torch "
+"""How a fix's ``FixStatus.reason`` starts where the shim could not show it works on this torch."""
 
 
 @dataclass
@@ -28,12 +30,29 @@ class Section:
     shim_on: list[RankResult] | None = None
     checkpointed_shim_off: list[RankResult] | None = None
     checkpointed_shim_on: list[RankResult] | None = None
+    shim_off_error: str | None = None  # the traceback of a user's model that raised without the shim
 
 
 def fix_entries(states: dict[str, dict[str, Any]], verdicts: dict[str, tuple[str, str]]) -> list[dict[str, Any]]:
-    """Per fix: its verdict (``None`` where not checked), reason, and ``shim``: its ``FixStatus`` read in a probe."""
+    """Per fix: its verdict (``None`` where not checked), reason, and ``shim``: its ``FixStatus`` read in a probe.
+    A fix the shim says is not in effect on this torch is ``FAILED`` with that reason, checked or not."""
     rows = [(fix.name, *verdicts.get(fix.name, (None, NOT_CHECKED))) for fix in FIXES]
+    rows = [
+        (f, "FAILED", states[f]["reason"]) if not_in_effect(states.get(f)) and v != "FAILED" else (f, v, why)
+        for f, v, why in rows
+    ]
     return [{"fix": fix, "verdict": verdict, "reason": why, "shim": states.get(fix)} for fix, verdict, why in rows]
+
+
+def not_in_effect(state: dict[str, Any] | None) -> bool:
+    """Whether a ``FixStatus`` (as a dict) says the fix is not in effect on this torch."""
+    return bool(state) and not state["patched"] and str(state["reason"]).startswith(NOT_IN_EFFECT)  # type: ignore[index]
+
+
+def _not_applied(state: dict[str, Any], namespace: str) -> str:
+    if not_in_effect(state):
+        return f"the shim's fix is {state['reason']}"
+    return f"the shim did not apply it to {namespace}: {state['reason']}"
 
 
 def _same_figures(off: list[RankResult], on: list[RankResult]) -> bool:
@@ -106,13 +125,14 @@ def what_changed(plain: list[RankResult], checkpointed: list[RankResult]) -> str
 
 
 def judge_recompute(
-    off: list[RankResult], on: list[RankResult], off_ac: list[RankResult], on_ac: list[RankResult], classes: str
+    off: list[RankResult] | None, on: list[RankResult], off_ac: list[RankResult], on_ac: list[RankResult], classes: str
 ) -> tuple[str, str]:
     """``fixed`` when, with the shim, checkpointing changes nothing bit for bit, and without it something."""
-    blocks = f"checkpointing {classes} ({on_ac[0].checkpointed or off_ac[0].checkpointed} modules)"
+    count = on_ac[0].checkpointed or off_ac[0].checkpointed
+    blocks = f"checkpointing {classes} ({count} module{'' if count == 1 else 's'})"
     state = on_ac[0].fixes[RECOMPUTE.name]
-    problems = [] if state["patched"] else [f"the shim did not apply it to {on[0].namespace}: {state['reason']}"]
-    changed, unfixed = what_changed(on, on_ac), what_changed(off, off_ac)
+    problems = [] if state["patched"] else [_not_applied(state, on[0].namespace)]
+    changed, unfixed = what_changed(on, on_ac), what_changed(off or [], off_ac)
     problems += [f"with the shim, the checkpointed run {changed}"] if changed else []
     finding = f"with the shim off, the checkpointed run {unfixed}" if unfixed else ""
     if problems:
@@ -127,6 +147,47 @@ def judge_recompute(
         f"with the shim, {blocks} changes nothing: every step's loss and every rank's parameters equal the run "
         f"without it, bit for bit; {finding}"
     )
+
+
+def judge_raised_without_shim(
+    raised: dict[str, Any], on: list[RankResult], on_ac: list[RankResult] | None, precision: str, classes: str
+) -> dict[str, tuple[str | None, str]]:
+    """The verdicts for a user's model that raised without the shim and trains with it. The recompute made it
+    train where the error came from a recompute of torch's checkpoint, or where the release lacks no other
+    fix; else the cast did. Nothing is compared with a run without the shim: there is none."""
+    version, error, want = on[0].lightning, raised["error"], DTYPES[precision]
+    short = want.removeprefix("torch.")
+    by_recompute = RECOMPUTE.affects(version) and (raised["in_recompute"] or not CAST.affects(version))
+    who = "a recompute of torch's checkpoint" if raised["in_recompute"] else "training"
+    without = f"without the shim, {who} raised {error}"
+    verdicts: dict[str, tuple[str | None, str]] = {}
+    cast_state, recompute_state = on[0].fixes[CAST.name], on[0].fixes[RECOMPUTE.name]
+    if not CAST.affects(version):
+        verdicts[CAST.name] = ("not needed", CAST.unaffected_reason(version))
+    else:
+        problems = [] if cast_state["patched"] else [_not_applied(cast_state, on[0].namespace)]
+        for result in on:
+            rank = f" on rank {result.rank}" if len(on) > 1 else ""
+            if result.module_dtype != want or result.flat_param_dtypes != [want]:
+                problems.append(f"with the shim, LightningModule.dtype or the flat parameters are not {short}{rank}")
+        right = f"with the shim, LightningModule.dtype and every flat parameter are {short} on every rank"
+        if problems:
+            verdicts[CAST.name] = ("FAILED", "; ".join(problems))
+        elif by_recompute:
+            verdicts[CAST.name] = (None, f"not checked: {without}, so there is nothing to compare with; {right}")
+        else:
+            verdicts[CAST.name] = ("fixed", f"{without}; with the shim it trains, and {right}")
+    changed = what_changed(on, on_ac) if on_ac else None
+    checked = f"; with the shim, checkpointing {classes} changes nothing, bit for bit" if on_ac and not changed else ""
+    if changed:
+        verdicts[RECOMPUTE.name] = ("FAILED", f"with the shim, the checkpointed run {changed} ({without})")
+    elif by_recompute and not recompute_state["patched"]:
+        verdicts[RECOMPUTE.name] = ("FAILED", f"{_not_applied(recompute_state, on[0].namespace)} ({without})")
+    elif by_recompute:
+        verdicts[RECOMPUTE.name] = ("fixed", f"{without}; with the shim it trains{checked}")
+    elif on_ac:
+        verdicts[RECOMPUTE.name] = (None, f"not checked: {without}, so there is nothing to compare with{checked}")
+    return verdicts
 
 
 def overall(sections: list[Section]) -> tuple[str, str]:

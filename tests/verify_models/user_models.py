@@ -9,6 +9,7 @@ import os
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -127,6 +128,36 @@ class Checkpointed(pl.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         (x,) = batch
         return self.head(self.blocks(x.to(self.head.weight.dtype))).float().pow(2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.trainer.model.parameters(), lr=1e-2)
+
+    def train_dataloader(self) -> DataLoader:
+        return _data()
+
+
+class ChecksItsOwnForward(pl.LightningModule):
+    """Checkpoints its blocks in its own forward with ``torch.utils.checkpoint`` (no Lightning policy), built in
+    ``configure_model``, so they are the precision's dtype with the shim or without: unpatched, the recompute
+    makes ``torch.ones`` in float32, and the backward raises, so the run without the shim never trains."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks: nn.ModuleList | None = None
+        self.head: nn.Module | None = None
+
+    def configure_model(self) -> None:
+        if self.blocks is not None:
+            return
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.head = nn.Linear(FEATURES, FEATURES)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        h = x.to(self.head.weight.dtype)
+        for block in self.blocks:
+            h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+        return self.head(h).float().pow(2).mean()
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.trainer.model.parameters(), lr=1e-2)
