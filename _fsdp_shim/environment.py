@@ -189,6 +189,63 @@ def _check_child(report: Report) -> None:
                 )
 
 
+INSTALL = "fsdp-shim install"
+RUN = "fsdp-shim run"
+
+
+def _armed(report: Report) -> dict[str, Any]:
+    """Whether a Python started from here (this environment, these variables) arms the shim at start-up,
+    and by what: ``state`` is ``armed``, ``not armed`` or ``off`` (``FSDP_SHIM`` switches every activation
+    off); ``by`` names what arms it (``FSDP_SHIM='1'``, ``fsdp-shim install``, ``fsdp-shim run``), or would
+    once ``FSDP_SHIM`` no longer switches it off. A script's own ``import fsdp_shim`` arms that script's
+    process only: no other process can see it (``fsdp_shim.status()`` in the script does)."""
+    by = []
+    if report["environment_file"].get("read") and shim_state() == "on":
+        by.append(f"{SHIM_VARIABLE}={os.environ.get(SHIM_VARIABLE)!r}")
+    if report["startup_files"]:
+        by.append(INSTALL)
+    if report["bootstrap_on_pythonpath"]:
+        by.append(RUN)
+    state = "off" if _switched_off() else "armed" if by else "not armed"
+    return {"state": state, "by": by}
+
+
+def _armed_lines(report: Report) -> list[str]:
+    """The first lines of ``status``: armed or not, by what, and what would arm it."""
+    by = report["armed"]["by"]
+    env = report["environment_file"]
+    pth = [f["path"] for f in report["startup_files"] if Path(f["path"]).name == startup_files.PTH_NAME]
+    how = {
+        INSTALL: f"its start-up file {pth[0] if pth else '(see Activations)'}",
+        RUN: "its bootstrap is first on PYTHONPATH",
+    }
+
+    def table(rows: list[tuple[str, str]]) -> list[str]:
+        width = max(len(name) for name, _ in rows)
+        return [f"  {name:<{width}}  {what}" for name, what in rows]
+
+    sources = [(source, how.get(source, f"read by {env.get('path')}")) for source in by]
+    if report["armed"]["state"] == "off":
+        lines = [f"Shim: OFF. {_switched_off()} switches off every activation: Lightning runs as shipped."]
+        return lines + (["  Without it, this would arm the shim:", *table(sources)] if sources else [])
+    if report["armed"]["state"] == "armed":
+        scope = "every Python of this environment" if by == [INSTALL] else "every Python started from here"
+        return [f"Shim: ARMED in {scope}, by:", *table(sources)]
+    ways = [(f"{SHIM_VARIABLE}=1 python train.py", "one command and every process it starts")]
+    if not env.get("read"):
+        ways = []  # this interpreter reads no fsdp_shim_env.pth: the variable alone arms nothing
+    ways += [
+        (f"{RUN} python train.py", "the same, also for interpreters of another environment"),
+        ("import fsdp_shim", "in the training script: that script only (status cannot see it)"),
+        (INSTALL, "every Python of this environment, until `fsdp-shim uninstall`"),
+    ]
+    value = os.environ.get(SHIM_VARIABLE)
+    nothing = (
+        f"{SHIM_VARIABLE}={value!r} arms nothing here (see PROBLEM)" if shim_state() == "on" else "nothing arms it"
+    )
+    return [f"Shim: NOT ARMED in a Python started from here: {nothing}. Any one of these arms it:", *table(ways)]
+
+
 def collect(python_check: bool = False) -> Report:
     """What ``status --json`` prints, in this key order; ``render`` writes it as text."""
     skipped, _ = disabled_fixes()
@@ -204,12 +261,14 @@ def collect(python_check: bool = False) -> Report:
             for fix in FIXES
         ],
         "lightning": _installed_lightning(),
+        "armed": {},  # whether a Python started from this shell arms the shim, and by what
         "child": None,
         "problems": [],
     }
     _check_toggles(report)
     _check_activations(report)
     _check_environment_file(report)
+    report["armed"] = _armed(report)
     if python_check:
         _check_child(report)
     report["consistent"] = not report["problems"]
@@ -218,8 +277,9 @@ def collect(python_check: bool = False) -> Report:
 
 def render(report: Report) -> str:
     lines = [f"fsdp-shim {report['shim_version']}  (python: {report['python']})", ""]
+    lines += [*_armed_lines(report), ""]
     off = _switched_off()
-    unset = {SHIM_VARIABLE: "shim on", STRICT_VARIABLE: "strict off"}
+    unset = {SHIM_VARIABLE: "1 arms the shim, 0 switches it off", STRICT_VARIABLE: "strict mode off"}
     shipped = {SHIM_VARIABLE: " (the shim is OFF: Lightning runs as shipped)"} if off else {}
     for name, value in report["toggles"].items():
         if value is not None:
@@ -229,7 +289,7 @@ def render(report: Report) -> str:
     lines += ["", "Activations:"]
     env = report["environment_file"]
     if env.get("read"):
-        lines.append(f"  FSDP_SHIM=1    {env['path']}  (arms every interpreter where {SHIM_VARIABLE} is set)")
+        lines.append(f"  FSDP_SHIM=1    {env['path']}  (arms every interpreter where {SHIM_VARIABLE}=1)")
     else:
         lines.append(f"  FSDP_SHIM=1    arms nothing here: {_why_not_read()}")
     lines += [
@@ -242,7 +302,7 @@ def render(report: Report) -> str:
     for fix in report["fixes"]:
         mark = "  [switched off]" if fix["switched_off"] else ""
         lines += [f"  {fix['name']:<10} Lightning {fix['releases']}{mark}", f"  {'':<10} {fix['changes']}"]
-    lines += ["", "Lightning (from package metadata):"]
+    lines += ["", "Lightning (from package metadata; what the shim does where it is armed):"]
     if not report["lightning"]:
         lines.append("  none installed")
     for row in report["lightning"]:
@@ -251,12 +311,15 @@ def render(report: Report) -> str:
     if report["child"] is not None:
         lines += ["", "A fresh interpreter (imports Lightning, not fsdp_shim):"]
         if not report["child"]["shim_loaded"]:
-            why = f"{off} switches it off" if off else "no start-up activation reached it"
+            why = f"{off} switches it off" if off else "nothing armed it at start-up"
             lines.append(f"  shim not loaded: {why}")
+        else:
+            sources = (report["child"].get("status") or {}).get("sources") or []
+            lines.append(f"  shim loaded, armed by: {'; '.join(sources) or 'unknown'}")
         for namespace in (report["child"].get("status") or {}).get("namespaces", []):
             if namespace["imported"]:
                 lines.append(f"  {namespace['namespace']:<18} {namespace['version'] or '-':<10} {namespace['reason']}")
     lines.append("")
-    ok = "OK: consistent" + (f"; the shim is OFF ({off}), so nothing is patched" if off else "")
+    ok = "OK: no problem found" + (f"; the shim is OFF ({off}), so nothing is patched" if off else "")
     lines += [f"PROBLEM: {p}" for p in report["problems"]] or [ok]
     return "\n".join(lines)

@@ -118,6 +118,16 @@ for (const code of column.querySelectorAll('table code')) {
 const longest = [...column.querySelectorAll('pre')].map((el) => ({
   label: label(el), heading: heading(el),
   columns: Math.max(...el.innerText.replace(/\n$/, '').split('\n').map((l) => l.length))}));
+// A link inside a code block (a cross-reference that autorefs or a highlighter made of output text): the
+// block is meant to show text as a terminal prints it.
+const linkedCode = [...column.querySelectorAll('pre a[href]')].map((a) => ({
+  text: a.innerText.replace(/\s+/g, ' ').trim().slice(0, 40), heading: heading(a.closest('pre'))}));
+// The page's heading and its menu entry (Material's primary navigation marks the current page's link):
+// a reader who clicks "The problem and the fix" should land on a page headed that way.
+const h1 = column.querySelector('h1');
+const active = document.querySelector('.md-nav--primary a.md-nav__link--active');
+const titles = {heading: h1 ? h1.innerText.replace(/\s*¶\s*$/, '').replace(/\s+/g, ' ').trim() : null,
+                menu: active ? active.innerText.replace(/\s+/g, ' ').trim() : null};
 const refs = [];
 for (const [selector, attr] of [['a[href]', 'href'], ['link[href]', 'href'], ['script[src]', 'src'],
                                 ['img[src]', 'src'], ['source[src]', 'src'], ['iframe[src]', 'src']]) {
@@ -126,7 +136,7 @@ for (const [selector, attr] of [['a[href]', 'href'], ['link[href]', 'href'], ['s
 return {
   url: location.href, title: document.title, innerWidth: window.innerWidth,
   column: {selector: column.className || column.tagName, width: Math.round(colRight - colLeft)},
-  height: document.documentElement.scrollHeight, overflows, broken, longest, refs,
+  height: document.documentElement.scrollHeight, overflows, broken, longest, refs, linkedCode, titles,
   ids: [...document.querySelectorAll('[id], a[name]')].map((el) => el.id || el.getAttribute('name')),
 };
 """
@@ -331,6 +341,12 @@ def check_page(
         if block["columns"] > max_columns:
             where = f" under '{block['heading']}'" if block["heading"] else ""
             report.fail(page, f"code block{where} has a {block['columns']}-column line (at most {max_columns})")
+    for item in measured.get("linkedCode", []):
+        where = f" under '{item['heading']}'" if item["heading"] else ""
+        report.fail(page, f"code block{where} has a link on '{item['text']}': output text rendered as a link")
+    titles = measured.get("titles") or {}
+    if titles.get("heading") and titles.get("menu") and not titles["heading"].startswith(titles["menu"]):
+        report.fail(page, f"heading '{titles['heading']}' does not start with its menu entry '{titles['menu']}'")
     for entry in console:
         if entry.get("level") != "SEVERE":
             continue
@@ -574,7 +590,12 @@ DEFECTS = """
 <script>console.error("docs self-test: a console error");</script>
 
 <img alt="from another host" src="https://example.invalid/pixel.png">
+
+<pre><code>CheckpointError: <a href="#self-test-defects">a link in output text</a></code></pre>
 """
+
+SELF_TEST_MENU_ENTRY = "A menu entry unlike the heading"
+"""The home page's menu entry in the self-test's first copy: its heading says something else."""
 
 # Each injected defect, and the words of the failure that must report it (all of them, where a tuple).
 EXPECTED: dict[str, str | tuple[str, ...]] = {
@@ -587,6 +608,8 @@ EXPECTED: dict[str, str | tuple[str, ...]] = {
     "broken asset": "no-such-image.png answered HTTP 404",
     "console error": "docs self-test: a console error",
     "request to another host": "example.invalid/pixel.png from another host",
+    "link in a code block": "has a link on 'a link in output text'",
+    "heading unlike its menu entry": ("does not start with its menu entry", SELF_TEST_MENU_ENTRY),
     "console error from disk": ("from disk: console error:", "docs self-test: a console error"),
     "broken link from disk": "from disk: broken a to no-such-page.md: no such file",
     "broken anchor from disk": "from disk: broken a to activation.html#no-such-anchor: no such id",
@@ -612,9 +635,12 @@ def build(config: Path, site_dir: Path, strict: bool) -> None:
     subprocess.run([*command, *(["--strict"] if strict else [])], check=True, env=env)
 
 
-def build_copy(tmp: Path, name: str, append_to_index: str = "", leave_out: str | None = None) -> Path:
-    """Build a copy of the docs in `tmp`/`name`, `append_to_index` added to its home page and the plugin
-    `leave_out` left out of mkdocs.yml; return the site. Not strict: the defects would stop a strict build."""
+def build_copy(
+    tmp: Path, name: str, append_to_index: str = "", leave_out: str | None = None, home_entry: str | None = None
+) -> Path:
+    """Build a copy of the docs in `tmp`/`name`, `append_to_index` added to its home page, the plugin
+    `leave_out` left out of mkdocs.yml and the home page's menu entry renamed `home_entry`; return the
+    site. Not strict: the defects would stop a strict build."""
     import yaml  # mkdocs depends on PyYAML
 
     docs = tmp / name / "docs"
@@ -625,6 +651,9 @@ def build_copy(tmp: Path, name: str, append_to_index: str = "", leave_out: str |
     config["docs_dir"] = str(docs)
     if custom_dir := config.get("theme", {}).get("custom_dir"):
         config["theme"]["custom_dir"] = str(ROOT / custom_dir)
+    if home_entry is not None:
+        nav = config["nav"]  # one-key mappings, title: page
+        config["nav"] = [{home_entry: "index.md"} if list(entry.values()) == ["index.md"] else entry for entry in nav]
     plugins = config.get("plugins", [])
     if leave_out is not None:
         if leave_out not in plugins:
@@ -672,7 +701,7 @@ def self_test(width: int) -> int:
         long_line="x" * 160,
     )
     with tempfile.TemporaryDirectory(prefix="docs-self-test-") as tmp:
-        site = build_copy(Path(tmp), "defects", append_to_index=defects)
+        site = build_copy(Path(tmp), "defects", append_to_index=defects, home_entry=SELF_TEST_MENU_ENTRY)
         report = check_site(site, width=width, pages=home_and_activation(site))
         site = build_copy(Path(tmp), "without-offline", leave_out=WITHOUT_OFFLINE)
         # Its search never works: waiting the real check's SEARCH_SECONDS for that would prove nothing more.

@@ -144,10 +144,44 @@ def test_status_with_the_shim_switched_off_says_so(value: str) -> None:
     proc = cli("status", env=clean_env(FSDP_SHIM=value))
     assert proc.returncode == 0, proc.stdout
     assert f"FSDP_SHIM={value!r} (the shim is OFF: Lightning runs as shipped)" in proc.stdout
-    assert "would be patched" not in proc.stdout
-    assert proc.stdout.rstrip().endswith(
-        f"OK: consistent; the shim is OFF (FSDP_SHIM={value!r}), so nothing is patched"
+    assert proc.stdout.splitlines()[2] == (
+        f"Shim: OFF. FSDP_SHIM={value!r} switches off every activation: Lightning runs as shipped."
     )
+    assert "would be patched" not in proc.stdout and "ARMED" not in proc.stdout
+    assert proc.stdout.rstrip().endswith(
+        f"OK: no problem found; the shim is OFF (FSDP_SHIM={value!r}), so nothing is patched"
+    )
+    assert json.loads(cli("status", "--json", env=clean_env(FSDP_SHIM=value)).stdout)["armed"]["state"] == "off"
+
+
+def test_status_says_whether_the_shim_is_armed_and_what_would_arm_it() -> None:
+    """Unset, ``FSDP_SHIM`` neither arms nor switches off: ``status`` says first that nothing arms the
+    shim here, and lists what would, rather than "shim on" above "OK" (a reader takes it as active).
+    ``FSDP_SHIM=1`` arms it where this interpreter reads ``fsdp_shim_env.pth``."""
+    unset = cli("status", env=clean_env())
+    lines = unset.stdout.splitlines()
+    assert lines[2] == "Shim: NOT ARMED in a Python started from here: nothing arms it. Any one of these arms it:"
+    ways = [line.split()[0:2] for line in lines[3:7]]
+    assert ["import", "fsdp_shim"] in ways and ["fsdp-shim", "install"] in ways and ["fsdp-shim", "run"] in ways
+    assert "FSDP_SHIM unset (1 arms the shim, 0 switches it off)" in lines
+    assert "shim on" not in unset.stdout and "OK: consistent" not in unset.stdout
+    report = json.loads(cli("status", "--json", env=clean_env()).stdout)
+    assert report["armed"] == {"state": "not armed", "by": []}
+
+    on = cli("status", env=clean_env(FSDP_SHIM="1"))
+    on_report = json.loads(cli("status", "--json", env=clean_env(FSDP_SHIM="1")).stdout)
+    if on_report["environment_file"]["read"]:  # pip put fsdp_shim_env.pth where this interpreter reads it
+        assert on_report["armed"] == {"state": "armed", "by": ["FSDP_SHIM='1'"]}
+        assert on.stdout.splitlines()[2:5] == [
+            "Shim: ARMED in every Python started from here, by:",
+            f"  FSDP_SHIM='1'  read by {on_report['environment_file']['path']}",
+            "",
+        ]
+    else:
+        assert on_report["armed"] == {"state": "not armed", "by": []}
+        assert on.stdout.splitlines()[2].startswith(
+            "Shim: NOT ARMED in a Python started from here: FSDP_SHIM='1' arms nothing here (see PROBLEM)."
+        )
 
 
 @pytest.mark.parametrize("launcher", [[FSDP_SHIM], [sys.executable, "-m", "fsdp_shim"]], ids=["script", "module"])

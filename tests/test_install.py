@@ -32,6 +32,7 @@ from conftest import (
 
 import _fsdp_shim as startup
 from _fsdp_shim import startup_files
+from _fsdp_shim._version import __version__
 from _fsdp_shim.startup_files import COPY_FILE, ENVIRONMENT_FILE, MARKER, PTH_NAME, START_NAME, file_texts
 
 FILES = file_texts()
@@ -323,10 +324,14 @@ def test_an_edited_startup_file_is_still_fsdp_shims_and_uninstall_removes_every_
     assert sorted(removed.stdout.splitlines()) == sorted(f"removed {venv.site_packages / name}" for name in FILES)
     assert [name for name in FILES if (venv.site_packages / name).exists()] == []
     assert compiled_copies(venv.site_packages) == []
+    # Each prints exactly its own output: nothing of a start-up file's. Compared whole, not searched for
+    # "fsdp": pip's line names the folder it runs from, which a user's checkout or venv path may contain.
+    pip_version = run_command([sys.executable, "-m", "pip", "--version"], env=clean_env(), check=True).stdout
+    expected = {"pass": "", "pip": pip_version, "fsdp_shim": f"fsdp-shim {__version__}\n"}
     for command in (["-c", "pass"], ["-m", "pip", "--version"], ["-m", "fsdp_shim", "--version"]):
         proc = venv.run(*command, check=False)
         assert proc.returncode == 0 and proc.stderr == "", (command, proc.stderr)
-        assert "fsdp" not in proc.stdout.lower() or command[1] == "fsdp_shim", proc.stdout
+        assert proc.stdout == expected[command[1]], (command, proc.stdout)
     assert FINDER not in finders(venv.python)
 
     report = shim("status", "--json", python=venv.python)
@@ -522,7 +527,9 @@ def test_uv_pip_uninstall_leaves_no_file_of_fsdp_shims(tmp_path: Path, wheel: Pa
     venv.run("-m", "fsdp_shim", "--version", env=env, cwd=tmp_path)
     console_script = str(Path(venv.python).parent / "fsdp-shim")
     run_command([console_script, "run", venv.python, "-c", "pass"], env=env, cwd=tmp_path, check=True)
-    compiled = [path for path in venv.site_packages.rglob("*.pyc") if "fsdp_shim" in str(path)]
+    compiled = [
+        path for path in venv.site_packages.rglob("*.pyc") if "fsdp_shim" in str(path.relative_to(venv.site_packages))
+    ]
     assert any(path.name.startswith("sitecustomize.") for path in compiled)
     assert any(path.name.startswith("__main__.") for path in compiled)
     assert any("children" in path.parts for path in compiled)
