@@ -360,7 +360,7 @@ def prove_recompute() -> str | None:
             return block(x)
 
     def recompute(path: str) -> None:
-        x = torch.ones(1, dtype=forward, requires_grad=True)
+        x = torch.ones(1, dtype=forward, device="cpu", requires_grad=True)
         torch.set_default_dtype(forward)
         try:
             if path == "composable":
@@ -383,8 +383,9 @@ def prove_recompute() -> str | None:
     for path in paths:
         reentrant = path == "reentrant"
         seen.clear()
-        try:
-            recompute(path)
+        try:  # with autograd on, whatever context imported Lightning (no_grad, inference_mode)
+            with torch.inference_mode(False), torch.enable_grad():
+                recompute(path)
         except Exception as error:
             wrong.append(f"the {path} check raised {type(error).__name__}: {error}")
             continue

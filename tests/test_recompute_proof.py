@@ -133,6 +133,19 @@ def test_switching_a_fix_off_in_a_running_process_takes_it_off(layouts: dict[str
     assert wrapped.items() <= result["on_again"]["checkpoint"].items()
 
 
+def test_the_check_holds_whatever_context_lightning_is_imported_in(layouts: dict[str, Layout]) -> None:
+    """Imported under ``inference_mode``, a meta default device and a bfloat16 default dtype, the fix is
+    still shown (its check runs its own tensors on the CPU with autograd on) and leaves all three as they were."""
+    package = affected_package(layouts)
+    namespace = "lightning.pytorch" if package == "lightning" else "pytorch_lightning"
+    result = child_json("recompute_proof:imported_inside_contexts", {"package": namespace})
+    assert result == {
+        "reason": "patched",
+        "inside": {"inference_mode": True, "device": "meta"},
+        "dtype": "torch.bfloat16",
+    }
+
+
 @pytest.mark.parametrize(
     ("shim", "dtypes"),
     [(True, ["bfloat16", "bfloat16"]), (True, ["bfloat16", "float64"]), (False, ["bfloat16", "bfloat16"])],

@@ -183,3 +183,21 @@ def backwards_in_threads(shim: bool, dtypes: list[str], rounds: int) -> dict[str
             after.append(str(torch.get_default_dtype()))
     shim_warnings = [str(w.message) for w in caught if type(w.message).__name__ == "FSDPShimWarning"]
     return {"seen": seen, "after": after, "errors": errors, "warnings": shim_warnings}
+
+
+def imported_inside_contexts(package: str) -> dict[str, Any]:
+    """Lightning imported (and the fix's check run) under ``inference_mode``, a meta default device and a
+    bfloat16 default dtype: the check still sees each recompute, and leaves every one of them as it was."""
+    import torch
+
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.inference_mode(), torch.device("meta"):
+        import fsdp_shim
+
+        module = importlib.import_module(package)
+        inside = {"inference_mode": torch.is_inference_mode_enabled(), "device": str(torch.empty(1).device)}
+    return {
+        "reason": fsdp_shim.status().namespace(module.__name__).fix("recompute").reason,
+        "inside": inside,
+        "dtype": str(torch.get_default_dtype()),
+    }
