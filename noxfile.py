@@ -6,11 +6,11 @@ Python, so each session installs its releases with ``pip install --no-deps --tar
 and puts that folder first on ``PYTHONPATH``. The environment itself holds no Lightning, so a
 session sees exactly the layout it installed.
 
-The sessions in :data:`OTHER_TORCH` test the torch users of that Lightning actually run: each gets its
-own virtual environment with that torch installed first, pinned (PyPI's builds are CUDA builds: about
-3 GB with their nvidia-* wheels; they run FSDP on CPU with gloo). torch 2.2 and 2.3 run CPU FSDP too
-and were measured once by hand; torch 2.1 cannot (its CPU device handle has no streams), and CI has no
-GPU: see the footer of docs/compatibility.md.
+The sessions in :data:`OTHER_TORCH` test the torch users of that Lightning actually run, from 2.3.1 to
+the newest: each gets its own virtual environment with that torch installed first, pinned (PyPI's
+builds are CUDA builds: about 3 GB with their nvidia-* wheels; they run FSDP on CPU with gloo). torch
+2.2 runs CPU FSDP too and was measured once by hand; torch 2.1 cannot (its CPU device handle has no
+streams), and CI has no GPU: see the footer of docs/compatibility.md.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import nox
@@ -75,15 +76,12 @@ APP_DEPS_2_0 = [
 # one session per layout, while each session's fixed cost (collection, probing the environment, the
 # release-wide checks) is paid once.
 # Two releases that need nothing else of each other share a session, one per layout: 2.1.0 with 2.5.0,
-# 2.2.5 with 2.3.3 (each release is tested once, in one layout; 2.1.4 and 2.4.0 in both).
+# 2.2.5 with 2.3.3, 2.6.6 with 2.4.0 (each release is tested in one layout at least; 2.1.4 and 2.4.0 in both).
 MATRIX: dict[str, list[str]] = {
     "lightning-2.0.9": ["lightning==2.0.9"],
     "lightning-2.1.0-standalone-2.5.0": ["lightning==2.1.0", "pytorch-lightning==2.5.0", "lightning-fabric==2.5.0"],
     "lightning-2.1.4": ["lightning==2.1.4", "pytorch-lightning==2.1.4", "lightning-fabric==2.1.4"],
-    "lightning-2.2.5-standalone-2.3.3": ["lightning==2.2.5", "pytorch-lightning==2.3.3", "lightning-fabric==2.3.3"],
-    # Lightning 2.4.0: `lightning` in the default session below, the standalone layout on torch 2.4.1 (OTHER_TORCH).
-    # 2.6.6's standalone layout is the default session's second one.
-    "lightning-2.6.6": ["lightning==2.6.6"],
+    # 2.2.5 and 2.3.3 on torch 2.3.1, 2.6.6 on torch 2.15.0: OTHER_TORCH below.
     # What `pip install lightning==2.4.0` creates: an affected lightning.* next to the newest,
     # fixed pytorch_lightning/lightning_fabric. The default development environment.
     "mixed-2.4.0": ["lightning==2.4.0", "pytorch-lightning==2.6.6"],
@@ -94,17 +92,59 @@ MATRIX: dict[str, list[str]] = {
 }
 # Every session but the wrapt-1 one runs on the environment's wrapt, the newest 2.x.
 
-# Sessions on another torch than the environment's: session name (in MATRIX) -> torch version.
-OTHER_TORCH: dict[str, str] = {
+TORCH_DEPENDENT_TESTS = (
+    "tests/test_cast.py",
+    "tests/test_recompute.py",
+    "tests/test_recompute_proof.py",
+    "tests/test_verify.py",
+)
+"""What a session in OTHER_TORCH runs of its per_release tests, unless it is its releases' only session:
+what the fixes change in training (dtypes, exact bytes, Lightning's own tests, recomputes, verify).
+What decides imports, gates and wrappers is the same on every torch, and its torch's CUDA build costs
+seconds per interpreter, so those run on one torch only. A file not (yet) in the checkout is left out."""
+
+
+@dataclass(frozen=True)
+class OtherTorch:
+    """A session on another torch than the environment's, in a uv virtual environment of its own."""
+
+    torch: str
+    python: str | None = None
+    """``X.Y`` (see :func:`find_python`), or None for nox's own interpreter."""
+    pins: tuple[str, ...] = ()
+    """Installed with torch and pinned like it, in every install."""
+    tests: tuple[str, ...] = TORCH_DEPENDENT_TESTS
+    """What it runs of its per_release tests; ``()``: all of them, where its releases have no session on
+    the environment's torch."""
+
+
+# Sessions on another torch than the environment's (session name, also in MATRIX -> its torch). The
+# recompute fix lives on torch's private checkpoint internals, and FSDP's bytes differ between torch
+# releases: the fixes are tested on the torch releases users install next to each Lightning line, from
+# the oldest that runs FSDP on CPU to the newest. Where a release line's users run a torch of their
+# own (2.2 and 2.3: torch 2.3; the newest Lightning: the newest torch), that line's session runs there,
+# all of its per_release tests, instead of on the environment's torch as well.
+OTHER_TORCH: dict[str, OtherTorch] = {
+    # The oldest torch that runs FSDP on CPU (2.1 and 2.2 cannot: see the footer of docs/compatibility.md),
+    # with the Lightning of its time. Built against NumPy 1.
+    "lightning-2.2.5-standalone-2.3.3-torch-2.3.1": OtherTorch("2.3.1", pins=("numpy<2",), tests=()),
     # What users pinned to Lightning 2.4 run: 2.4.0 on torch 2.4.1, in the layout the default session lacks.
-    "lightning-2.4.0-torch-2.4.1": "2.4.1",
+    "lightning-2.4.0-torch-2.4.1": OtherTorch("2.4.1"),
+    # The newest torch, on the Python its users run, with the newest Lightning (the recompute's whole
+    # matrix: tests/test_recompute.py's PROOF_RELEASES) next to the last release the cast fixes.
+    "lightning-2.6.6-standalone-2.4.0-torch-2.15.0": OtherTorch("2.15.0", python="3.12", tests=()),
 }
+MATRIX["lightning-2.2.5-standalone-2.3.3-torch-2.3.1"] = [
+    "lightning==2.2.5",
+    "pytorch-lightning==2.3.3",
+    "lightning-fabric==2.3.3",
+]
 MATRIX["lightning-2.4.0-torch-2.4.1"] = ["pytorch-lightning==2.4.0", "lightning-fabric==2.4.0"]
-TORCH_DEPENDENT_TESTS = ["tests/test_cast.py", "tests/test_recompute.py", "tests/test_verify.py"]
-"""What the sessions in OTHER_TORCH run (their per_release tests): what the fixes change in training
-(dtypes, exact bytes, Lightning's own tests, recomputes, verify). What decides imports, gates and
-wrappers is the same on every torch, and its torch's CUDA build costs seconds per interpreter, so
-those run on one torch only."""
+MATRIX["lightning-2.6.6-standalone-2.4.0-torch-2.15.0"] = [
+    "lightning==2.6.6",
+    "pytorch-lightning==2.4.0",
+    "lightning-fabric==2.4.0",
+]
 
 WRAPT_DEPENDENT_TESTS = [
     "tests/test_activation.py",
@@ -146,6 +186,11 @@ Lightning, torchmetrics imports it with every ``import lightning``, about 0.9 s 
 interpreters (a quarter of a release session's time). None of its dependencies is torch."""
 
 
+BENCHMARK_LIGHTNING = ("lightning-2.6.6", ["lightning==2.6.6"])
+"""The fixed release the demo-Transformer benchmark of tests/test_project.py (default session) compares
+2.4.0 with, in the folder it reads: no session of this torch installs the unified 2.6.6 any more."""
+
+
 def install_target(
     session: nox.Session,
     name: str,
@@ -184,6 +229,7 @@ def run_matrix_session(
     }
     if name == DEFAULT_SESSION:
         env["FSDP_SHIM_TEST_TRANSFORMERS"] = str(install_target(session, "transformers", python, TRANSFORMERS, True))
+        install_target(session, *BENCHMARK_LIGHTNING, python)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     junit = RESULTS_DIR / f"{name}.xml"
     try:
@@ -226,19 +272,60 @@ for _name in MATRIX:
         run_matrix_session(session, _name, tests=tuple(SESSION_TESTS.get(_name, ())))
 
 
-for _name, _torch in OTHER_TORCH.items():
+def find_python(version: str) -> str:
+    """``version`` (``X.Y``) as a session's ``python=``, found here rather than downloaded.
 
-    @nox.session(name=f"tests-{_name}", venv_backend="uv")
+    nox finds ``pythonX.Y`` on ``PATH``, where on a machine with pyenv it is pyenv's shim, which runs only
+    the versions pyenv has active (``PYENV_VERSION``, a ``.python-version``, the global one): a shim for
+    an installed but inactive version fails, and nox would download that Python (``uv python install``).
+    So where pyenv has ``X.Y`` installed, its newest patch release is made active for this nox process
+    and what it starts, after those already active (``python3`` and the rest answer as before). Where
+    neither has it, nox's uv backend downloads it."""
+    import shutil
+    import subprocess
+
+    def runs(command: list[str]) -> str | None:
+        proc = subprocess.run(command, capture_output=True, text=True, check=False)
+        return proc.stdout if proc.returncode == 0 else None
+
+    on_path = shutil.which(f"python{version}")
+    pyenv = shutil.which("pyenv")
+    if (on_path and runs([on_path, "-c", ""]) is not None) or pyenv is None:
+        return version
+    installed = (runs([pyenv, "versions", "--bare", "--skip-aliases"]) or "").split()
+    patches = [v for v in installed if v.startswith(f"{version}.") and v[len(version) + 1 :].isdigit()]
+    if patches:
+        newest = max(patches, key=lambda v: int(v.rsplit(".", 1)[1]))
+        active = (runs([pyenv, "version-name"]) or "").strip().split(":")
+        os.environ["PYENV_VERSION"] = ":".join(dict.fromkeys([*filter(None, active), newest]))
+    return version
+
+
+for _name, _other in OTHER_TORCH.items():
+
+    @nox.session(
+        name=f"tests-{_name}",
+        venv_backend="uv",
+        python=find_python(_other.python) if _other.python else None,
+    )
     @timed
-    def _other_torch_session(session: nox.Session, _name: str = _name, _torch: str = _torch) -> None:
-        pin = f"torch=={_torch}"  # first, and repeated in every install: nothing may resolve another torch
-        session.install(COMPILE, pin)
-        session.install(COMPILE, pin, "-r", str(ROOT / ".ci" / "requirements-test.txt"))
-        session.install(COMPILE, pin, "--no-deps", "-e", str(ROOT))
-        session.install(COMPILE, pin, "wrapt>=1.14,!=2.2.0,<3", "packaging>=20")
-        session.run("python", "-c", f"import torch; assert torch.__version__.startswith('{_torch}'), torch.__version__")
+    def _other_torch_session(session: nox.Session, _name: str = _name, _other: OtherTorch = _other) -> None:
+        # torch first, and pinned (with the session's pins) in every install: nothing may resolve another torch.
+        pins = [f"torch=={_other.torch}", *_other.pins]
+        session.install(COMPILE, *pins)
+        session.install(COMPILE, *pins, "-r", str(ROOT / ".ci" / "requirements-test.txt"))
+        session.install(COMPILE, *pins, "--no-deps", "-e", str(ROOT))
+        session.install(COMPILE, *pins, "wrapt>=1.14,!=2.2.0,<3", "packaging>=20")
+        check = "import sys, torch; print('torch', torch.__version__, 'python', sys.version.split()[0]); "
+        check += f"assert torch.__version__.split('+')[0] == {_other.torch!r}, torch.__version__"
+        if _other.python:
+            check += f"; assert sys.version.startswith({_other.python + '.'!r}), sys.version"
+        session.run("python", "-c", check)
         python = str(Path(session.virtualenv.bin) / "python")
-        run_matrix_session(session, _name, python=python, tests=tuple(TORCH_DEPENDENT_TESTS))
+        tests = tuple(test for test in _other.tests if (ROOT / test).exists())
+        if _other.tests and not tests:  # an empty list would run every per_release test
+            session.error(f"none of {_other.tests} is in the checkout")
+        run_matrix_session(session, _name, python=python, tests=tests)
 
 
 @nox.session

@@ -6,9 +6,11 @@ Usage: matrix_status.py SESSION OUT.json JUNIT.xml  (run with the session's PYTH
 from __future__ import annotations
 
 import json
+import platform
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from importlib import metadata
 from pathlib import Path
 
 PROBE = Path(__file__).resolve().parent / "matrix_probe.py"
@@ -24,6 +26,14 @@ def test_counts(junit: Path) -> dict[str, int]:
     return counts
 
 
+def torch_version() -> str:
+    """The session's torch, also where the probe failed (the probe's own record says the same)."""
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
 def main(session: str, out: str, junit: str) -> None:
     probe = subprocess.run([sys.executable, str(PROBE)], capture_output=True, text=True)
     state = (
@@ -31,7 +41,13 @@ def main(session: str, out: str, junit: str) -> None:
     )
     counts = test_counts(Path(junit))
     counts["passed"] = counts["tests"] - counts["failures"] - counts["errors"] - counts["skipped"]
-    record = {"session": session, **state, "counts": counts}
+    record = {
+        "session": session,
+        "python": platform.python_version(),
+        "torch": torch_version(),
+        **state,
+        "counts": counts,
+    }
     Path(out).write_text(json.dumps(record, indent=1))
 
 

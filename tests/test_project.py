@@ -4,6 +4,8 @@ hang protection, and the demo-Transformer benchmark at its CPU size."""
 from __future__ import annotations
 
 import ast
+import functools
+import importlib.util
 import json
 import math
 import os
@@ -11,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import ROOT, alive, run_command
@@ -153,11 +156,23 @@ def namespace(name: str, version: str, cast: tuple[str, ...] | bool = (), recomp
 
 
 def record(
-    session: str, namespaces: list[dict], torch: str = "2.13.0+cpu", wrapt: str = "2.5.2", **counts: int
+    session: str,
+    namespaces: list[dict],
+    torch: str = "2.13.0+cpu",
+    wrapt: str = "2.5.2",
+    python: str = "3.11.7",
+    **counts: int,
 ) -> dict:
     tally = {"tests": 10, "failures": 0, "errors": 0, "skipped": 2, **counts}
     tally["passed"] = tally["tests"] - tally["failures"] - tally["errors"] - tally["skipped"]
-    return {"session": session, "wrapt": wrapt, "torch": torch, "namespaces": namespaces, "counts": tally}
+    return {
+        "session": session,
+        "python": python,
+        "wrapt": wrapt,
+        "torch": torch,
+        "namespaces": namespaces,
+        "counts": tally,
+    }
 
 
 def generate(tmp_path: Path, records: list[dict]) -> str:
@@ -200,7 +215,7 @@ MIXED = record(
 )
 
 
-def test_one_row_per_release_and_layout_with_each_fix_and_torch_and_wrapt_below(tmp_path: Path) -> None:
+def test_one_row_per_release_and_layout_with_its_torch_each_fix_and_python_and_wrapt_below(tmp_path: Path) -> None:
     records = [
         MIXED,
         record(
@@ -221,16 +236,30 @@ def test_one_row_per_release_and_layout_with_each_fix_and_torch_and_wrapt_below(
             [namespace("pytorch_lightning", "2.4.0", ("FSDPPrecision.convert_module",), RECOMPUTE_TARGETS)],
             torch="2.4.1",
         ),
+        record(
+            "mixed-2.4.0-torch-2.15.0",
+            [namespace("lightning.pytorch", "2.4.0", ("FSDPPrecision.convert_module",), RECOMPUTE_TARGETS)],
+            torch="2.15.0",
+            python="3.12.1",
+        ),
         record("lightning-2.0.9", [namespace("lightning.pytorch", "2.0.9"), namespace("lightning.fabric", "2.0.9")]),
         record("no-lightning", []),
     ]
     markdown = generate(tmp_path, records)
     cast = f"cast: `FSDPPrecision.convert_module`; {RECOMPUTE}"
     assert table_rows(markdown) == [
-        ["mixed-2.4.0", "`lightning` 2.4.0", cast, cast, "226 / 2 / 0: pass"],
-        ["mixed-2.4.0", "`pytorch_lightning`, `lightning_fabric` 2.6.6", RECOMPUTE, RECOMPUTE, "226 / 2 / 0: pass"],
+        ["mixed-2.4.0", "2.13.0+cpu", "`lightning` 2.4.0", cast, cast, "226 / 2 / 0: pass"],
+        [
+            "mixed-2.4.0",
+            "2.13.0+cpu",
+            "`pytorch_lightning`, `lightning_fabric` 2.6.6",
+            RECOMPUTE,
+            RECOMPUTE,
+            "226 / 2 / 0: pass",
+        ],
         [
             "lightning-2.1.0",
+            "2.13.0+cpu",
             "`lightning` 2.1.0",
             f"cast: `FSDPPrecisionPlugin.convert_module`, `FSDPStrategy.connect`, `FSDPStrategy.setup`; {RECOMPUTE}",
             cast,
@@ -239,19 +268,21 @@ def test_one_row_per_release_and_layout_with_each_fix_and_torch_and_wrapt_below(
         # Only the Trainer namespace of that layout imported: the Fabric cell says so.
         [
             "lightning-2.4.0-torch-2.4.1",
+            "2.4.1",
             "`pytorch_lightning`, `lightning_fabric` 2.4.0",
             cast,
             "not installed",
             "8 / 2 / 0: pass",
         ],
-        ["lightning-2.0.9", "`lightning` 2.0.9", "untouched", "untouched", "8 / 2 / 0: pass"],
-        ["no-lightning", "(no Lightning)", "-", "-", "8 / 2 / 0: pass"],
+        ["mixed-2.4.0-torch-2.15.0", "2.15.0", "`lightning` 2.4.0", cast, "not installed", "8 / 2 / 0: pass"],
+        ["lightning-2.0.9", "2.13.0+cpu", "`lightning` 2.0.9", "untouched", "untouched", "8 / 2 / 0: pass"],
+        ["no-lightning", "2.13.0+cpu", "(no Lightning)", "-", "-", "8 / 2 / 0: pass"],
     ]
     header = markdown.split("| Session |", 1)[1].splitlines()[0]
-    assert "torch" not in header and "wrapt" not in header
+    assert header.split("|")[0].strip() == "torch" and "wrapt" not in header
     assert (
-        "**Versions.** Every session ran on torch 2.13.0+cpu and wrapt 2.5.2, except `lightning-2.1.0`: wrapt 1.17.3; "
-        "`lightning-2.4.0-torch-2.4.1`: torch 2.4.1." in markdown
+        "**Versions.** Every session ran on Python 3.11.7 and wrapt 2.5.2, except `lightning-2.1.0`: wrapt 1.17.3; "
+        "`mixed-2.4.0-torch-2.15.0`: Python 3.12.1." in markdown
     )
 
 
@@ -268,26 +299,30 @@ def test_failures_are_loud(tmp_path: Path) -> None:
     assert rows == [
         [
             "lightning-2.2.5",
+            "2.13.0+cpu",
             "`lightning` 2.2.5",
             f"cast: **affected, not patched**; {RECOMPUTE}",
             "not installed",
             "7 / 2 / 1: **FAIL**",
         ],
-        ["broken", "probe failed", "-", "-", "8 / 2 / 0: **FAIL**"],
+        ["broken", "?", "probe failed", "-", "-", "8 / 2 / 0: **FAIL**"],
     ]
 
 
 def test_the_committed_table_has_the_generators_format() -> None:
     """docs/compatibility.md is written by the generator: its prose and footer are the generator's, and
-    every row has the generator's five cells, so the next matrix run changes figures, not the layout."""
+    every row has the generator's six cells, so the next matrix run changes figures, not the layout."""
     committed = (ROOT / "docs" / "compatibility.md").read_text()
     assert committed.startswith(compat_table.HEADER)
     assert committed.endswith(compat_table.FOOTER)
     rows = table_rows(committed)
-    assert rows and all(len(row) == 5 for row in rows)
-    sessions = {row[0] for row in rows}
-    assert {"mixed-2.4.0", "no-lightning"} <= sessions
-    assert "**Versions.** Every session ran on torch " in committed
+    assert rows and all(len(row) == 6 for row in rows)
+    sessions = {row[0]: row[1] for row in rows}
+    assert {"mixed-2.4.0", "no-lightning"} <= sessions.keys()
+    # Every session of OTHER_TORCH is in the table, on the torch it names.
+    others = {name: other.torch for name, other in noxfile().OTHER_TORCH.items()}
+    assert {name: sessions.get(name, "").split("+")[0] for name in others} == others
+    assert "**Versions.** Every session ran on Python " in committed
 
 
 def test_a_record_that_matrix_status_writes_here(tmp_path: Path) -> None:
@@ -305,7 +340,7 @@ def test_a_record_that_matrix_status_writes_here(tmp_path: Path) -> None:
     rows = table_rows(generate(tmp_path, [rec]))
     imported = [n for n in rec["namespaces"] if n["imported"]]
     if not imported:
-        assert rows == [["here", "(no Lightning)", "-", "-", "2 / 1 / 0: pass"]]
+        assert rows == [["here", rec["torch"], "(no Lightning)", "-", "-", "2 / 1 / 0: pass"]]
         return
     cells = " ".join(" ".join(row) for row in rows)
     for status in imported:
@@ -313,6 +348,68 @@ def test_a_record_that_matrix_status_writes_here(tmp_path: Path) -> None:
         for fix in status["fixes"]:
             for target in fix["targets"]:
                 assert compat_table.short_name(target) in cells
+
+
+# ----------------------------------------------------------------------------- the noxfile
+@functools.cache
+def noxfile() -> Any:
+    """noxfile.py as a module, loaded once (it registers its sessions with nox; it needs nox: the
+    environment that runs nox has it). Loading it may make a pyenv version active (``find_python``):
+    this process's environment is put back as it was."""
+    pytest.importorskip("nox")
+    before = dict(os.environ)
+    try:
+        spec = importlib.util.spec_from_file_location("fsdp_shim_noxfile", ROOT / "noxfile.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module  # for its dataclass
+        spec.loader.exec_module(module)
+    finally:
+        os.environ.clear()
+        os.environ.update(before)
+    return module
+
+
+def test_every_other_torch_session_is_in_the_matrix_run_and_runs_the_torch_dependent_tests() -> None:
+    nox_module = noxfile()
+    import nox
+
+    for name, other in nox_module.OTHER_TORCH.items():
+        assert name in nox_module.MATRIX and f"tests-{name}" in nox.options.sessions, name
+        assert other.torch.count(".") == 2, other  # a release, pinned exactly
+    assert "tests/test_recompute.py" in nox_module.TORCH_DEPENDENT_TESTS
+    assert all(test.startswith("tests/test_") for test in nox_module.TORCH_DEPENDENT_TESTS)
+
+
+FAKE_PYENV = """#!/bin/sh
+case "$1" in
+  versions) printf '3.11.7\\n3.99.2\\n3.99.10\\n3.99.3rc1\\n3.990.1\\n' ;;
+  version-name) echo "${PYENV_VERSION:-3.11.7}" ;;
+esac
+"""
+
+
+@pytest.mark.parametrize(
+    ("shim_works", "pyenv_version"),
+    [(True, None), (False, "3.11.7:3.99.10")],
+    ids=["on-path", "pyenv-inactive"],
+)
+def test_find_python_uses_the_one_on_path_or_makes_pyenvs_newest_patch_active(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, shim_works: bool, pyenv_version: str | None
+) -> None:
+    """A ``pythonX.Y`` that runs is nox's to find; a pyenv shim of an inactive version fails, and the
+    newest installed patch release of that version is added to the active ones."""
+    find_python = noxfile().find_python
+    (tmp_path / "pyenv").write_text(FAKE_PYENV)
+    (tmp_path / "python3.99").write_text(f"#!/bin/sh\nexit {0 if shim_works else 127}\n")
+    for tool in tmp_path.iterdir():
+        tool.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("PYENV_VERSION", raising=False)
+    assert find_python("3.99") == "3.99"
+    assert os.environ.get("PYENV_VERSION") == pyenv_version
+    monkeypatch.delenv("PYENV_VERSION", raising=False)
+    assert find_python("3.98") == "3.98"  # pyenv has none: nox's uv backend downloads it
+    assert "PYENV_VERSION" not in os.environ
 
 
 # ----------------------------------------------------------------------------- hang protection
