@@ -131,8 +131,10 @@ OTHER_TORCH: dict[str, OtherTorch] = {
     # What users pinned to Lightning 2.4 run: 2.4.0 on torch 2.4.1, in the layout the default session lacks.
     "lightning-2.4.0-torch-2.4.1": OtherTorch("2.4.1"),
     # The newest torch, on the Python its users run, with the newest Lightning (the recompute's whole
-    # matrix: tests/test_recompute.py's PROOF_RELEASES) next to the last release the cast fixes.
-    "lightning-2.6.6-standalone-2.4.0-torch-2.15.0": OtherTorch("2.15.0", python="3.12", tests=()),
+    # matrix: tests/test_recompute.py's PROOF_RELEASES) next to the last release the cast fixes. What
+    # decides imports, gates and wrappers for 2.6.6 runs in the default session (standalone 2.6.6); what
+    # the fixes do on this torch, and which of its names they wrap, runs here.
+    "lightning-2.6.6-standalone-2.4.0-torch-2.15.0": OtherTorch("2.15.0", python="3.12"),
 }
 MATRIX["lightning-2.2.5-standalone-2.3.3-torch-2.3.1"] = [
     "lightning==2.2.5",

@@ -191,9 +191,11 @@ def generate(tmp_path: Path, records: list[dict]) -> str:
 
 
 def table_rows(markdown: str) -> list[list[str]]:
-    """The cells of the main table's rows (the first table after the header line)."""
-    lines = markdown.split("| Session |", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
-    return [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in lines]
+    """The cells of the main table's rows (the first table after the header line), the session's cell
+    ``NAME (torch VERSION)`` as two: name and torch."""
+    lines = markdown.split("| Session (torch) |", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    rows = [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in lines]
+    return [[*row[0].removesuffix(")").split(" (torch ", 1), *row[1:]] for row in rows]
 
 
 RECOMPUTE_TARGETS = (  # the recompute fix's targets, as status names them
@@ -278,8 +280,8 @@ def test_one_row_per_release_and_layout_with_its_torch_each_fix_and_python_and_w
         ["lightning-2.0.9", "2.13.0+cpu", "`lightning` 2.0.9", "untouched", "untouched", "8 / 2 / 0: pass"],
         ["no-lightning", "2.13.0+cpu", "(no Lightning)", "-", "-", "8 / 2 / 0: pass"],
     ]
-    header = markdown.split("| Session |", 1)[1].splitlines()[0]
-    assert header.split("|")[0].strip() == "torch" and "wrapt" not in header
+    header = markdown.split("| Session (torch) |", 1)[1].splitlines()[0]
+    assert "wrapt" not in header
     assert (
         "**Versions.** Every session ran on Python 3.11.7 and wrapt 2.5.2, except `lightning-2.1.0`: wrapt 1.17.3; "
         "`mixed-2.4.0-torch-2.15.0`: Python 3.12.1." in markdown
