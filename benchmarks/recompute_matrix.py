@@ -1,6 +1,7 @@
 """The recompute fix across torch releases: for each torch environment given, each Lightning layout, the
-Trainer and Fabric on FSDP with 2 ranks (CPU, gloo), every checkpoint path compared with the same run
-without checkpointing, without the shim and with it. Prints a Markdown table; each cell says whether the
+Trainer and Fabric on FSDP (CPU, gloo), every checkpoint path compared with the same run without
+checkpointing: without the shim on 1 rank (on more, the first case that raises ends the run: the ranks
+no longer agree on their collectives) and with it on 2. Prints a Markdown table; each cell says whether the
 checkpointed run equals the unchecked one bit for bit (every step's loss and gradients, every rank's
 final parameters), differs, or raised.
 
@@ -71,7 +72,7 @@ def main() -> None:
     parser.add_argument("--lightning", required=True, help="a folder with lightning and pytorch_lightning")
     parser.add_argument("--devices", type=int, default=2)
     args = parser.parse_args()
-    print("| torch | Lightning | API | path | block | without the shim | with the shim |")
+    print(f"| torch | Lightning | API | path | block | without the shim (1 rank) | with it ({args.devices} ranks) |")
     print("|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as folder:
         for python in args.python:
@@ -81,9 +82,9 @@ def main() -> None:
             for package in ("lightning", "standalone"):
                 for api in ("trainer", "fabric"):
                     results = {}
-                    for shim in ("off", "on"):
+                    for shim, devices in (("off", 1), ("on", args.devices)):
                         out = Path(folder) / f"{len(list(Path(folder).iterdir()))}-{shim}"
-                        results[shim] = run(python, args.lightning, package, api, args.devices, shim, out)
+                        results[shim] = run(python, args.lightning, package, api, devices, shim, out)
                     version = results["on"]["rows"][0]["_lightning"]["version"]
                     for mode, path in PATHS.items():
                         for block in BLOCKS:
