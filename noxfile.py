@@ -231,7 +231,8 @@ def run_matrix_session(
     }
     if name == DEFAULT_SESSION:
         env["FSDP_SHIM_TEST_TRANSFORMERS"] = str(install_target(session, "transformers", python, TRANSFORMERS, True))
-        install_target(session, *BENCHMARK_LIGHTNING, python)
+        benchmark_name, benchmark_specs = BENCHMARK_LIGHTNING
+        install_target(session, benchmark_name, python, benchmark_specs)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     junit = RESULTS_DIR / f"{name}.xml"
     try:

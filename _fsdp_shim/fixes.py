@@ -45,10 +45,12 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import threading
 import weakref
 from collections.abc import Callable
 from contextvars import ContextVar
+from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
@@ -245,27 +247,52 @@ def convert_before_setup(wrapped: Callable[..., Any], instance: Any, args: Args,
 
 
 # ----------------------------------------------------------------------------- the recompute
+@dataclass
+class _Pin:
+    thread: int
+    dtype: torch.dtype
+    before: torch.dtype
+    """The default dtype when it started: what its end puts back (handed to the pin above it if that is
+    still running when this one ends)."""
+
+
 class _Pins:
-    """The default dtype while pinned recomputes run, for the whole process: torch's default dtype is one
-    global, and two threads' backwards (autograd's per-device threads, two models trained in two threads)
-    can recompute at once. The first pin to start records the dtype to come back to, the last to end puts
-    it back, and while several run the newest's dtype holds; two that overlap in different dtypes cannot
-    both have theirs, so that is said once (``FSDPShimWarning``) instead of passing silently."""
+    """Pinned calls running now, for the whole process: torch's default dtype is one global, and two
+    threads' backwards (autograd's per-device threads, two models trained in two threads) can recompute
+    at once. A call whose dtype is already the default while nothing is pinned runs untouched (a forward,
+    a run whose dtype never changes). Otherwise each pin notes the dtype it replaced, and the newest's
+    end puts that back, unless other code changed the dtype meanwhile (then it leaves theirs); a pin that
+    ends under a newer one hands its note up, so the dtype the first one replaced is the one restored,
+    whatever order they end in. Two threads' pins that overlap in different dtypes cannot both have
+    theirs: said once (``FSDPShimWarning``) instead of passing silently."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # guards the list and every change of the dtype it makes
-        self._running: list[tuple[object, torch.dtype]] = []
-        self._before: torch.dtype | None = None
+        self._running: list[_Pin] = []
 
-    def enter(self, token: object, dtype: torch.dtype) -> None:
+    def reset(self) -> None:
+        """In a forked child: the parent's other threads and their pins are not there."""
+        self.__init__()  # type: ignore[misc]
+
+    def call(self, dtype: torch.dtype, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        pin = self._enter(dtype)
+        try:
+            return function(*args, **kwargs)
+        finally:
+            if pin is not None:
+                self._leave(pin)
+
+    def _enter(self, dtype: torch.dtype) -> _Pin | None:
         import torch
 
         with self._lock:
-            if not self._running:
-                self._before = torch.get_default_dtype()
-            clash = any(other != dtype for _, other in self._running)
-            self._running.append((token, dtype))
-            if torch.get_default_dtype() != dtype:
+            current = torch.get_default_dtype()
+            if current == dtype and not self._running:
+                return None
+            pin = _Pin(threading.get_ident(), dtype, current)
+            clash = any(other.dtype != dtype and other.thread != pin.thread for other in self._running)
+            self._running.append(pin)
+            if current != dtype:
                 torch.set_default_dtype(dtype)
         if clash:
             failures.warn_once(
@@ -275,42 +302,52 @@ class _Pins:
                 "('Threads').",
                 key="recompute:threads",
             )
+        return pin
 
-    def leave(self, token: object) -> None:
+    def _leave(self, pin: _Pin) -> None:
         import torch
 
         with self._lock:
-            self._running = [(other, dtype) for other, dtype in self._running if other is not token]
-            dtype = self._running[-1][1] if self._running else self._before
-            if dtype is not None and torch.get_default_dtype() != dtype:
-                torch.set_default_dtype(dtype)
+            index = next(i for i, other in enumerate(self._running) if other is pin)
+            del self._running[index]
+            if index < len(self._running):  # a newer pin runs on: it puts back what this one replaced
+                self._running[index].before = pin.before
+            elif torch.get_default_dtype() == pin.dtype and pin.before != pin.dtype:
+                torch.set_default_dtype(pin.before)
 
 
 _pins = _Pins()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_pins.reset)
 
 
 def in_forward_dtype(function: Callable[..., Any]) -> Callable[..., Any]:
     """``function``, to be run later in the default dtype current now (the checkpointed forward's, for its
     recompute). Where the dtype is the same then (the forward itself, or any run whose default dtype never
-    changes), nothing changes the dtype. Inside a region ``torch.compile`` traces, the call is left as
-    torch makes it: a dtype switch there is traced into the graph (compiled autograd with ``aot_eager``
-    failed with it, and trained without it)."""
+    changes), nothing changes the dtype. Code that ``torch.compile`` traces (dynamo, or a proxy-tracing
+    mode such as compiled autograd's) is left as torch makes it: a dtype switch there would be traced."""
     import torch  # imported already by Lightning; not at the top, so importing this module does not
 
     dtype = torch.get_default_dtype()
-    compiling = getattr(torch.compiler, "is_compiling", None) if hasattr(torch, "compiler") else None
 
     def run_in_forward_dtype(*args: Any, **kwargs: Any) -> Any:
-        if compiling is not None and compiling():
+        if _tracing(torch):
             return function(*args, **kwargs)
-        token = object()
-        try:
-            _pins.enter(token, dtype)
-            return function(*args, **kwargs)
-        finally:
-            _pins.leave(token)
+        return _pins.call(dtype, function, *args, **kwargs)
 
     return run_in_forward_dtype
+
+
+def _tracing(torch: Any) -> bool:
+    """Whether this thread's code is being traced: ``is_dynamo_compiling`` is true only inside code dynamo
+    traces (``is_compiling`` is set for the whole process while any thread compiles), and a proxy dispatch
+    mode is on while FX traces (compiled autograd). Where torch has neither, nothing is traced here."""
+    dynamo = getattr(getattr(torch, "compiler", None), "is_dynamo_compiling", None)
+    if dynamo is not None and dynamo():
+        return True
+    key = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "PROXY", None)
+    get_mode = getattr(torch._C, "_get_dispatch_mode", None)
+    return key is not None and get_mode is not None and get_mode(key) is not None
 
 
 def reentrant_in_forward_dtype(wrapped: Callable[..., Any], instance: Any, args: Args, kwargs: Kwargs) -> Any:
@@ -361,16 +398,14 @@ def prove_recompute() -> str | None:
 
     def recompute(path: str) -> None:
         x = torch.ones(1, dtype=forward, device="cpu", requires_grad=True)
-        torch.set_default_dtype(forward)
-        try:
-            if path == "composable":
-                module = Block()
-                _composable_checkpoint_module().checkpoint(module)  # type: ignore[union-attr]
-                out = module(x)
-            else:
-                out = checkpoint.checkpoint(block, x, use_reentrant=reentrant, preserve_rng_state=False)
-        finally:
-            torch.set_default_dtype(before)
+        if path == "composable":
+            module = Block()
+            _composable_checkpoint_module().checkpoint(module)  # type: ignore[union-attr]
+            out = _pins.call(forward, module, x)
+        else:
+            out = _pins.call(
+                forward, checkpoint.checkpoint, block, x, use_reentrant=reentrant, preserve_rng_state=False
+            )
         if reentrant:
             with contextlib.suppress(_StopRecompute):
                 out.grad_fn.apply(torch.ones_like(out))

@@ -247,8 +247,10 @@ class _Record:
 
 
 _records: dict[tuple[str, str], _Record] = {}
-_proofs: dict[tuple[tuple[int, str, int], ...], str | None] = {}
-"""What each proof found, per set of wrapped functions: it runs once per torch, not once per namespace."""
+_proofs: dict[tuple[tuple[Any, str, Any], ...], str | None] = {}
+"""What each proof found, per set of wrapped functions (the objects, not their ids, which are reused):
+it runs once per torch, not once per namespace."""
+_proof_lock = threading.Lock()
 _retired: list[Any] = []
 """Wrappers on the classes of an earlier copy of a namespace (imported again since): ``unpatch``
 still restores those classes, which old objects may still use."""
@@ -298,13 +300,14 @@ def patch(namespace: str, fix: Fix, plan: Plan, *, disabled: bool = False, proof
 def _keep_if_proven(key: tuple[str, str], record: _Record, proof: Proof) -> None:
     """Run ``proof`` once per set of wrapped functions; where it fails, take the wrappers off again (those
     no other namespace's record holds), record why, and say it once for every namespace."""
-    found = tuple((id(w.shim_state.owner), w.shim_state.attribute, id(w.__wrapped__)) for w in record.wrappers)
-    if found not in _proofs:
-        try:
-            _proofs[found] = proof()
-        except Exception as error:  # the check itself broke: nothing was shown
-            _proofs[found] = f"not in effect: its check failed ({type(error).__name__}: {error})"
-    why = _proofs[found]
+    found = tuple((w.shim_state.owner, w.shim_state.attribute, w.__wrapped__) for w in record.wrappers)
+    with _proof_lock:  # one check at a time: it switches the process's default dtype for its forwards
+        why = _proofs.get(found)
+        if found not in _proofs:
+            try:
+                why = _proofs[found] = proof()
+            except Exception as error:  # the check itself broke: nothing was shown (not kept: may pass later)
+                why = f"not in effect: its check failed ({type(error).__name__}: {error})"
     if why is None:
         return
     with _lock:

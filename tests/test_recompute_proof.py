@@ -146,6 +146,22 @@ def test_the_check_holds_whatever_context_lightning_is_imported_in(layouts: dict
     }
 
 
+def test_the_pin_leaves_the_default_dtype_to_whoever_set_it(layouts: dict[str, Layout]) -> None:
+    """A forward is never pinned (a checkpoint nested in a region with its own dtype, a function that sets
+    the dtype keep theirs); a recompute's end leaves a dtype other code set meanwhile; pins that end in the
+    order they started put back the dtype the first one replaced."""
+    package = affected_package(layouts)
+    namespace = "lightning.pytorch" if package == "lightning" else "pytorch_lightning"
+    assert child_json("recompute_proof:pins_in_one_thread", {"package": namespace}) == {
+        "after_the_inner_checkpoint": "torch.float32",
+        "after_the_outer_checkpoint": "torch.float64",
+        "after_a_function_that_sets_it": "torch.float64",
+        "after_other_code_changed_it": "torch.float16",
+        "the_first_ended": "torch.float64",
+        "both_ended": "torch.float32",
+    }
+
+
 @pytest.mark.parametrize(
     ("shim", "dtypes"),
     [(True, ["bfloat16", "bfloat16"]), (True, ["bfloat16", "float64"]), (False, ["bfloat16", "bfloat16"])],

@@ -201,3 +201,49 @@ def imported_inside_contexts(package: str) -> dict[str, Any]:
         "inside": inside,
         "dtype": str(torch.get_default_dtype()),
     }
+
+
+def pins_in_one_thread(package: str) -> dict[str, str]:
+    """The default dtype where the pin must not touch it: a reentrant checkpoint nested in a region that
+    set its own dtype, a checkpointed function that sets the dtype, other code changing the dtype while
+    a recompute runs, and two pins that end in the order they started."""
+    import torch
+    import torch.utils.checkpoint as checkpoint
+
+    import fsdp_shim  # noqa: F401
+
+    importlib.import_module(package)
+    from _fsdp_shim.fixes import _pins
+
+    seen: dict[str, str] = {}
+
+    def outer(x: torch.Tensor) -> torch.Tensor:
+        torch.set_default_dtype(torch.float32)
+        y = checkpoint.checkpoint(lambda t: t * 2, x, use_reentrant=True)
+        seen["after_the_inner_checkpoint"] = str(torch.get_default_dtype())
+        torch.set_default_dtype(torch.float64)
+        return y
+
+    torch.set_default_dtype(torch.float64)
+    checkpoint.checkpoint(outer, torch.ones(2, dtype=torch.float64, requires_grad=True), use_reentrant=True)
+    seen["after_the_outer_checkpoint"] = str(torch.get_default_dtype())
+    torch.set_default_dtype(torch.float32)
+
+    def setter(x: torch.Tensor) -> torch.Tensor:
+        torch.set_default_dtype(torch.float64)
+        return x * 2
+
+    checkpoint.checkpoint(setter, torch.ones(2, requires_grad=True), use_reentrant=True)
+    seen["after_a_function_that_sets_it"] = str(torch.get_default_dtype())
+    torch.set_default_dtype(torch.float32)
+    pin = _pins._enter(torch.bfloat16)
+    torch.set_default_dtype(torch.float16)  # other code, e.g. another thread's forward context
+    _pins._leave(pin)
+    seen["after_other_code_changed_it"] = str(torch.get_default_dtype())
+    torch.set_default_dtype(torch.float32)
+    first, second = _pins._enter(torch.bfloat16), _pins._enter(torch.float64)
+    _pins._leave(first)
+    seen["the_first_ended"] = str(torch.get_default_dtype())
+    _pins._leave(second)
+    seen["both_ended"] = str(torch.get_default_dtype())
+    return seen
