@@ -44,7 +44,8 @@ def test_every_checkpoint_path_of_this_torch_is_wrapped_and_shown(layouts: dict[
     ``torch.utils.checkpoint`` and in the composable checkpoint's module; the check passes with the
     shim on and fails on the same torch once ``deactivate()`` put torch's own functions back."""
     package = affected_package(layouts)
-    result = child_json("recompute_proof:wrapped_and_shown", {"package": package})
+    top_level = "lightning" if package == "lightning" else "pytorch_lightning"
+    result = child_json("recompute_proof:wrapped_and_shown", {"package": top_level})
     generator = result["generators"][0]
     assert generator == (
         "_checkpoint_without_reentrant_generator_impl"
@@ -95,8 +96,9 @@ def test_a_torch_whose_checkpoint_calls_other_names_is_reported_not_in_effect_an
 
 
 def test_strict_mode_raises_where_the_recompute_is_not_in_effect(layouts: dict[str, Layout]) -> None:
-    affected_package(layouts)
-    result = child_json("recompute_proof:moved_internals", {"packages": ["lightning.pytorch"], "strict": True})
+    package = affected_package(layouts)
+    namespace = "lightning.pytorch" if package == "lightning" else "pytorch_lightning"
+    result = child_json("recompute_proof:moved_internals", {"packages": [namespace], "strict": True})
     assert result["raised"].startswith("FSDPShimError: fsdp-shim: the recompute fix is not in effect on torch"), result
     assert result["raised"].endswith("(FSDP_SHIM_STRICT is on)"), result
 
