@@ -311,8 +311,7 @@ def _keep_if_proven(key: tuple[str, str], record: _Record, proof: Proof) -> None
     if why is None:
         return
     with _lock:
-        held_elsewhere = [held for other, held in _records.items() if other != key and not held.deactivated]
-        still_used = {id(wrapper) for held in held_elsewhere for wrapper in held.wrappers}
+        still_used = _held_elsewhere(key)
         for wrapper in reversed(record.wrappers):
             if id(wrapper) not in still_used:
                 remove(wrapper)
@@ -323,6 +322,12 @@ def _keep_if_proven(key: tuple[str, str], record: _Record, proof: Proof) -> None
         "torch was left as it was, so this fix is off in this process",
         key=f"proof:{fix}",
     )
+
+
+def _held_elsewhere(key: tuple[str, str]) -> set[int]:
+    """The ids of the wrappers another live record holds (torch's, shared): taking ``key``'s off leaves them
+    (call with the lock held)."""
+    return {id(w) for other, held in _records.items() if other != key and not held.deactivated for w in held.wrappers}
 
 
 def _current(record: _Record | None, namespace: str, module: Any, disabled: bool) -> bool:
@@ -395,8 +400,7 @@ def unpatch(namespace: str, fix: Fix) -> list[tuple[Any, Placement]]:
         record = _records.get(key)
         if record is None:
             return []
-        held_elsewhere = [held for other, held in _records.items() if other != key and not held.deactivated]
-        still_used = {id(wrapper) for held in held_elsewhere for wrapper in held.wrappers}  # shared: they stay
+        still_used = _held_elsewhere(key)  # shared: they stay
         results = [(wrapper, remove(wrapper)) for wrapper in reversed(record.wrappers) if id(wrapper) not in still_used]
         record.wrappers = [wrapper for wrapper, where in results if where == "under another wrapper"]
         record.deactivated = True

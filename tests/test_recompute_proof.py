@@ -16,18 +16,16 @@ import os
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, Layout, child_json, clean_env, fsdp_shim
+from conftest import ROOT, Layout, an_affected_namespace, child_json, clean_env, fsdp_shim
 
 from _fsdp_shim.config import RECOMPUTE, base_release
 
 HIDE = "from children.recompute_proof import hide_checkpoint_internals; hide_checkpoint_internals()\n"
 
 
-def affected_package(layouts: dict[str, Layout]) -> str:
-    for layout in layouts.values():
-        if RECOMPUTE.affects(layout.trainer_version):
-            return layout.package
-    pytest.skip("needs an installed Lightning with 'true' precisions for FSDP")
+def affected_trainer(layouts: dict[str, Layout]) -> str:
+    """A Trainer namespace that lacks the recompute fix (skips where none is installed)."""
+    return an_affected_namespace(layouts, "trainer", fix=RECOMPUTE.name)[0]
 
 
 def torch_release() -> tuple[int, int, int]:
@@ -43,9 +41,7 @@ def test_every_checkpoint_path_of_this_torch_is_wrapped_and_shown(layouts: dict[
     """The generator torch calls is the one wrapped (``_impl`` from torch 2.14, the old name before), in
     ``torch.utils.checkpoint`` and in the composable checkpoint's module; the check passes with the
     shim on and fails on the same torch once ``deactivate()`` put torch's own functions back."""
-    package = affected_package(layouts)
-    top_level = "lightning" if package == "lightning" else "pytorch_lightning"
-    result = child_json("recompute_proof:wrapped_and_shown", {"package": top_level})
+    result = child_json("recompute_proof:wrapped_and_shown", {"package": affected_trainer(layouts)})
     generator = result["generators"][0]
     assert generator == (
         "_checkpoint_without_reentrant_generator_impl"
@@ -82,7 +78,7 @@ def test_a_torch_whose_checkpoint_calls_other_names_is_reported_not_in_effect_an
     import torch
 
     packages = [name for name in ("lightning.pytorch", "lightning.fabric", "pytorch_lightning") if _importable(name)]
-    affected_package(layouts)
+    affected_trainer(layouts)
     result = child_json("recompute_proof:moved_internals", {"packages": packages})
     expected = f"not in effect on torch {torch.__version__} (the non-reentrant checkpoint recomputed in float32"
     assert result["status"], result
@@ -96,8 +92,7 @@ def test_a_torch_whose_checkpoint_calls_other_names_is_reported_not_in_effect_an
 
 
 def test_strict_mode_raises_where_the_recompute_is_not_in_effect(layouts: dict[str, Layout]) -> None:
-    package = affected_package(layouts)
-    namespace = "lightning.pytorch" if package == "lightning" else "pytorch_lightning"
+    namespace = affected_trainer(layouts)
     result = child_json("recompute_proof:moved_internals", {"packages": [namespace], "strict": True})
     assert result["raised"].startswith("FSDPShimError: fsdp-shim: the recompute fix is not in effect on torch"), result
     assert result["raised"].endswith("(FSDP_SHIM_STRICT is on)"), result
@@ -106,7 +101,7 @@ def test_strict_mode_raises_where_the_recompute_is_not_in_effect(layouts: dict[s
 def test_status_python_check_and_json_say_not_in_effect(layouts: dict[str, Layout], tmp_path: Path) -> None:
     """``fsdp-shim status --python-check --json`` in an environment whose every interpreter has the moved
     checkpoint (a ``sitecustomize`` that hides it): exit 1, the problem named, the child's JSON status."""
-    affected_package(layouts)
+    affected_trainer(layouts)
     (tmp_path / "sitecustomize.py").write_text(f"import sys\nsys.path.insert(0, {str(ROOT / 'tests')!r})\n" + HIDE)
     pythonpath = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH", "")]))
     proc = fsdp_shim("status", "--python-check", "--json", env=clean_env(PYTHONPATH=pythonpath, FSDP_SHIM="1"))
@@ -121,8 +116,7 @@ def test_status_python_check_and_json_say_not_in_effect(layouts: dict[str, Layou
 def test_switching_a_fix_off_in_a_running_process_takes_it_off(layouts: dict[str, Layout]) -> None:
     """``FSDP_SHIM_DISABLED_FIXES`` then ``activate()``: torch and Lightning hold their own functions, as
     status says; unset and ``activate()`` again: both fixes back."""
-    package = affected_package(layouts)
-    namespace = "lightning.pytorch" if package == "lightning" else "pytorch_lightning"
+    namespace = affected_trainer(layouts)
     result = child_json("recompute_proof:switched_off_in_process", {"package": namespace})
     wrapped = {"CheckpointFunction.forward": "ShimWrapper"}
     assert result["before"]["status"] == {"cast": "patched", "recompute": "patched"}
@@ -138,8 +132,7 @@ def test_switching_a_fix_off_in_a_running_process_takes_it_off(layouts: dict[str
 def test_the_check_holds_whatever_context_lightning_is_imported_in(layouts: dict[str, Layout]) -> None:
     """Imported under ``inference_mode``, a meta default device and a bfloat16 default dtype, the fix is
     still shown (its check runs its own tensors on the CPU with autograd on) and leaves all three as they were."""
-    package = affected_package(layouts)
-    namespace = "lightning.pytorch" if package == "lightning" else "pytorch_lightning"
+    namespace = affected_trainer(layouts)
     result = child_json("recompute_proof:imported_inside_contexts", {"package": namespace})
     assert result == {
         "reason": "patched",
@@ -152,8 +145,7 @@ def test_the_pin_leaves_the_default_dtype_to_whoever_set_it(layouts: dict[str, L
     """A forward is never pinned (a checkpoint nested in a region with its own dtype, a function that sets
     the dtype keep theirs); a recompute's end leaves a dtype other code set meanwhile; pins that end in the
     order they started put back the dtype the first one replaced."""
-    package = affected_package(layouts)
-    namespace = "lightning.pytorch" if package == "lightning" else "pytorch_lightning"
+    namespace = affected_trainer(layouts)
     assert child_json("recompute_proof:pins_in_one_thread", {"package": namespace}) == {
         "after_the_inner_checkpoint": "torch.float32",
         "after_the_outer_checkpoint": "torch.float64",
@@ -175,7 +167,7 @@ def test_backwards_in_two_threads_leave_the_default_dtype_as_it_was(
     autograd threads) each recompute runs in its forward's dtype; in two dtypes they cannot both (torch's
     default dtype is one per process): said once. Either way the process's default dtype is float32 after
     every round. Without the shim every recompute runs in float32 (the bug these threads would hide)."""
-    affected_package(layouts)
+    affected_trainer(layouts)
     result = child_json(
         "recompute_proof:backwards_in_threads",
         {"shim": shim, "dtypes": dtypes, "rounds": 30},

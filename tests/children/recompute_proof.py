@@ -13,9 +13,10 @@ import types
 import warnings
 from typing import Any
 
+from children.classes import GENERATORS
+
 HIDE_VARIABLE = "FSDP_SHIM_TEST_HIDE_CHECKPOINT_INTERNALS"
 """Set to 1, ``tests/scenarios/fsdp_train.py`` hides them on that rank before the shim is imported."""
-GENERATORS = ("_checkpoint_without_reentrant_generator_impl", "_checkpoint_without_reentrant_generator")
 
 
 def hide_checkpoint_internals() -> None:
