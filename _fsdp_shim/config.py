@@ -14,6 +14,9 @@ from _fsdp_shim import NAMESPACES, OFF_VALUES, ON_VALUES, SHIM_VARIABLE, STRICT_
 
 RANK_CHECK_TIMEOUT_VARIABLE = "FSDP_SHIM_RANK_CHECK_TIMEOUT"
 DISABLED_FIXES_VARIABLE = "FSDP_SHIM_DISABLED_FIXES"
+LOG_VARIABLE = "FSDP_SHIM_LOG"
+LOG_SETTINGS = ("on", "off", "debug")
+"""What ``FSDP_SHIM_LOG`` can say: the confirmation lines (the default), none of them, or every record."""
 TRAINER_NAMESPACES = tuple(name for name, kind in NAMESPACES.items() if kind == "trainer")
 LIGHTNING_PACKAGES = tuple(dict.fromkeys(name.partition(".")[0] for name in NAMESPACES))
 """The top-level packages that hold the namespaces, in the order of the table."""
@@ -147,3 +150,17 @@ def rank_check_timeout(environ: Mapping[str, str] = os.environ) -> tuple[float |
     if math.isnan(value) or value < 0:
         return None, f"{RANK_CHECK_TIMEOUT_VARIABLE}={raw!r} is not a number of seconds >= 0"
     return min(value, MAX_RANK_CHECK_SECONDS), None
+
+
+def log_setting(environ: Mapping[str, str] = os.environ) -> tuple[str, str | None]:
+    """``FSDP_SHIM_LOG``: ``"on"`` (unset or an on value: the confirmation lines on rank zero), ``"off"``
+    (an off value: none), ``"debug"`` (every record of the ``fsdp_shim`` logger, DEBUG and up); and what
+    is wrong with the value. An unreadable one keeps the default: the lines say what a job runs."""
+    raw = environ.get(LOG_VARIABLE)
+    if raw is not None and raw.strip().lower() == "debug":
+        return "debug", None
+    state = switch_state(raw)
+    if state == "invalid":
+        valid = f"{valid_switch_values()}, debug"
+        return "on", f"{LOG_VARIABLE}={raw!r} is not a valid value (valid, case-insensitive: {valid})"
+    return ("off" if state == "off" else "on"), None

@@ -20,10 +20,12 @@ from _fsdp_shim.config import (
     DISABLED_FIXES_VARIABLE,
     FIXES,
     LIGHTNING_PACKAGES,
+    LOG_VARIABLE,
     RANK_CHECK_TIMEOUT_VARIABLE,
     SHIM_VARIABLE,
     STRICT_VARIABLE,
     disabled_fixes,
+    log_setting,
     rank_check_timeout,
     shim_state,
     strict_state,
@@ -69,7 +71,7 @@ def _installed_lightning() -> list[dict[str, Any]]:
 
 
 def _check_toggles(report: Report) -> None:
-    for name in (SHIM_VARIABLE, STRICT_VARIABLE, DISABLED_FIXES_VARIABLE, RANK_CHECK_TIMEOUT_VARIABLE):
+    for name in (SHIM_VARIABLE, STRICT_VARIABLE, DISABLED_FIXES_VARIABLE, RANK_CHECK_TIMEOUT_VARIABLE, LOG_VARIABLE):
         report["toggles"][name] = os.environ.get(name)
     states = {SHIM_VARIABLE: (shim_state(), "the shim is OFF"), STRICT_VARIABLE: (strict_state(), "strict mode is ON")}
     for name, (state, meaning) in states.items():
@@ -85,6 +87,9 @@ def _check_toggles(report: Report) -> None:
     _, problem = rank_check_timeout()
     if problem is not None:
         report["problems"].append(f"{problem}; the rank check waits as long as the process group's timeout")
+    _, problem = log_setting()
+    if problem is not None:
+        report["problems"].append(f"{problem}; the confirmation lines stay on")
 
 
 def _check_environment_file(report: Report) -> None:

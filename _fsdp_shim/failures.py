@@ -12,7 +12,7 @@ import warnings
 from typing import TYPE_CHECKING
 
 from _fsdp_shim import COPY_NAME, FSDPShimWarning
-from _fsdp_shim.config import LIGHTNING_PACKAGES, STRICT_VARIABLE, switch_state, valid_switch_values
+from _fsdp_shim.config import LIGHTNING_PACKAGES, STRICT_VARIABLE, log_setting, switch_state, valid_switch_values
 
 if TYPE_CHECKING:
     import logging
@@ -107,11 +107,27 @@ def user_frame() -> FrameType | None:
 
 
 # ----------------------------------------------------------------------------- the rank-zero log
+def _log_setting() -> str:
+    """``FSDP_SHIM_LOG`` (``config.log_setting``), warning once about a value it cannot read."""
+    setting, problem = log_setting()
+    if problem is not None:
+        warn_once(f"fsdp-shim: {problem}; the confirmation lines stay on", key=f"log:{problem}")
+    return setting
+
+
 def _logger() -> logging.Logger:
-    """Imports ``logging`` at the first record, not at start-up (it costs milliseconds): by then Lightning has."""
+    """Imports ``logging`` at the first record, not at start-up (it costs milliseconds): by then Lightning has.
+    With ``FSDP_SHIM_LOG=debug`` the logger shows DEBUG and up, on stderr where no handler would show them."""
     import logging
 
-    return logging.getLogger("fsdp_shim")
+    logger = logging.getLogger("fsdp_shim")
+    if _log_setting() == "debug" and logger.level != logging.DEBUG:
+        logger.setLevel(logging.DEBUG)
+        if not logger.hasHandlers():
+            handler = logging.StreamHandler(sys.stderr)
+            handler.setFormatter(logging.Formatter("%(message)s"))
+            logger.addHandler(handler)
+    return logger
 
 
 def process_rank() -> int:
@@ -129,16 +145,27 @@ def info_on_rank_zero(message: str, *args: object) -> None:
 
 
 def announce(message: str, *args: object) -> None:
-    """An INFO record that is seen even where nobody configured logging (Python drops INFO records
-    then): a cluster operator confirms a job from this one line, so it must not depend on setup."""
+    """A confirmation line: an INFO record that is seen even where nobody configured logging (Python drops
+    INFO records then), since a cluster operator confirms a job from it; ``FSDP_SHIM_LOG=0`` drops it."""
     import logging
 
+    if _log_setting() == "off":
+        return
     logger = _logger()
     if logger.isEnabledFor(logging.INFO) and logger.hasHandlers():
         logger.info(message, *args)
     else:
         sys.stderr.write((message % args) + "\n")
         sys.stderr.flush()
+
+
+def announce_once_on_rank_zero(key: str, message: str, *args: object) -> None:
+    """``announce``, once per process and key, on rank zero only. It runs inside the user's training (a
+    backward), so it never raises: a log that cannot be written must not end the run."""
+    if process_rank() != 0 or not first_time(f"announce:{key}"):
+        return
+    with contextlib.suppress(Exception):
+        announce(message, *args)
 
 
 def warn_once_on_rank_zero(key: str, message: str, *args: object) -> None:

@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Callable
@@ -54,7 +55,7 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from _fsdp_shim import failures, rank_check
+from _fsdp_shim import failures, rank_check, wrappers
 from _fsdp_shim.config import CAST, NAMESPACES, RANK_CHECK, RECOMPUTE, Fix, Release, base_release
 from _fsdp_shim.wrappers import Args, GlueError, Kwargs, Plan, Target
 
@@ -197,7 +198,35 @@ def convert_module_as_in_2_5(wrapped: Callable[..., Any], instance: Any, args: A
     for submodule in module.modules():
         if {p.dtype for p in submodule.parameters(recurse=False) if p.is_floating_point()} == {torch.float32}:
             _was_float32.add(submodule)
-    return module.to(dtype=dtype)
+    changes = any(p.dtype != dtype for p in module.parameters() if p.is_floating_point())
+    module = module.to(dtype=dtype)
+    if changes:
+        with contextlib.suppress(Exception):  # a log line: never the reason a cast that worked is undone
+            _confirm_cast(namespace_of(instance), dtype)
+    return module
+
+
+def _confirm_cast(namespace: str, dtype: torch.dtype) -> None:
+    """The confirmation line where the cast is the first fix to act (before the first forward); it says
+    whether the recompute is in effect too, which acts only later, in the first checkpointed backward."""
+    version = getattr(sys.modules.get(namespace), "__version__", "?")
+    recompute = wrappers.status(namespace, RECOMPUTE)
+    also = "in effect for activation-checkpointed blocks" if recompute.patched else f"off ({recompute.reason})"
+    _confirm(
+        f"cast acted ({namespace} {version}: the model cast to {_name(dtype)} before FSDP wraps it); recompute {also}"
+    )
+
+
+def _confirm(what: str) -> None:
+    """One line on rank zero, once per process, the first time a fix changes something (docs/configuration.md,
+    "Logging"): what the job's own log shows of the shim. A run where nothing applies (float32) says nothing."""
+    from _fsdp_shim._version import __version__
+
+    failures.announce_once_on_rank_zero("active", "fsdp-shim %s: active; %s", __version__, what)
+
+
+def _name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def keep_float32_where_fsdp_does(wrapped: Callable[..., Any], instance: Any, args: Args, kwargs: Kwargs) -> Any:
@@ -276,6 +305,11 @@ class _Pins:
 
     def call(self, dtype: torch.dtype, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         pin = self._enter(dtype)
+        if pin is not None and pin.before != dtype and not _checking.get():
+            _confirm(
+                f"recompute acted (a checkpointed block recomputed in {_name(dtype)}, its forward's dtype, "
+                f"not {_name(pin.before)})"
+            )
         try:
             return function(*args, **kwargs)
         finally:
@@ -317,6 +351,8 @@ class _Pins:
 
 
 _pins = _Pins()
+_checking: ContextVar[bool] = ContextVar("fsdp_shim_checking_recompute", default=False)
+"""True while ``prove_recompute`` runs: its recomputes are the shim's own, not the job's."""
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_pins.reset)
 
@@ -418,15 +454,18 @@ def prove_recompute() -> str | None:
     for path in paths:
         reentrant = path == "reentrant"
         seen.clear()
+        token = _checking.set(True)
         try:  # with autograd on, whatever context imported Lightning (no_grad, inference_mode)
             with torch.inference_mode(False), torch.enable_grad():
                 recompute(path)
         except Exception as error:
             wrong.append(f"the {path} check raised {type(error).__name__}: {error}")
             continue
+        finally:
+            _checking.reset(token)
         if seen[1:] != [forward]:
-            found = ", ".join(str(dtype).removeprefix("torch.") for dtype in seen[1:]) or "no recompute"
-            wrong.append(f"the {path} checkpoint recomputed in {found}, not its forward's {str(forward)[6:]}")
+            found = ", ".join(_name(dtype) for dtype in seen[1:]) or "no recompute"
+            wrong.append(f"the {path} checkpoint recomputed in {found}, not its forward's {_name(forward)}")
     if not wrong:
         return None
     return f"not in effect on torch {torch.__version__} ({'; '.join(wrong)})"

@@ -1,7 +1,13 @@
 """Names of the environment variables fsdp-shim reads, and what each one does (docs/configuration.md).
 The names are defined in ``_fsdp_shim.config``, the one place the package reads them from."""
 
-from _fsdp_shim.config import DISABLED_FIXES_VARIABLE, RANK_CHECK_TIMEOUT_VARIABLE, SHIM_VARIABLE, STRICT_VARIABLE
+from _fsdp_shim.config import (
+    DISABLED_FIXES_VARIABLE,
+    LOG_VARIABLE,
+    RANK_CHECK_TIMEOUT_VARIABLE,
+    SHIM_VARIABLE,
+    STRICT_VARIABLE,
+)
 
 FSDP_SHIM = SHIM_VARIABLE
 """Master switch. Unset, ``1``, ``true``, ``on``, ``yes``, ``y``, ``enable`` or ``enabled`` leave the
@@ -32,3 +38,10 @@ FSDP_SHIM_RANK_CHECK_TIMEOUT = RANK_CHECK_TIMEOUT_VARIABLE
 own timeout (Lightning's default: 1,800 s), so the shim never stops a job torch would let run. ``0``
 turns the check off; ``inf`` or a huge value waits as long as the store allows (a year); a negative or
 unreadable value keeps the default and warns."""
+
+FSDP_SHIM_LOG = LOG_VARIABLE
+"""How much the shim prints. Unset or an "on" value: the confirmation lines, on rank zero only (the line
+that names the fixes that acted, once per process, the first time one changes something; the rank
+check's line in a distributed FSDP job). An "off" value: none of them (warnings still show). ``debug``:
+every record of the ``fsdp_shim`` logger, DEBUG and up, on stderr where logging is not configured to
+show them. Any other value keeps the default and warns once."""

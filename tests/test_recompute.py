@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 import wrapt
-from conftest import ROOT, Layout, clean_env, free_port, run_on_a_free_port, scenario_results
+from conftest import DTYPES, NAMESPACES, ROOT, Layout, clean_env, free_port, run_on_a_free_port, scenario_results
 
-from _fsdp_shim.config import RECOMPUTE, base_release
+from _fsdp_shim.config import CAST, RECOMPUTE, base_release, log_setting
 
 SCRIPT = ROOT / "tests" / "scenarios" / "recompute.py"
 BLOCKS = ("ones", "scalar", "mask", "castback")
@@ -42,7 +42,12 @@ BUG = ("CheckpointError", "RuntimeError")
 """What torch raises when a recompute's tensors do not match the forward's."""
 
 
-def run(
+def run(tmp_path: Path, api: str, cases: list[str], **options: Any) -> dict[int, dict[str, Any]]:
+    """One scenario run (Lightning's own launcher starts the other ranks); every rank's results."""
+    return run_with_output(tmp_path, api, cases, **options)[0]
+
+
+def run_with_output(
     tmp_path: Path,
     api: str,
     cases: list[str],
@@ -54,8 +59,8 @@ def run(
     package: str = "lightning",
     env: dict[str, str] | None = None,
     direct_backward: bool = False,
-) -> dict[int, dict[str, Any]]:
-    """One scenario run (Lightning's own launcher starts the other ranks); every rank's results."""
+) -> tuple[dict[int, dict[str, Any]], str]:
+    """``run``, and what every rank printed (the ranks Lightning launches share its stderr)."""
     out = tmp_path / f"{api}-{strategy}-{devices}-{precision}-{shim}-{len(list(tmp_path.iterdir()))}"
     arguments = ["--api", api, "--strategy", strategy, "--devices", str(devices), "--precision", precision]
     arguments += ["--shim", shim, "--package", package, "--cases", ",".join(cases), "--out", str(out)]
@@ -68,7 +73,16 @@ def run(
 
     proc, command = run_on_a_free_port(attempt)
     assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}"
-    return scenario_results(out, devices)
+    return scenario_results(out, devices), proc.stdout + proc.stderr
+
+
+def confirmations(output: str) -> list[str]:
+    """The shim's confirmation lines in a run's output (``fsdp-shim 0.2.0: active; recompute acted (...)``)."""
+    return [line for line in output.splitlines() if line.startswith("fsdp-shim ") and ": active; " in line]
+
+
+def recompute_acted(dtype: str) -> str:
+    return f"; recompute acted (a checkpointed block recomputed in {dtype}, its forward's dtype, not float32)"
 
 
 def trainer_layout(layouts: dict[str, Layout]) -> Layout:
@@ -113,9 +127,20 @@ def test_fsdp_with_checkpointing_equals_fsdp_without(
     if not in_proof_release(layout) and (devices, precision) != (1, "bf16-true"):
         pytest.skip(f"the whole matrix runs on {sorted(PROOF_RELEASES)}; this release runs one rank in bf16-true")
     cases = [f"{block}:{mode}" for block in BLOCKS for mode in ("none", *MODES)] + COMPOSABLE_CASES
-    results = run(tmp_path, api, cases, devices=devices, precision=precision, package=layout.package)
+    options = {"devices": devices, "precision": precision, "package": layout.package}
+    results, output = run_with_output(tmp_path, api, cases, **options)
     assert_like_the_run_without_checkpointing(results, cases)
     assert len({by_case["ones:none"]["params"] for by_case in results.values()}) == devices  # each rank its shard
+    # One line for the job, from rank zero, naming the first fix that acted: the cast where the release lacks
+    # it (before the first forward), else the recompute (in the first checkpointed backward).
+    dtype = DTYPES[precision].removeprefix("torch.")
+    (line,) = confirmations(output)
+    if CAST.affects(layout.version(api)):
+        namespace = NAMESPACES[layout.package][api == "fabric"]
+        cast = f"; cast acted ({namespace} {layout.version(api)}: the model cast to {dtype} before FSDP wraps it)"
+        assert line.endswith(f"{cast}; recompute in effect for activation-checkpointed blocks"), line
+    else:
+        assert line.endswith(recompute_acted(dtype)), line
 
 
 @pytest.mark.per_release
@@ -139,13 +164,17 @@ def test_the_half_precision_plugin_gets_the_same_fix(
         pytest.skip(f"runs on {sorted(PROOF_RELEASES)}")
     modes = ("nonreentrant",) if strategy == "ddp" else ("nonreentrant", "reentrant")
     cases = [f"{block}:{mode}" for block in BLOCKS for mode in ("none", *modes)]
-    on = run(tmp_path, api, cases, strategy=strategy, devices=devices, package=layout.package)
+    on, output = run_with_output(tmp_path, api, cases, strategy=strategy, devices=devices, package=layout.package)
     assert_like_the_run_without_checkpointing(on, cases)
     if api == "manual":
         # manual_backward runs inside training_step, so inside the forward's context already: the
-        # shim changes nothing there, which the run without it shows.
+        # shim changes nothing there, which the run without it shows, and says nothing.
         off = run(tmp_path, api, cases, strategy=strategy, devices=devices, package=layout.package, shim="off")
         assert {c: off[0][c]["params"] for c in cases} == {c: on[0][c]["params"] for c in cases}
+        assert confirmations(output) == [], output[-3000:]
+    else:  # one line, from rank zero, whatever the number of ranks and recomputes
+        lines = confirmations(output)
+        assert len(lines) == 1 and lines[0].endswith(recompute_acted("bfloat16")), output[-3000:]
 
 
 @pytest.mark.per_release
@@ -207,7 +236,8 @@ def test_a_recompute_runs_in_its_forwards_dtype_and_nothing_else_changes(
     bit for bit."""
     layout = trainer_layout(layouts)
     cases = ["probe:none", "probe:nonreentrant", "probe:reentrant"]
-    on = run(tmp_path, "trainer", cases, precision=precision, package=layout.package)[0]
+    results, output = run_with_output(tmp_path, "trainer", cases, precision=precision, package=layout.package)
+    on = results[0]
     off = run(  # the cast stays: on 2.1-2.4 it alone changes the run
         tmp_path, "trainer", ["probe:none"], precision=precision, package=layout.package, env=WITHOUT_RECOMPUTE_FIX
     )[0]
@@ -220,6 +250,12 @@ def test_a_recompute_runs_in_its_forwards_dtype_and_nothing_else_changes(
         off["probe:none"]["losses"],
         off["probe:none"]["params"],
     )
+    # The job's output says what acted: in 16-true the first fix to change anything; in 32-true nothing does.
+    lines = confirmations(output)
+    if precision == "32-true":
+        assert lines == [], output[-3000:]
+    else:
+        assert len(lines) == 1 and ("; cast acted" in lines[0] or lines[0].endswith(recompute_acted("float16")))
 
 
 @pytest.mark.per_release
@@ -292,3 +328,35 @@ def test_the_scenario_reports_an_error_instead_of_passing_silently(layouts: dict
     assert result["nosuchblock:none"]["error"] == "ValueError: nosuchblock"
     with pytest.raises(AssertionError):
         assert_like_the_run_without_checkpointing({0: result}, ["nosuchblock:none"])
+
+
+@pytest.mark.parametrize("setting", ["0", "debug"])
+def test_fsdp_shim_log_switches_the_confirmation_off_or_shows_every_record(
+    setting: str, layouts: dict[str, Layout], tmp_path: Path
+) -> None:
+    """``FSDP_SHIM_LOG=0``: the same one-device run as above prints no line of the shim; ``debug``: the
+    confirmation, and the records logging would hide (what each namespace's fixes wrapped), on stderr."""
+    layout = trainer_layout(layouts)
+    cases = ["ones:none", "ones:nonreentrant"]
+    env = {"FSDP_SHIM_LOG": setting}
+    results, output = run_with_output(tmp_path, "trainer", cases, strategy="single", package=layout.package, env=env)
+    assert_like_the_run_without_checkpointing(results, cases)
+    shim_lines = [line for line in output.splitlines() if line.startswith("fsdp-shim")]
+    if setting == "0":
+        assert shim_lines == [], output[-3000:]
+        return
+    (line,) = confirmations(output)
+    assert line.endswith(recompute_acted("bfloat16")), output[-3000:]
+    namespace = NAMESPACES[layout.package][0]
+    patched = [line for line in shim_lines if line.startswith(f"fsdp-shim: patched {namespace} ")]
+    assert len(patched) == 1 and "recompute (torch.utils.checkpoint.CheckpointFunction.forward" in patched[0]
+    assert f"{namespace} {layout.trainer_version}, recompute fix: patched" in output
+
+
+def test_fsdp_shim_log_values() -> None:
+    """The values of ``FSDP_SHIM_LOG``: an unreadable one keeps the lines, and says so."""
+    assert log_setting({}) == ("on", None)
+    for value, setting in [("1", "on"), (" On ", "on"), ("0", "off"), ("false", "off"), (" DEBUG", "debug")]:
+        assert log_setting({"FSDP_SHIM_LOG": value}) == (setting, None), value
+    setting, problem = log_setting({"FSDP_SHIM_LOG": "verbose"})
+    assert setting == "on" and problem is not None and "FSDP_SHIM_LOG='verbose'" in problem and "debug" in problem
