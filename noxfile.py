@@ -75,18 +75,20 @@ APP_DEPS_2_0 = [
 # gated and patched on their own, and the suite is parametrized by layout, so nothing is lost against
 # one session per layout, while each session's fixed cost (collection, probing the environment, the
 # release-wide checks) is paid once.
-# Two releases that need nothing else of each other share a session, one per layout: 2.1.0 with 2.5.0,
-# 2.2.5 with 2.3.3, 2.6.6 with 2.4.0 (each release is tested in one layout at least; 2.1.4 and 2.4.0 in both).
+# Two releases that need nothing else of each other share a session, one per layout: 2.1.4 with 2.5.0 (the
+# last patch of the first affected line, the first fixed release), 2.2.5 with 2.3.3, 2.6.6 with 2.4.0 (each
+# release is tested in one layout at least; 2.4.0 and 2.6.6 in both). 2.1.0, whose Trainer alone names its
+# precision class FSDPPrecisionPlugin, runs the wrapt-1 session: the gates, every wrapper and the training
+# through them.
 MATRIX: dict[str, list[str]] = {
     "lightning-2.0.9": ["lightning==2.0.9"],
-    "lightning-2.1.0-standalone-2.5.0": ["lightning==2.1.0", "pytorch-lightning==2.5.0", "lightning-fabric==2.5.0"],
-    "lightning-2.1.4": ["lightning==2.1.4", "pytorch-lightning==2.1.4", "lightning-fabric==2.1.4"],
+    "lightning-2.1.4-standalone-2.5.0": ["lightning==2.1.4", "pytorch-lightning==2.5.0", "lightning-fabric==2.5.0"],
     # 2.2.5 and 2.3.3 on torch 2.3.1, 2.6.6 on torch 2.15.0: OTHER_TORCH below.
     # What `pip install lightning==2.4.0` creates: an affected lightning.* next to the newest,
     # fixed pytorch_lightning/lightning_fabric. The default development environment.
     "mixed-2.4.0": ["lightning==2.4.0", "pytorch-lightning==2.6.6"],
-    # wrapt's newest 1.x, on the release that needs all three wrappers (2.1.x): WRAPT_DEPENDENT_TESTS.
-    "lightning-2.1.4-wrapt1": ["lightning==2.1.4", "wrapt==1.17.3"],
+    # wrapt's newest 1.x, on the first release, which needs all three wrappers (2.1.x): WRAPT_DEPENDENT_TESTS.
+    "lightning-2.1.0-wrapt1": ["lightning==2.1.0", "wrapt==1.17.3"],
     # No Lightning at all: the shim must import and do nothing.
     "no-lightning": [],
 }
@@ -96,12 +98,13 @@ TORCH_DEPENDENT_TESTS = (
     "tests/test_cast.py",
     "tests/test_recompute.py",
     "tests/test_recompute_proof.py",
-    "tests/test_verify.py",
 )
 """What a session in OTHER_TORCH runs of its per_release tests, unless it is its releases' only session:
-what the fixes change in training (dtypes, exact bytes, Lightning's own tests, recomputes, verify).
-What decides imports, gates and wrappers is the same on every torch, and its torch's CUDA build costs
-seconds per interpreter, so those run on one torch only. A file not (yet) in the checkout is left out."""
+what the fixes change in training (dtypes, exact bytes, Lightning's own tests, recomputes, which torch
+names the recompute wraps and the check that shows them working). What decides imports, gates and
+wrappers is the same on every torch, and its torch's CUDA build costs seconds per interpreter, so those
+run on one torch only; so does verify, which reports what these tests assert. A file not (yet) in the
+checkout is left out."""
 
 
 @dataclass(frozen=True)
@@ -128,8 +131,6 @@ OTHER_TORCH: dict[str, OtherTorch] = {
     # The oldest torch that runs FSDP on CPU (2.1 and 2.2 cannot: see the footer of docs/compatibility.md),
     # with the Lightning of its time. Built against NumPy 1.
     "lightning-2.2.5-standalone-2.3.3-torch-2.3.1": OtherTorch("2.3.1", pins=("numpy<2",), tests=()),
-    # What users pinned to Lightning 2.4 run: 2.4.0 on torch 2.4.1, in the layout the default session lacks.
-    "lightning-2.4.0-torch-2.4.1": OtherTorch("2.4.1"),
     # The newest torch, on the Python its users run, with the newest Lightning (the recompute's whole
     # matrix: tests/test_recompute.py's PROOF_RELEASES) next to the last release the cast fixes. What
     # decides imports, gates and wrappers for 2.6.6 runs in the default session (standalone 2.6.6); what
@@ -141,7 +142,6 @@ MATRIX["lightning-2.2.5-standalone-2.3.3-torch-2.3.1"] = [
     "pytorch-lightning==2.3.3",
     "lightning-fabric==2.3.3",
 ]
-MATRIX["lightning-2.4.0-torch-2.4.1"] = ["pytorch-lightning==2.4.0", "lightning-fabric==2.4.0"]
 MATRIX["lightning-2.6.6-standalone-2.4.0-torch-2.15.0"] = [
     "lightning==2.6.6",
     "pytorch-lightning==2.4.0",
@@ -153,12 +153,13 @@ WRAPT_DEPENDENT_TESTS = [
     "tests/test_coexistence.py",
     "tests/test_recompute.py",
     "tests/test_cast.py::test_single_process_behaves_like_2_5",
+    "tests/test_cast.py::test_the_2_1_trainer_gets_the_setup_path",
 ]
 """What the wrapt-1 session runs (its per_release tests): the wrappers, their identity and composition,
-and training through each fix's wrappers. What the cast and verify measure beyond that does not depend
-on wrapt's version (the 2.1.4 session runs it)."""
+and training through each fix's wrappers (2.1.x's conversion moved to setup included). What the cast and
+verify measure beyond that does not depend on wrapt's version (the 2.1.4 session runs it)."""
 SESSION_TESTS = {
-    "lightning-2.1.4-wrapt1": WRAPT_DEPENDENT_TESTS,
+    "lightning-2.1.0-wrapt1": WRAPT_DEPENDENT_TESTS,
     # The project's own checks (import graph, matrix scripts, the benchmark, which brings its own Lightning
     # folders) do not depend on the session's Lightning: they run in the default session.
     "no-lightning": ["--ignore=tests/test_project.py"],
@@ -245,6 +246,8 @@ def run_matrix_session(
             "pytest",
             "-n",
             "2",
+            "--dist",
+            "worksteal",  # a worker that finishes early takes tests the other has not started
             "-q",
             "-p",
             "no:cacheprovider",
@@ -315,10 +318,9 @@ for _name, _other in OTHER_TORCH.items():
     def _other_torch_session(session: nox.Session, _name: str = _name, _other: OtherTorch = _other) -> None:
         # torch first, and pinned (with the session's pins) in every install: nothing may resolve another torch.
         pins = [f"torch=={_other.torch}", *_other.pins]
-        session.install(COMPILE, *pins)
-        session.install(COMPILE, *pins, "-r", str(ROOT / ".ci" / "requirements-test.txt"))
+        runtime = ["wrapt>=1.14,!=2.2.0,<3", "packaging>=20"]
+        session.install(COMPILE, *pins, *runtime, "-r", str(ROOT / ".ci" / "requirements-test.txt"))
         session.install(COMPILE, *pins, "--no-deps", "-e", str(ROOT))
-        session.install(COMPILE, *pins, "wrapt>=1.14,!=2.2.0,<3", "packaging>=20")
         check = "import sys, torch; print('torch', torch.__version__, 'python', sys.version.split()[0]); "
         check += f"assert torch.__version__.split('+')[0] == {_other.torch!r}, torch.__version__"
         if _other.python:

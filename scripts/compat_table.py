@@ -20,7 +20,8 @@ edit by hand. Each session installs one Lightning layout (or two, side by side) 
 runs, with real FSDP on CPU (gloo, 1 and 2 processes), the tests whose outcome differs between
 releases; the default session `mixed-2.4.0` runs every test, which is why the other sessions skip
 more. The sessions on another torch than the matrix's own (the torch in brackets) run what the fixes
-change in training: the cast, the recompute (which hooks torch's checkpoint internals) and `verify`.
+change in training: the cast and the recompute (which hooks torch's checkpoint internals), and the
+check that shows the recompute working on that torch.
 
 One row per release and layout: the unified `lightning` package (`lightning.pytorch`,
 `lightning.fabric`) or the standalone `pytorch_lightning` and `lightning_fabric`. **Trainer** and
@@ -36,8 +37,8 @@ layouts lists them on both rows.
 
 FOOTER = """
 **Other torch releases.** The torch in brackets: Lightning 2.2.5 and 2.3.3 run on the oldest torch that
-runs FSDP on CPU (2.3.1), 2.6.6 on the newest (2.15.0, on Python 3.12) next to 2.4.0, and 2.4.0 on
-torch 2.4.1, what users pinned to Lightning 2.4 run, each on PyPI's own build. Measured once by hand
+runs FSDP on CPU (2.3.1), 2.6.6 on the newest (2.15.0, on Python 3.12) next to 2.4.0, each on PyPI's
+own build; the default session runs 2.4.0 on the matrix's own torch. Measured once by hand
 on 2026-12-03, not in the matrix (CI time): PyPI's torch builds on CPU with gloo, running
 `tests/scenarios/fsdp_train.py --api trainer --package lightning --shim before --cases
 init+pretrained:bf16-true` with 1 and 2 processes:

@@ -140,26 +140,23 @@ def test_two_processes_behave_like_2_5(
 ) -> None:
     """Lightning's own launcher re-runs the script per rank; each rank holds half the flat params.
 
-    The unpatched comparison runs for the Trainer on affected releases only: the single-process
-    test already shows, per API, that the shim changes nothing on the others.
+    On affected releases only: on the others the ranks run Lightning's own code, and the
+    single-process test already shows, per API, that the shim changes nothing there. The unpatched
+    comparison runs for the Trainer.
     """
     layout = layout_or_skip(layouts, package)
     version = layout.version(api)
-    if base_release(version) < FIRST_AFFECTED:
-        pytest.skip("no 'true' precisions for FSDP before Lightning 2.1")
+    if not is_affected_release(version):
+        pytest.skip("the shim changes nothing on this release: test_single_process_behaves_like_2_5 shows it")
     case = TWO_PROCESS_CASE
     on = scenarios.run(api, package, "before", [case], devices=2)
     reference = scenarios.run("torch", package, "off", [case], devices=2)  # the same for Trainer and Fabric
     single = scenarios.run("torch", package, "off", reference_cases([case]))[0][case]
     assert sum(on[rank][case]["flat_param_numel"] for rank in on) == single["flat_param_numel"]
     assert on[0][case]["flat_param_numel"] == on[1][case]["flat_param_numel"] == single["flat_param_numel"] // 2
-    off = (
-        scenarios.run(api, package, "off", [case], devices=2)
-        if api == "trainer" and is_affected_release(version)
-        else None
-    )
+    off = scenarios.run(api, package, "off", [case], devices=2) if api == "trainer" else None
     for rank in (0, 1):
-        assert on[rank]["_shim"][f"{api}_convert_module"] is is_affected_release(version)
+        assert on[rank]["_shim"][f"{api}_convert_module"] is True
         assert measurements(on[rank][case]) == measurements(reference[rank][case])
         assert on[rank][case]["flat_param_dtypes"] == ["torch.bfloat16"]
         if off is not None:

@@ -45,8 +45,6 @@ from _fsdp_shim.verify.verdict import Section, fix_entries, judge_recompute
 MODELS = ROOT / "tests" / "verify_models"
 BYTE_KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes")
 """verify's own byte keys (conftest's ``BYTE_KEYS`` are the training scenario's)."""
-SEED_BLOCKS = "torch.nn:TransformerEncoderLayer,torch.nn:TransformerDecoderLayer"
-"""The seed model's blocks: the layers of ``nn.Transformer`` inside Lightning's demo Transformer."""
 LAST_WITH_PKG_RESOURCES = (2, 4, 0)  # a fact about Lightning: 2.4.0 no longer imports pkg_resources
 
 
@@ -105,9 +103,10 @@ def with_missing_pkg_resources(tmp_path: Path, package: str) -> dict[str, str]:
     return env
 
 
-def assert_seed_fixed(section: dict[str, Any], precision: str) -> None:
+def assert_seed_fixed(section: dict[str, Any]) -> None:
+    """The cast's verdict on the seed model in ``bf16-true`` (verify's default precision)."""
     assert section["verdict"] == "fixed", section["reason"]
-    want = DTYPES[precision]
+    want = DTYPES["bf16-true"]
     for off, on in zip(section["shim_off"], section["shim_on"]):
         assert (off["module_dtype"], on["module_dtype"]) == ("torch.float32", want)
         assert off["flat_param_dtypes"] == sorted([want, "torch.float32"]) and on["flat_param_dtypes"] == [want]
@@ -162,9 +161,9 @@ def as_section(data: dict[str, Any]) -> Section:
 
 
 # ----------------------------------------------------------------------------- the seed model, per release
-@pytest.mark.parametrize("precision", [pytest.param("bf16-true", marks=pytest.mark.per_release), "16-true"])
+@pytest.mark.per_release
 def test_every_installed_trainer_namespace_gets_its_own_verdict_naming_each_fix(
-    precision: str, layouts: dict[str, Layout], planted: Path
+    layouts: dict[str, Layout], planted: Path
 ) -> None:
     """One verdict per installed Trainer namespace, with its own release's figures; each section names
     every fix, whether its release lacks it and whether the shim applied it, as ``_fsdp_shim.config``
@@ -173,7 +172,7 @@ def test_every_installed_trainer_namespace_gets_its_own_verdict_naming_each_fix(
     versions = trainer_versions(layouts)
     if not versions:
         pytest.skip("no Lightning installed")
-    proc = verify("--precision", precision, "--json", cwd=planted)
+    proc = verify("--json", cwd=planted)
     assert proc.returncode == 0, proc.stderr
     assert {p.name for p in planted.glob("RAN-*")} == set()
     found = sections(proc)
@@ -193,7 +192,7 @@ def test_every_installed_trainer_namespace_gets_its_own_verdict_naming_each_fix(
         if RECOMPUTE.affects(version):  # the seed's causal block, checkpointed: measured on every such release
             assert_seed_recompute_fixed(section, recompute)
         if CAST.affects(version):
-            assert_seed_fixed(section, precision)
+            assert_seed_fixed(section)
         else:
             assert section["verdict"] == "not needed"
             assert section["shim_off"] is None  # the cast is decided by the gates alone
@@ -304,32 +303,33 @@ def test_real_lightning_2_1_to_2_3_without_pkg_resources(layouts: dict[str, Layo
 
 
 # ----------------------------------------------------------------------------- activation checkpointing
-def test_the_seed_model_is_not_needed_under_activation_checkpointing(layouts: dict[str, Layout]) -> None:
-    """The seed's Transformer layers give every tensor they make an explicit dtype, so checkpointing
-    them changes nothing, with the shim or without: "not needed", measured bit for bit (every loss,
-    every rank's parameter shards). ``--activation-checkpointing`` trains every release that lacks the
-    recompute fix, a release that has the cast too (whose cast is then measured)."""
-    versions = {ns: v for ns, v in trainer_versions(layouts).items() if RECOMPUTE.affects(v)}
-    if not versions:
-        pytest.skip("needs a Lightning that lacks the recompute fix")
-    proc = verify("--activation-checkpointing", SEED_BLOCKS, "--steps", "2", "--json")
+def test_checkpointing_layers_that_give_every_tensor_a_dtype_is_not_needed(layouts: dict[str, Layout]) -> None:
+    """``nn.Linear`` makes no tensor of its own, so checkpointing it changes nothing, with the shim or
+    without: "not needed", measured bit for bit (every loss, every rank's parameter shards).
+    ``--activation-checkpointing`` trains a release that has the cast too (whose cast is then measured):
+    the fixed standalone one where this session has it."""
+    standalone = layouts.get("standalone")
+    fixed = standalone is not None and not CAST.affects(standalone.trainer_version)
+    namespace = TRAINER["standalone"] if fixed else an_affected_namespace(layouts, "trainer")[0]
+    blocks = "torch.nn:Linear"
+    proc = verify_model(
+        namespace, "--model", "user_models:Checkpointed", "--activation-checkpointing", blocks, "--json"
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert document(proc)["activation_checkpointing"] == SEED_BLOCKS.split(",")
-    found = sections(proc)
-    for namespace, version in versions.items():
-        section = found[namespace]
-        recompute = fix_entry(section, RECOMPUTE.name)
-        assert recompute["verdict"] == "not needed", recompute["reason"]
-        assert "explicit dtype" in recompute["reason"]
-        assert "TransformerEncoderLayer, TransformerDecoderLayer" in recompute["reason"]
-        for shim in ("shim_off", "shim_on"):
-            plain, checkpointed = section[shim], section[f"checkpointed_{shim}"]
-            assert same_bits(plain, checkpointed), shim
-            # Lightning's policy wrapped every module of the named classes the run without it counted.
-            assert [r["checkpointed"] for r in checkpointed] == [r["checkpointed"] for r in plain]
-            assert all(r["checkpointed"] > 0 and r["error"] is None for r in checkpointed)
-        if not CAST.affects(version):
-            assert section["verdict"] == "not needed" and "measured: the shim changes nothing" in section["reason"]
+    assert document(proc)["activation_checkpointing"] == [blocks]
+    section = only_section(proc)
+    assert section["namespace"] == namespace
+    recompute = fix_entry(section, RECOMPUTE.name)
+    assert recompute["verdict"] == "not needed", recompute["reason"]
+    assert "explicit dtype" in recompute["reason"] and "checkpointing Linear" in recompute["reason"]
+    for shim in ("shim_off", "shim_on"):
+        plain, checkpointed = section[shim], section[f"checkpointed_{shim}"]
+        assert same_bits(plain, checkpointed), shim
+        # Lightning's policy wrapped every module of the named classes the run without it counted.
+        assert [r["checkpointed"] for r in checkpointed] == [r["checkpointed"] for r in plain]
+        assert all(r["checkpointed"] > 0 and r["error"] is None for r in checkpointed)
+    if fixed:
+        assert section["verdict"] == "not needed" and "measured: the shim changes nothing" in section["reason"]
 
 
 @pytest.mark.parametrize(
