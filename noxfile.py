@@ -94,18 +94,6 @@ MATRIX: dict[str, list[str]] = {
 }
 # Every session but the wrapt-1 one runs on the environment's wrapt, the newest 2.x.
 
-TORCH_DEPENDENT_TESTS = (
-    "tests/test_cast.py",
-    "tests/test_recompute.py",
-    "tests/test_recompute_proof.py",
-)
-"""What a session in OTHER_TORCH runs of its per_release tests, unless it is its releases' only session:
-what the fixes change in training (dtypes, exact bytes, Lightning's own tests, recomputes, which torch
-names the recompute wraps and the check that shows them working). What decides imports, gates and
-wrappers is the same on every torch, and its torch's CUDA build costs seconds per interpreter, so those
-run on one torch only; so does verify, which reports what these tests assert. A file not (yet) in the
-checkout is left out."""
-
 
 @dataclass(frozen=True)
 class OtherTorch:
@@ -116,9 +104,6 @@ class OtherTorch:
     """``X.Y`` (see :func:`find_python`), or None for nox's own interpreter."""
     pins: tuple[str, ...] = ()
     """Installed with torch and pinned like it, in every install."""
-    tests: tuple[str, ...] = TORCH_DEPENDENT_TESTS
-    """What it runs of its per_release tests; ``()``: all of them, where its releases have no session on
-    the environment's torch."""
 
 
 # Sessions on another torch than the environment's (session name, also in MATRIX -> its torch). The
@@ -130,11 +115,10 @@ class OtherTorch:
 OTHER_TORCH: dict[str, OtherTorch] = {
     # The oldest torch that runs FSDP on CPU (2.1 and 2.2 cannot: see the footer of docs/compatibility.md),
     # with the Lightning of its time. Built against NumPy 1.
-    "lightning-2.2.5-standalone-2.3.3-torch-2.3.1": OtherTorch("2.3.1", pins=("numpy<2",), tests=()),
+    "lightning-2.2.5-standalone-2.3.3-torch-2.3.1": OtherTorch("2.3.1", pins=("numpy<2",)),
     # The newest torch, on the Python its users run, with the newest Lightning (the recompute's whole
-    # matrix: tests/test_recompute.py's PROOF_RELEASES) next to the last release the cast fixes. What
-    # decides imports, gates and wrappers for 2.6.6 runs in the default session (standalone 2.6.6); what
-    # the fixes do on this torch, and which of its names they wrap, runs here.
+    # matrix: tests/test_recompute.py's PROOF_RELEASES) next to the last release the cast fixes: the
+    # per_release tests of the default session's two releases run here (DEFAULT_SESSION).
     "lightning-2.6.6-standalone-2.4.0-torch-2.15.0": OtherTorch("2.15.0", python="3.12"),
 }
 MATRIX["lightning-2.2.5-standalone-2.3.3-torch-2.3.1"] = [
@@ -166,8 +150,10 @@ SESSION_TESTS = {
 }
 
 DEFAULT_SESSION = "mixed-2.4.0"
-"""Runs every test; the other sessions run the tests marked per_release (tests/conftest.py), whose
-outcome differs between Lightning releases."""
+"""Runs every test but those marked per_release (tests/conftest.py: ``FSDP_SHIM_TEST_SCOPE=common``), whose
+outcome differs between Lightning releases: the other sessions run those, and its own releases' (2.4.0 and
+2.6.6, in the other layouts) run on the newest torch, so that CI runs each once. ``pytest`` run by hand on its
+folder runs them too (CONTRIBUTING.md)."""
 
 
 COMPILE = "--compile-bytecode"
@@ -228,7 +214,7 @@ def run_matrix_session(
     target = install_target(session, name, python)
     env = {
         "PYTHONPATH": os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH", "")])),
-        "FSDP_SHIM_TEST_SCOPE": "all" if name in (DEFAULT_SESSION, "no-lightning") else "release",
+        "FSDP_SHIM_TEST_SCOPE": {DEFAULT_SESSION: "common", "no-lightning": "all"}.get(name, "release"),
     }
     if name == DEFAULT_SESSION:
         env["FSDP_SHIM_TEST_TRANSFORMERS"] = str(install_target(session, "transformers", python, TRANSFORMERS, True))
@@ -326,11 +312,7 @@ for _name, _other in OTHER_TORCH.items():
         if _other.python:
             check += f"; assert sys.version.startswith({_other.python + '.'!r}), sys.version"
         session.run("python", "-c", check)
-        python = str(Path(session.virtualenv.bin) / "python")
-        tests = tuple(test for test in _other.tests if (ROOT / test).exists())
-        if _other.tests and not tests:  # an empty list would run every per_release test
-            session.error(f"none of {_other.tests} is in the checkout")
-        run_matrix_session(session, _name, python=python, tests=tests)
+        run_matrix_session(session, _name, python=str(Path(session.virtualenv.bin) / "python"))
 
 
 @nox.session

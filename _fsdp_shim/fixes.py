@@ -217,11 +217,17 @@ def _confirm_cast(namespace: str, dtype: torch.dtype) -> None:
     )
 
 
+_confirmed = False
+"""Whether this process has said its confirmation line (read first on every pin: the line costs nothing after)."""
+
+
 def _confirm(what: str) -> None:
     """One line on rank zero, once per process, the first time a fix changes something (docs/configuration.md,
     "Logging"): what the job's own log shows of the shim. A run where nothing applies (float32) says nothing."""
+    global _confirmed
     from _fsdp_shim._version import __version__
 
+    _confirmed = True
     failures.announce_once_on_rank_zero("active", "fsdp-shim %s: active; %s", __version__, what)
 
 
@@ -305,12 +311,12 @@ class _Pins:
 
     def call(self, dtype: torch.dtype, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         pin = self._enter(dtype)
-        if pin is not None and pin.before != dtype and not _checking.get():
-            _confirm(
-                f"recompute acted (a checkpointed block recomputed in {_name(dtype)}, its forward's dtype, "
-                f"not {_name(pin.before)})"
-            )
         try:
+            if pin is not None and not _confirmed and pin.before != dtype and not _checking.get():
+                _confirm(
+                    f"recompute acted (a checkpointed block recomputed in {_name(dtype)}, its forward's dtype, "
+                    f"not {_name(pin.before)})"
+                )
             return function(*args, **kwargs)
         finally:
             if pin is not None:

@@ -158,7 +158,8 @@ def last_json(proc: subprocess.CompletedProcess[str]) -> Any:
 
 
 MATRIX_SCOPE = os.environ.get("FSDP_SHIM_TEST_SCOPE", "all")
-"""``all`` (every test) or ``release`` (the ``per_release`` tests only): see the module's docstring."""
+"""``all`` (every test), ``release`` (the ``per_release`` tests only) or ``common`` (every other test: the
+matrix's default session, whose releases' ``per_release`` tests run in another session; noxfile.py)."""
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -171,11 +172,15 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if MATRIX_SCOPE != "release":
+    if MATRIX_SCOPE not in ("release", "common"):
         return
-    skip = pytest.mark.skip(reason="the same on every release; runs in the matrix's default session")
+    release = MATRIX_SCOPE == "release"
+    reason = "the same on every release; runs in the matrix's default session"
+    if not release:
+        reason = "differs between releases; runs in the matrix session of this release (noxfile.py: DEFAULT_SESSION)"
+    skip = pytest.mark.skip(reason=reason)
     for item in items:
-        if not item.get_closest_marker("per_release"):
+        if bool(item.get_closest_marker("per_release")) != release:
             item.add_marker(skip)
 
 
