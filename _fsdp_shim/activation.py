@@ -123,6 +123,9 @@ def _patch(name: str) -> None:
                 f"fsdp-shim (its fixes: {', '.join(FIX_NAMES)}); that name is ignored",
                 key=f"disabled:{','.join(unknown)}",
             )
+        _, log_problem = config.log_setting()
+        if log_problem is not None:
+            failures.warn_once(f"fsdp-shim: {log_problem}; the confirmation lines stay on", key=log_problem)
         before = [wrappers.status(name, fix).patched for fix in FIXES]
         proofs = fixes.PROOFS
         after = [

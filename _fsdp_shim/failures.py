@@ -107,32 +107,37 @@ def user_frame() -> FrameType | None:
 
 
 # ----------------------------------------------------------------------------- the rank-zero log
-def _log_setting() -> str:
-    """``FSDP_SHIM_LOG`` (``config.log_setting``), warning once about a value it cannot read."""
-    setting, problem = log_setting()
-    if problem is not None:
-        warn_once(f"fsdp-shim: {problem}; the confirmation lines stay on", key=f"log:{problem}")
-    return setting
+INFO, DEBUG = 20, 10
+"""``logging``'s levels, without importing ``logging`` at start-up."""
 
 
 def _logger() -> logging.Logger:
-    """Imports ``logging`` at the first record, not at start-up (it costs milliseconds): by then Lightning has.
-    With ``FSDP_SHIM_LOG=debug`` the logger shows DEBUG and up, on stderr where no handler would show them."""
+    """Imports ``logging`` at the first record, not at start-up (it costs milliseconds): by then Lightning has."""
     import logging
 
-    logger = logging.getLogger("fsdp_shim")
-    if _log_setting() == "debug" and logger.level != logging.DEBUG:
-        logger.setLevel(logging.DEBUG)
-        if not logger.hasHandlers():
-            handler = logging.StreamHandler(sys.stderr)
-            handler.setFormatter(logging.Formatter("%(message)s"))
-            logger.addHandler(handler)
-    return logger
+    return logging.getLogger("fsdp_shim")
+
+
+def _emit(level: int, shown_anyway: bool, message: str, *args: object) -> None:
+    """A record of the ``fsdp_shim`` logger where the logging configuration shows it; else, if ``shown_anyway``,
+    the line on stderr (Python drops INFO and DEBUG records where nobody configured logging). Nothing is
+    added to the configuration: no handler, no level."""
+    logger = _logger()
+    if logger.isEnabledFor(level) and logger.hasHandlers():
+        logger.log(level, message, *args)
+    elif shown_anyway:
+        sys.stderr.write((message % args) + "\n")
+        sys.stderr.flush()
 
 
 def process_rank() -> int:
-    """The rank from the variables Lightning's ``rank_zero_only`` reads, in its order, so the shim's
-    messages appear on the process where Lightning prints its own rank-zero messages."""
+    """This process's global rank: the process group's where one exists (Lightning sets the rank in code, and
+    under mpirun, or its own launcher across nodes, no variable holds it); else from the variables Lightning's
+    ``rank_zero_only`` reads, in its order, so the shim's messages appear where Lightning prints its own."""
+    dist = sys.modules.get("torch.distributed")
+    with contextlib.suppress(Exception):
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            return int(dist.get_rank())
     for variable in ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK"):
         with contextlib.suppress(KeyError, ValueError):
             return int(os.environ[variable])
@@ -141,22 +146,14 @@ def process_rank() -> int:
 
 def info_on_rank_zero(message: str, *args: object) -> None:
     if process_rank() == 0:
-        _logger().info(message, *args)
+        _emit(INFO, log_setting()[0] == "debug", message, *args)
 
 
 def announce(message: str, *args: object) -> None:
-    """A confirmation line: an INFO record that is seen even where nobody configured logging (Python drops
-    INFO records then), since a cluster operator confirms a job from it; ``FSDP_SHIM_LOG=0`` drops it."""
-    import logging
-
-    if _log_setting() == "off":
-        return
-    logger = _logger()
-    if logger.isEnabledFor(logging.INFO) and logger.hasHandlers():
-        logger.info(message, *args)
-    else:
-        sys.stderr.write((message % args) + "\n")
-        sys.stderr.flush()
+    """A confirmation line: INFO, seen even where nobody configured logging, since a cluster operator confirms
+    a job from it; ``FSDP_SHIM_LOG=0`` drops it."""
+    if log_setting()[0] != "off":
+        _emit(INFO, True, message, *args)
 
 
 def announce_once_on_rank_zero(key: str, message: str, *args: object) -> None:
@@ -175,4 +172,4 @@ def warn_once_on_rank_zero(key: str, message: str, *args: object) -> None:
 
 
 def debug(message: str, *args: object) -> None:
-    _logger().debug(message, *args)
+    _emit(DEBUG, log_setting()[0] == "debug", message, *args)

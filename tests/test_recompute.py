@@ -16,7 +16,9 @@ to bound.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ import pytest
 import wrapt
 from conftest import DTYPES, NAMESPACES, ROOT, Layout, clean_env, free_port, run_on_a_free_port, scenario_results
 
+from _fsdp_shim import failures
 from _fsdp_shim.config import CAST, RECOMPUTE, base_release, log_setting
 
 SCRIPT = ROOT / "tests" / "scenarios" / "recompute.py"
@@ -68,7 +71,7 @@ def run_with_output(
 
     def attempt(retry: bool) -> tuple[list[str], dict[str, str]]:  # every attempt draws its port anew
         return [sys.executable, str(SCRIPT), *arguments], clean_env(
-            PYTHONWARNINGS="ignore", MASTER_PORT=str(free_port()), **(env or {})
+            **{"PYTHONWARNINGS": "ignore", **(env or {}), "MASTER_PORT": str(free_port())}
         )
 
     proc, command = run_on_a_free_port(attempt)
@@ -253,8 +256,14 @@ def test_a_recompute_runs_in_its_forwards_dtype_and_nothing_else_changes(
     lines = confirmations(output)
     if precision == "32-true":
         assert lines == [], output[-3000:]
+    elif CAST.affects(layout.trainer_version):
+        namespace = NAMESPACES[layout.package][0]
+        cast = f"; cast acted ({namespace} {layout.trainer_version}: the model cast to float16 before FSDP wraps it)"
+        assert lines == [lines[0]] and lines[0].endswith(
+            f"{cast}; recompute in effect for activation-checkpointed blocks"
+        )
     else:
-        assert len(lines) == 1 and ("; cast acted" in lines[0] or lines[0].endswith(recompute_acted("float16")))
+        assert lines == [lines[0]] and lines[0].endswith(recompute_acted("float16")), output[-3000:]
 
 
 @pytest.mark.per_release
@@ -329,18 +338,21 @@ def test_the_scenario_reports_an_error_instead_of_passing_silently(layouts: dict
         assert_like_the_run_without_checkpointing({0: result}, ["nosuchblock:none"])
 
 
-@pytest.mark.parametrize("setting", ["0", "debug"])
+@pytest.mark.parametrize("setting", ["0", "debug", "verbose"])
 def test_fsdp_shim_log_switches_the_confirmation_off_or_shows_every_record(
     setting: str, layouts: dict[str, Layout], tmp_path: Path
 ) -> None:
     """``FSDP_SHIM_LOG=0``: the same one-device run as above prints no line of the shim; ``debug``: the
-    confirmation, and the records logging would hide (what each namespace's fixes wrapped), on stderr."""
+    confirmation, and the records logging would hide (what each namespace's fixes wrapped), on stderr; a value
+    it cannot read: the confirmation, and one warning naming the value."""
     layout = trainer_layout(layouts)
     cases = ["ones:none", "ones:nonreentrant"]
-    env = {"FSDP_SHIM_LOG": setting}
+    env = {"FSDP_SHIM_LOG": setting, "PYTHONWARNINGS": "default"}
     results, output = run_with_output(tmp_path, "trainer", cases, strategy="single", package=layout.package, env=env)
     assert_like_the_run_without_checkpointing(results, cases)
     shim_lines = [line for line in output.splitlines() if line.startswith("fsdp-shim")]
+    warned = [line for line in output.splitlines() if "FSDPShimWarning: fsdp-shim: FSDP_SHIM_LOG=" in line]
+    assert len(warned) == (setting == "verbose"), output[-3000:]
     if setting == "0":
         assert shim_lines == [], output[-3000:]
         return
@@ -348,8 +360,48 @@ def test_fsdp_shim_log_switches_the_confirmation_off_or_shows_every_record(
     assert line.endswith(recompute_acted("bfloat16")), output[-3000:]
     namespace = NAMESPACES[layout.package][0]
     patched = [line for line in shim_lines if line.startswith(f"fsdp-shim: patched {namespace} ")]
-    assert len(patched) == 1 and "recompute (torch.utils.checkpoint.CheckpointFunction.forward" in patched[0]
-    assert f"{namespace} {layout.trainer_version}, recompute fix: patched" in output
+    assert len(patched) == (setting == "debug"), output[-3000:]
+    if setting == "debug":
+        assert "recompute (torch.utils.checkpoint.CheckpointFunction.forward" in patched[0]
+        assert f"{namespace} {layout.trainer_version}, recompute fix: patched" in output
+    else:
+        assert "'verbose' is not a valid value" in warned[0] and "the confirmation lines stay on" in warned[0]
+
+
+def test_the_log_lines_go_through_the_users_logging_configuration_and_change_none_of_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A record the configuration shows goes through it, once; one it would drop goes to stderr only where
+    ``FSDP_SHIM_LOG`` asks for it (the confirmation lines by default, the rest with ``debug``). No handler or
+    level of the user's is added or changed."""
+    logger = logging.getLogger("fsdp_shim")
+    records: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setattr(logger, "handlers", [])
+    level = logger.level
+    try:
+        logger.setLevel(logging.WARNING)
+        for setting, expected in [("1", ["confirmed 0"]), ("debug", ["confirmed 0", "patched x", "reason y"])]:
+            monkeypatch.setenv("FSDP_SHIM_LOG", setting)
+            failures.announce("confirmed %d", 0)
+            failures.info_on_rank_zero("patched %s", "x")
+            failures.debug("reason %s", "y")
+            assert capsys.readouterr().err.splitlines() == expected, setting
+            assert (logger.handlers, logger.level) == ([], logging.WARNING)
+        handler = Collect()
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        failures.announce("confirmed %d", 1)
+        failures.debug("reason %s", "z")  # below the level the user chose: on stderr, with debug
+        assert (records, capsys.readouterr().err.splitlines()) == (["confirmed 1"], ["reason z"])
+        assert (logger.handlers, logger.level) == ([handler], logging.INFO)
+    finally:
+        logger.setLevel(level)
 
 
 def test_fsdp_shim_log_values() -> None:
@@ -359,3 +411,39 @@ def test_fsdp_shim_log_values() -> None:
         assert log_setting({"FSDP_SHIM_LOG": value}) == (setting, None), value
     setting, problem = log_setting({"FSDP_SHIM_LOG": "verbose"})
     assert setting == "on" and problem is not None and "FSDP_SHIM_LOG='verbose'" in problem and "debug" in problem
+
+
+RANK_OF_THE_GROUP = """
+import sys, datetime
+import torch.distributed as dist
+from _fsdp_shim import failures
+dist.init_process_group("gloo", init_method=sys.argv[1], rank=int(sys.argv[2]), world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+failures.announce_once_on_rank_zero("test", "said by rank %d", dist.get_rank())
+print("process_rank", failures.process_rank())
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_rank_zero_is_the_process_groups_where_no_variable_says_it() -> None:
+    """Two ranks of one process group, each with ``LOCAL_RANK=0`` and no ``RANK`` (the main process of each
+    node under Lightning's own launcher; under mpirun no variable is set at all): the line is said once, by
+    the group's rank 0."""
+    init = f"tcp://127.0.0.1:{free_port()}"
+    env = clean_env(LOCAL_RANK="0", RANK=None, SLURM_PROCID=None, PYTHONWARNINGS="ignore")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK_OF_THE_GROUP, init, str(rank)],
+            env=env,
+            cwd=ROOT,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [proc.communicate(timeout=120) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], outputs
+    assert [out.split() for out, _ in outputs] == [["process_rank", "0"], ["process_rank", "1"]]
+    assert [err.splitlines() for _, err in outputs] == [["said by rank 0"], []]
