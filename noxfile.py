@@ -304,7 +304,7 @@ for _name, _other in OTHER_TORCH.items():
     def _other_torch_session(session: nox.Session, _name: str = _name, _other: OtherTorch = _other) -> None:
         # torch first, and pinned (with the session's pins) in every install: nothing may resolve another torch.
         pins = [f"torch=={_other.torch}", *_other.pins]
-        runtime = ["wrapt>=1.14,!=2.2.0,<3", "packaging>=20"]
+        runtime = nox.project.load_toml(ROOT / "pyproject.toml")["project"]["dependencies"]
         session.install(COMPILE, *pins, *runtime, "-r", str(ROOT / ".ci" / "requirements-test.txt"))
         session.install(COMPILE, *pins, "--no-deps", "-e", str(ROOT))
         check = "import sys, torch; print('torch', torch.__version__, 'python', sys.version.split()[0]); "

@@ -125,7 +125,7 @@ def _patch(name: str) -> None:
             )
         _, log_problem = config.log_setting()
         if log_problem is not None:
-            failures.warn_once(f"fsdp-shim: {log_problem}; the confirmation lines stay on", key=log_problem)
+            failures.warn_once(f"fsdp-shim: {log_problem}", key=log_problem)
         before = [wrappers.status(name, fix).patched for fix in FIXES]
         proofs = fixes.PROOFS
         after = [

@@ -15,8 +15,6 @@ from _fsdp_shim import NAMESPACES, OFF_VALUES, ON_VALUES, SHIM_VARIABLE, STRICT_
 RANK_CHECK_TIMEOUT_VARIABLE = "FSDP_SHIM_RANK_CHECK_TIMEOUT"
 DISABLED_FIXES_VARIABLE = "FSDP_SHIM_DISABLED_FIXES"
 LOG_VARIABLE = "FSDP_SHIM_LOG"
-LOG_SETTINGS = ("on", "off", "debug")
-"""What ``FSDP_SHIM_LOG`` can say: the confirmation lines (the default), none of them, or every record."""
 TRAINER_NAMESPACES = tuple(name for name, kind in NAMESPACES.items() if kind == "trainer")
 LIGHTNING_PACKAGES = tuple(dict.fromkeys(name.partition(".")[0] for name in NAMESPACES))
 """The top-level packages that hold the namespaces, in the order of the table."""
@@ -162,5 +160,6 @@ def log_setting(environ: Mapping[str, str] = os.environ) -> tuple[str, str | Non
     state = switch_state(raw)
     if state == "invalid":
         valid = f"{valid_switch_values()}, debug"
-        return "on", f"{LOG_VARIABLE}={raw!r} is not a valid value (valid, case-insensitive: {valid})"
+        problem = f"{LOG_VARIABLE}={raw!r} is not a valid value (valid, case-insensitive: {valid})"
+        return "on", f"{problem}; the confirmation lines stay on"
     return ("off" if state == "off" else "on"), None

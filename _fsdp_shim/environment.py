@@ -89,7 +89,7 @@ def _check_toggles(report: Report) -> None:
         report["problems"].append(f"{problem}; the rank check waits as long as the process group's timeout")
     _, problem = log_setting()
     if problem is not None:
-        report["problems"].append(f"{problem}; the confirmation lines stay on")
+        report["problems"].append(problem)
 
 
 def _check_environment_file(report: Report) -> None:

@@ -357,10 +357,10 @@ class _Pins:
 
 
 _pins = _Pins()
-_checking: ContextVar[bool] = ContextVar("fsdp_shim_checking_recompute", default=False)
-"""True while ``prove_recompute`` runs: its recomputes are the shim's own, not the job's."""
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_pins.reset)
+_checking: ContextVar[bool] = ContextVar("fsdp_shim_checking_recompute", default=False)
+"""True while ``prove_recompute`` runs: its recomputes are the shim's own, not the job's."""
 
 
 def in_forward_dtype(function: Callable[..., Any]) -> Callable[..., Any]:

@@ -88,6 +88,17 @@ def recompute_acted(dtype: str) -> str:
     return f"; recompute acted (a checkpointed block recomputed in {dtype}, its forward's dtype, not float32)"
 
 
+def first_fix_acted(layout: Layout, api: str, dtype: str) -> str:
+    """How the confirmation line ends: the cast's, before the first forward, where the release lacks it (with
+    the recompute in effect), else the recompute's, in the first checkpointed backward."""
+    version = layout.version(api)
+    if not CAST.affects(version):
+        return recompute_acted(dtype)
+    namespace = NAMESPACES[layout.package][api == "fabric"]
+    cast = f"; cast acted ({namespace} {version}: the model cast to {dtype} before FSDP wraps it)"
+    return f"{cast}; recompute in effect for activation-checkpointed blocks"
+
+
 def trainer_layout(layouts: dict[str, Layout]) -> Layout:
     """The layout the session's Lightning is checked on: the unified package where it is installed."""
     if not layouts:
@@ -133,16 +144,9 @@ def test_fsdp_with_checkpointing_equals_fsdp_without(
     results, output = run_with_output(tmp_path, api, cases, **options)
     assert_like_the_run_without_checkpointing(results, cases)
     assert len({by_case["ones:none"]["params"] for by_case in results.values()}) == devices  # each rank its shard
-    # One line for the job, from rank zero, naming the first fix that acted: the cast where the release lacks
-    # it (before the first forward), else the recompute (in the first checkpointed backward).
-    dtype = DTYPES[precision].removeprefix("torch.")
+    # One line for the job, from rank zero, naming the first fix that acted.
     (line,) = confirmations(output)
-    if CAST.affects(layout.version(api)):
-        namespace = NAMESPACES[layout.package][api == "fabric"]
-        cast = f"; cast acted ({namespace} {layout.version(api)}: the model cast to {dtype} before FSDP wraps it)"
-        assert line.endswith(f"{cast}; recompute in effect for activation-checkpointed blocks"), line
-    else:
-        assert line.endswith(recompute_acted(dtype)), line
+    assert line.endswith(first_fix_acted(layout, api, DTYPES[precision].removeprefix("torch."))), line
 
 
 @pytest.mark.per_release
@@ -253,17 +257,11 @@ def test_a_recompute_runs_in_its_forwards_dtype_and_nothing_else_changes(
         off["probe:none"]["params"],
     )
     # The job's output says what acted: in 16-true the first fix to change anything; in 32-true nothing does.
-    lines = confirmations(output)
     if precision == "32-true":
-        assert lines == [], output[-3000:]
-    elif CAST.affects(layout.trainer_version):
-        namespace = NAMESPACES[layout.package][0]
-        cast = f"; cast acted ({namespace} {layout.trainer_version}: the model cast to float16 before FSDP wraps it)"
-        assert lines == [lines[0]] and lines[0].endswith(
-            f"{cast}; recompute in effect for activation-checkpointed blocks"
-        )
+        assert confirmations(output) == [], output[-3000:]
     else:
-        assert lines == [lines[0]] and lines[0].endswith(recompute_acted("float16")), output[-3000:]
+        (line,) = confirmations(output)
+        assert line.endswith(first_fix_acted(layout, "trainer", "float16")), line
 
 
 @pytest.mark.per_release
