@@ -336,7 +336,8 @@ def compat_table(session: nox.Session) -> None:
 
 
 def docs_tools(session: nox.Session, python: str) -> None:
-    """The docs extra of pyproject.toml in this environment, and Debian's chromium and chromium-driver."""
+    """The docs toolchain of .ci/requirements-docs.txt (a lock: every package exact) in this environment,
+    and Debian's chromium and chromium-driver."""
     import shutil
     from importlib import metadata
 
@@ -344,14 +345,17 @@ def docs_tools(session: nox.Session, python: str) -> None:
 
     def satisfied(spec: str) -> bool:
         requirement = Requirement(spec)
+        if requirement.marker is not None and not requirement.marker.evaluate():
+            return True
         try:
             return requirement.specifier.contains(metadata.version(requirement.name), prereleases=True)
         except metadata.PackageNotFoundError:
             return False
 
-    wanted = nox.project.load_toml(ROOT / "pyproject.toml")["project"]["optional-dependencies"]["docs"]
-    if missing := [spec for spec in wanted if not satisfied(spec)]:
-        session.run(python, "-m", "pip", "install", "-q", *missing, external=True)
+    lock = ROOT / ".ci" / "requirements-docs.txt"
+    specs = [line for line in lock.read_text().splitlines() if line and not line.lstrip().startswith("#")]
+    if not all(satisfied(spec) for spec in specs):
+        session.run(python, "-m", "pip", "install", "-q", "-r", str(lock), external=True)
     if not (shutil.which("chromium") and shutil.which("chromedriver")):
         if os.geteuid() != 0 or not shutil.which("apt-get"):
             session.error(
@@ -371,8 +375,9 @@ def docs(session: nox.Session) -> None:
     served and opened from disk (file://).
 
     scripts/check_docs_in_browser.py first proves it can fail (``--self-test``: a copy of the docs with an
-    over-wide table and code block, broken links, a console error and a request to another host must
-    fail, served and from disk, and from disk so must a copy built without Material's offline plugin),
+    over-wide table and code block, text cut off or spilling out of its cell, broken links, a console error
+    and a request to another host must fail, served and from disk, and from disk so must a copy built
+    without Material's offline plugin),
     then checks the real site and writes a screenshot of every page to build/docs-screenshots.
     """
     python = sys.executable

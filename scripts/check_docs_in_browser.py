@@ -7,8 +7,11 @@ Usage (the nox session ``docs`` runs both, after ``mkdocs build --strict``)::
 
 A page fails when, at that window width:
 
-* a table or a code block is wider than the page's content column (it scrolls or sticks out), or a
-  table's column is so narrow that a name in code is broken mid-word;
+* a table or a code block is wider than the page's content column (it scrolls or sticks out);
+* text is cut off or spills over: past the edge of a box that clips it, past its table cell (over the
+  next cell), or past the content column. Measured on the text's own line boxes: where a browser breaks
+  a line (it may break `bf16-true` after its hyphen with one font and not with another) is not checked,
+  only whether every line shown lies where it can be read;
 * a code block has a line longer than 100 columns (``--max-columns``), also in ``--markdown`` files
   (the README, which is not part of the site);
 * the browser console has an error (a script error, a resource that failed to load);
@@ -106,13 +109,49 @@ for (const [kind, outer, inner] of blocks) {
   if (kind === 'code block') entry.columns = Math.max(...outer.innerText.split('\n').map((l) => l.length));
   overflows.push(entry);
 }
-// Readable, not only fitting: a table column so narrow that the theme breaks a name in code mid-word
-// (`FSDPPrecision.conv` / `ert_module`) is as bad as a scrollbar.
-const broken = [];
-for (const code of column.querySelectorAll('table code')) {
-  const text = code.innerText.trim();
-  if (!/\s/.test(text) && code.getClientRects().length > 1) {
-    broken.push({text, heading: heading(code.closest('table'))});
+// Cut off or spilling over, measured on the text itself (each text node's line boxes), so where a browser
+// breaks a line (after the hyphen of `bf16-true`, with one font and not another) does not matter, only
+// whether every line it shows can be read: text past the edge of a box that clips it (overflow hidden or
+// clip), text past its table cell's edge (written over the next cell), text past the column's edges. Text
+// inside a box that scrolls is the check above's (a table or code block that scrolls is too wide).
+const spills = [];
+const reported = new Set();
+const range = document.createRange();
+const walker = document.createTreeWalker(column, NodeFilter.SHOW_TEXT);
+const outside = (r, box) => r.right > box.right + 1 || r.left < box.left - 1 || r.bottom > box.bottom + 1 ||
+  r.top < box.top - 1;
+const paddingBox = (el) => {
+  const r = el.getBoundingClientRect(), s = getComputedStyle(el);
+  return {left: r.left + parseFloat(s.borderLeftWidth), top: r.top + parseFloat(s.borderTopWidth),
+          right: r.left + parseFloat(s.borderLeftWidth) + el.clientWidth,
+          bottom: r.top + parseFloat(s.borderTopWidth) + el.clientHeight};
+};
+const spill = (kind, box, text) => {
+  if (reported.has(box)) return;
+  reported.add(box);
+  const where = box.closest('table, pre') || box;
+  spills.push({kind, text: text.replace(/\s+/g, ' ').trim().slice(0, 50), heading: heading(where)});
+};
+for (let text = walker.nextNode(); text; text = walker.nextNode()) {
+  if (!text.data.trim()) continue;
+  range.selectNodeContents(text);
+  const rects = [...range.getClientRects()].filter((r) => r.width > 0 && r.height > 0);
+  if (!rects.length) continue;
+  let scrolls = false;
+  for (let el = text.parentElement; el && el !== column; el = el.parentElement) {
+    const s = getComputedStyle(el);
+    const overflow = [s.overflowX, s.overflowY];
+    if (overflow.some((o) => o === 'auto' || o === 'scroll')) { scrolls = true; break; }
+    if (overflow.some((o) => o === 'hidden' || o === 'clip') && rects.some((r) => outside(r, paddingBox(el)))) {
+      spill('cut off by its box', el, text.data);
+    }
+    if (/^T[DH]$/.test(el.tagName) && rects.some((r) => outside(r, el.getBoundingClientRect()))) {
+      spill('spills out of its table cell', el, text.data);
+    }
+  }
+  const edges = {left: colLeft, right: colRight, top: -Infinity, bottom: Infinity};
+  if (!scrolls && rects.some((r) => outside(r, edges))) {
+    spill('reaches past the content column', text.parentElement, text.data);
   }
 }
 const longest = [...column.querySelectorAll('pre')].map((el) => ({
@@ -136,7 +175,7 @@ for (const [selector, attr] of [['a[href]', 'href'], ['link[href]', 'href'], ['s
 return {
   url: location.href, title: document.title, innerWidth: window.innerWidth,
   column: {selector: column.className || column.tagName, width: Math.round(colRight - colLeft)},
-  height: document.documentElement.scrollHeight, overflows, broken, longest, refs, linkedCode, titles,
+  height: document.documentElement.scrollHeight, overflows, spills, longest, refs, linkedCode, titles,
   ids: [...document.querySelectorAll('[id], a[name]')].map((el) => el.id || el.getAttribute('name')),
 };
 """
@@ -334,9 +373,9 @@ def check_page(
             f"{item['kind']}{where} is wider than the content column ({item['needed']} px needed, "
             f"{item['available']} px there{extra}): '{item['label']}'",
         )
-    for item in measured["broken"]:
+    for item in measured["spills"]:
         where = f" under '{item['heading']}'" if item["heading"] else ""
-        report.fail(page, f"table{where} breaks `{item['text']}` across lines: its column is too narrow")
+        report.fail(page, f"text{where} {item['kind']}, unreadable: '{item['text']}'")
     for block in measured["longest"]:
         if block["columns"] > max_columns:
             where = f" under '{block['heading']}'" if block["heading"] else ""
@@ -580,8 +619,13 @@ DEFECTS = """
 {long_line}
 ```
 
-<table><tr><td style="width: 5em"><code style="word-break: break-all">FSDPPrecision.convert_module</code></td>
-<td>a column squeezed so narrow that the name in code breaks mid-word</td></tr></table>
+<p style="width: 12em; overflow: hidden; white-space: nowrap">Self-test cut off: a line longer than its box</p>
+
+<table class="self-test" style="table-layout: fixed; width: 18em"><tr>
+<td style="width: 6em"><code style="white-space: nowrap">FSDPPrecision.convert_module</code></td>
+<td>the next cell, which that name runs into</td></tr></table>
+
+<p><span style="white-space: nowrap">Self-test past the column: {long_line}</span></p>
 
 [a page that does not exist](no-such-page.md), [an anchor that does not exist](activation.md#no-such-anchor)
 
@@ -602,7 +646,9 @@ EXPECTED: dict[str, str | tuple[str, ...]] = {
     "over-wide table": "table under 'Self-test defects' is wider than the content column",
     "over-wide code block": "code block under 'Self-test defects' is wider than the content column",
     "code line over 100 columns": "-column line (at most 100)",
-    "name in code broken across lines": "breaks `FSDPPrecision.convert_module` across lines",
+    "text cut off by its box": "cut off by its box, unreadable: 'Self-test cut off",
+    "text spilling out of its table cell": "spills out of its table cell, unreadable: 'FSDPPrecision.convert_module'",
+    "text past the content column": "reaches past the content column, unreadable: 'Self-test past the column",
     "broken link": "no-such-page.md (HTTP 404)",
     "broken anchor": "no id 'no-such-anchor'",
     "broken asset": "no-such-image.png answered HTTP 404",
@@ -749,7 +795,8 @@ def main(argv: list[str] | None = None) -> int:
     if report.failures:
         print(f"check_docs_in_browser: {len(report.failures)} problem(s) on {pages}")
         return 1
-    print(f"check_docs_in_browser: {pages}, every table and code block fits, no console errors or broken links")
+    fits = "every table, code block and line of text fits"
+    print(f"check_docs_in_browser: {pages}: {fits}; no console errors or broken links")
     return 0
 
 

@@ -394,6 +394,27 @@ def test_every_release_of_the_default_session_runs_its_per_release_tests_in_anot
     assert releases(nox_module.MATRIX[default]) <= set().union(*map(releases, others))
 
 
+def test_the_docs_extra_names_the_versions_that_the_docs_lock_pins() -> None:
+    """pyproject.toml's docs extra (what a reader installs to build the docs) pins each tool exactly, at
+    the version of .ci/requirements-docs.txt (the lock CI installs): a version changed in one of them
+    only would build and measure another site than CI does."""
+    tomllib = pytest.importorskip("tomllib")
+    from packaging.requirements import Requirement
+
+    extra = [
+        Requirement(spec)
+        for spec in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["docs"]
+    ]
+    lock = [
+        Requirement(line)
+        for line in (ROOT / ".ci" / "requirements-docs.txt").read_text().splitlines()
+        if line[:1].isalnum()
+    ]
+    locked = {requirement.name: str(requirement.specifier) for requirement in lock}
+    assert all(str(tool.specifier).startswith("==") for tool in extra), extra
+    assert {tool.name: str(tool.specifier) for tool in extra} == {tool.name: locked.get(tool.name) for tool in extra}
+
+
 FAKE_PYENV = """#!/bin/sh
 case "$1" in
   versions) printf '3.11.7\\n3.99.2\\n3.99.10\\n3.99.3rc1\\n3.990.1\\n' ;;
