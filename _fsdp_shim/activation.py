@@ -137,7 +137,7 @@ def _patch(name: str) -> None:
         version = getattr(sys.modules.get(name), "__version__", "")
         if new:
             patched = "; ".join(f"{status.fix} ({', '.join(status.targets)})" for status in new)
-            failures.info_on_rank_zero("fsdp-shim: patched %s %s: %s", name, version, patched)
+            failures.debug_on_rank_zero("fsdp-shim: patched %s %s: %s", name, version, patched)
             if name in _imported_before_activation and any(status.fix == "cast" for status in new):
                 _warn_about_models_already_wrapped(name)
         for status in after:

@@ -144,9 +144,11 @@ def process_rank() -> int:
     return 0
 
 
-def info_on_rank_zero(message: str, *args: object) -> None:
+def debug_on_rank_zero(message: str, *args: object) -> None:
+    """A DEBUG record on rank zero only. DEBUG, not INFO: a logging setup at INFO (Ray Train's workers,
+    ``logging.basicConfig(level=logging.INFO)``) would otherwise show these next to the one confirmation line."""
     if process_rank() == 0:
-        _emit(INFO, log_setting()[0] == "debug", message, *args)
+        _emit(DEBUG, log_setting()[0] == "debug", message, *args)
 
 
 def announce(message: str, *args: object) -> None:

@@ -62,12 +62,14 @@ def run_with_output(
     package: str = "lightning",
     env: dict[str, str] | None = None,
     direct_backward: bool = False,
+    logging_setup: str = "none",
 ) -> tuple[dict[int, dict[str, Any]], str]:
     """``run``, and what every rank printed (the ranks Lightning launches share its stderr)."""
     out = tmp_path / f"{api}-{strategy}-{devices}-{precision}-{shim}-{len(list(tmp_path.iterdir()))}"
     arguments = ["--api", api, "--strategy", strategy, "--devices", str(devices), "--precision", precision]
     arguments += ["--shim", shim, "--package", package, "--cases", ",".join(cases), "--out", str(out)]
     arguments += ["--direct-backward"] if direct_backward else []
+    arguments += ["--logging", logging_setup]
 
     def attempt(retry: bool) -> tuple[list[str], dict[str, str]]:  # every attempt draws its port anew
         return [sys.executable, str(SCRIPT), *arguments], clean_env(
@@ -366,6 +368,41 @@ def test_fsdp_shim_log_switches_the_confirmation_off_or_shows_every_record(
         assert "'verbose' is not a valid value" in warned[0] and "the confirmation lines stay on" in warned[0]
 
 
+def lines_of_the_shim(output: str) -> list[str]:
+    """Every line of a run's output that comes from the shim: its lines (``fsdp-shim...``), its logger's records
+    in ``logging.basicConfig``'s format (``INFO:fsdp_shim:...``) and its warnings."""
+    return [
+        line
+        for line in output.splitlines()
+        if line.startswith("fsdp-shim") or ":fsdp_shim:" in line or "FSDPShimWarning" in line
+    ]
+
+
+@pytest.mark.parametrize("logging_setup", ["none", "info"])
+def test_one_line_of_the_shim_with_logging_unconfigured_or_at_info(
+    logging_setup: str, layouts: dict[str, Layout], tmp_path: Path
+) -> None:
+    """A one-device ``bf16-true`` run with activation checkpointing shows one line of the shim, its
+    confirmation, whether nobody configured logging or ``logging.basicConfig(level=logging.INFO)`` did (Ray
+    Train's workers, many scripts): what each namespace's fixes wrapped is DEBUG, hidden there. At INFO
+    the line is a record of the ``fsdp_shim`` logger, in the user's format."""
+    layout = trainer_layout(layouts)
+    cases = ["ones:none", "ones:nonreentrant"]
+    results, output = run_with_output(
+        tmp_path,
+        "trainer",
+        cases,
+        strategy="single",
+        package=layout.package,
+        env={"PYTHONWARNINGS": "default"},
+        logging_setup=logging_setup,
+    )
+    assert_like_the_run_without_checkpointing(results, cases)
+    lines = lines_of_the_shim(output)
+    assert len(lines) == 1, output[-3000:]
+    assert lines[0].startswith("INFO:fsdp_shim:fsdp-shim" if logging_setup == "info" else "fsdp-shim"), lines
+
+
 def test_the_log_lines_go_through_the_users_logging_configuration_and_change_none_of_it(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -387,7 +424,7 @@ def test_the_log_lines_go_through_the_users_logging_configuration_and_change_non
         for setting, expected in [("1", ["confirmed 0"]), ("debug", ["confirmed 0", "patched x", "reason y"])]:
             monkeypatch.setenv("FSDP_SHIM_LOG", setting)
             failures.announce("confirmed %d", 0)
-            failures.info_on_rank_zero("patched %s", "x")
+            failures.debug_on_rank_zero("patched %s", "x")
             failures.debug("reason %s", "y")
             assert capsys.readouterr().err.splitlines() == expected, setting
             assert (logger.handlers, logger.level) == ([], logging.WARNING)
@@ -398,6 +435,10 @@ def test_the_log_lines_go_through_the_users_logging_configuration_and_change_non
         failures.debug("reason %s", "z")  # below the level the user chose: on stderr, with debug
         assert (records, capsys.readouterr().err.splitlines()) == (["confirmed 1"], ["reason z"])
         assert (logger.handlers, logger.level) == ([handler], logging.INFO)
+        monkeypatch.delenv("FSDP_SHIM_LOG")  # a setup at INFO, by default: the confirmation only
+        failures.announce("confirmed %d", 2)
+        failures.debug_on_rank_zero("patched %s", "w")
+        assert (records, capsys.readouterr().err) == (["confirmed 1", "confirmed 2"], "")
     finally:
         logger.setLevel(level)
 

@@ -492,7 +492,7 @@ def armed_at_startup(patched_at_import: str, imported_while_off: str) -> dict[st
 
 # ----------------------------------------------------------------------------- logging
 def logs(namespace: str) -> None:
-    """The INFO and DEBUG records at import (logging configured, to stdout); then, with logging
+    """The records at import (logging configured at DEBUG, to stdout); then, with logging
     unconfigured again (as in most scripts), conversions to bf16-true and 32-true, a marker on stderr,
     and conversions to 16-true: the float16 notice must reach stderr by itself, once."""
     logging.basicConfig(level=logging.DEBUG, stream=sys.stdout, format="%(name)s %(levelname)s %(message)s")

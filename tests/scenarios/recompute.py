@@ -283,12 +283,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--precision", default="bf16-true")
     parser.add_argument("--cases", required=True, help="comma-separated BLOCK:MODE")
     parser.add_argument("--direct-backward", action="store_true", help="Fabric: loss.backward()")
+    parser.add_argument("--logging", choices=("none", "info"), default="none", help="info: logging.basicConfig at INFO")
     parser.add_argument("--out", required=True)
     return parser.parse_args(argv)
 
 
 def main(argv: list[str]) -> None:
     args = parse_args(argv)
+    if args.logging == "info":  # as Ray Train's workers and many scripts do, before anything logs
+        import logging
+
+        logging.basicConfig(level=logging.INFO)
     if args.shim == "on":
         import fsdp_shim  # noqa: F401
     trainer_ns, fabric_ns = (
