@@ -13,6 +13,7 @@ from typing import Any
 from _fsdp_shim import startup_files
 from _fsdp_shim._version import __version__
 from _fsdp_shim.verify.records import PROBE_TIMEOUT, Options  # standard library only: install runs in bare envs
+from _fsdp_shim.verify.selection import CHOICES as PACKAGE_CHOICES  # standard library only
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
@@ -51,8 +52,8 @@ DESCRIPTIONS = {
     ),
     "verify": (
         "Train a model for a few steps with FSDP, with the shim off and on, in fresh processes, and compare\n"
-        "dtypes and exact byte counts: a verdict per installed Lightning and fix (fixed, not needed, FAILED);\n"
-        "with --activation-checkpointing also each run with and without checkpointing, bit for bit.\n"
+        "dtypes and exact byte counts: a verdict per Lightning package (--package) and fix (fixed, not needed,\n"
+        "FAILED); with --activation-checkpointing also each run with and without checkpointing, bit for bit.\n"
         "Exit codes: 0 fixed or not needed; 1 FAILED, your model raised, or a step ran past --timeout;\n"
         "2 verify could not run; 130 interrupted.",
         "fsdp-shim verify --model my_project.model:MyModel --devices 2",
@@ -138,6 +139,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="how long one probe (reading Lightning, or one training run) may take before verify stops it and "
         "every process it started, and exits 1",
+    )
+    add(
+        "--package",
+        choices=PACKAGE_CHOICES,
+        help="the Lightning package(s) the seed model trains with (default: every one installed, but not "
+        "pytorch_lightning next to lightning, which pip brings it along with)",
     )
     add("--json", action="store_true", dest="as_json", help="machine-readable output, every figure per rank")
     return parser
@@ -280,6 +287,8 @@ def _verify(args: argparse.Namespace) -> int:
         return _error("fsdp-shim verify: --init-args and --datamodule need --model", 2)
     if args.model is None and not args.activation_checkpointing and args.model_path is not None:
         return _error("fsdp-shim verify: --model-path needs --model or --activation-checkpointing", 2)
+    if args.model is not None and args.package is not None:
+        return _error("fsdp-shim verify: --package is for the seed model; with --model, your model's imports decide", 2)
     options = {name: value for name, value in vars(args).items() if name != "command"}  # named as in Options
     if args.model_path is not None:
         options["model_path"] = str(args.model_path.resolve())

@@ -40,6 +40,7 @@ from _fsdp_shim.config import CAST, FIXES, RECOMPUTE, base_release
 from _fsdp_shim.verify import seed
 from _fsdp_shim.verify.output import render
 from _fsdp_shim.verify.records import Options, RankResult
+from _fsdp_shim.verify.selection import select
 from _fsdp_shim.verify.verdict import Section, fix_entries, judge_recompute
 
 MODELS = ROOT / "tests" / "verify_models"
@@ -165,16 +166,18 @@ def as_section(data: dict[str, Any]) -> Section:
 def test_every_installed_trainer_namespace_gets_its_own_verdict_naming_each_fix(
     layouts: dict[str, Layout], planted: Path
 ) -> None:
-    """One verdict per installed Trainer namespace, with its own release's figures; each section names
-    every fix, whether its release lacks it and whether the shim applied it, as ``_fsdp_shim.config``
-    says for that release. Run from a folder holding a ``yaml.py`` and a ``packaging.py``: verify's
-    probes run none of it (they run by path, and only ``--model`` gets the current folder)."""
+    """With ``--package all``, one verdict per installed Trainer namespace, with its own release's figures;
+    each section names every fix, whether its release lacks it and whether the shim applied it, as
+    ``_fsdp_shim.config`` says for that release. Run from a folder holding a ``yaml.py`` and a
+    ``packaging.py``: verify's probes run none of it (they run by path, and only ``--model`` gets the
+    current folder)."""
     versions = trainer_versions(layouts)
     if not versions:
         pytest.skip("no Lightning installed")
-    proc = verify("--json", cwd=planted)
+    proc = verify("--package", "all", "--json", cwd=planted)
     assert proc.returncode == 0, proc.stderr
     assert {p.name for p in planted.glob("RAN-*")} == set()
+    assert (document(proc)["package"], document(proc)["skipped"]) == ("all", [])
     found = sections(proc)
     assert sorted(found) == sorted(versions)
     for namespace, version in versions.items():
@@ -207,8 +210,11 @@ def test_every_installed_trainer_namespace_gets_its_own_verdict_naming_each_fix(
 def test_the_table_two_processes_the_fixes_and_the_phases(layouts: dict[str, Layout]) -> None:
     """The text report with 2 processes: the table's rows, the fixes each release lacks and what the
     shim did, one line per fix's verdict (the recompute's measured with the seed's causal block), the
-    phases on stderr, 100 columns, each term once."""
-    versions = trainer_versions(layouts)
+    phases on stderr, 100 columns, each term once. By default the standalone pytorch_lightning next to
+    lightning (which pip brings along) is not trained: said after the sections, with how to check it."""
+    installed = trainer_versions(layouts)
+    both = len(installed) == 2
+    versions = {ns: v for ns, v in installed.items() if not (both and ns == TRAINER["standalone"])}
     affected = [ns for ns, v in versions.items() if CAST.affects(v)]
     if not affected:
         pytest.skip("the table's 'fixed' rows need an affected release")
@@ -241,7 +247,7 @@ def test_the_table_two_processes_the_fixes_and_the_phases(layouts: dict[str, Lay
     assert any(line.startswith("  cast: fixed: sharded parameters, gradients and optimizer state") for line in lines)
     recompute = [line for line in lines if line.startswith("  recompute: fixed: with the shim, checkpointing Causal")]
     assert len(recompute) == sum(RECOMPUTE.affects(v) for v in versions.values())
-    assert "not checked" not in proc.stdout
+    assert not [line for line in lines if line.startswith(tuple(f"  {fix.name}: not checked" for fix in FIXES))]
     # The counter counts the runs once (the gate, before their number is known, is not
     # numbered), everything fits 100 columns, and each term is explained once.
     phases = [line for line in proc.stderr.splitlines() if line.startswith("fsdp-shim verify: ")]
@@ -257,6 +263,12 @@ def test_the_table_two_processes_the_fixes_and_the_phases(layouts: dict[str, Lay
     # A release that has the cast is trained for the recompute only: 3 runs (the checkpointed one raised).
     assert total == 4 * len(affected) + 3 * sum(RECOMPUTE.affects(v) and not CAST.affects(v) for v in versions.values())
     assert max(len(line) for line in lines) <= 100, proc.stdout
+    if both:  # the standalone: no section, no run; one note, after the sections, saying how to check it
+        note = lines.index(f"{TRAINER['standalone']} {installed[TRAINER['standalone']]}")
+        assert note > max(lines.index(f"{ns} {v}") for ns, v in versions.items())
+        assert lines[note + 1].startswith("  not checked: installed next to lightning (pip brings it along")
+        assert "--package pytorch_lightning (--package all checks both)" in " ".join(" ".join(lines[note:]).split())
+        assert f"{TRAINER['standalone']} {installed[TRAINER['standalone']]}:" not in proc.stdout  # in no verdict
     for term in ("GPU guards lifted:", "flat parameter:", "seed model:"):
         assert sum(line.startswith(f"  {term}") for line in lines) == 1, term
 
@@ -265,18 +277,24 @@ def test_a_broken_lightning_next_to_a_working_one_is_failed_not_not_needed(
     layouts: dict[str, Layout], tmp_path: Path
 ) -> None:
     """`lightning` 2.1–2.3 without pkg_resources (setuptools >= 81) next to the standalone
-    2.6.x. Here a stand-in `lightning` fails the same way; the real one is checked on 2.1–2.3 below."""
-    layout_or_skip(layouts, "standalone")
+    2.6.x. Here a stand-in `lightning` fails the same way; the real one is checked on 2.1–2.3 below.
+    The standalone, which pip brought along, is not checked: by default, and with ``--package lightning``,
+    each time saying why and how to check it (with ``--package pytorch_lightning`` verify trains it)."""
+    standalone = layout_or_skip(layouts, "standalone")
     env = with_missing_pkg_resources(tmp_path, "lightning")
-    proc = verify("--json", env=env)
-    assert proc.returncode == 1
-    found = sections(proc)
-    assert found["lightning.pytorch"]["verdict"] == "FAILED"
-    reason = found["lightning.pytorch"]["reason"]
-    assert "lightning.pytorch" in reason and "fails to import" in reason and "No module named 'pkg_resources'" in reason
-    assert "Lightning 2.1-2.3 needs setuptools<81" in reason
-    assert found["pytorch_lightning"]["verdict"] == "not needed"
-    assert document(proc)["verdict"] == "FAILED"
+    for package, why in [(None, "installed next to lightning"), ("lightning", "(--package lightning;")]:
+        proc = verify(*(["--package", package] if package else []), "--json", env=env)
+        assert proc.returncode == 1
+        found = sections(proc)
+        assert list(found) == ["lightning.pytorch"] and found["lightning.pytorch"]["verdict"] == "FAILED"
+        reason = found["lightning.pytorch"]["reason"]
+        assert "lightning.pytorch" in reason and "fails to import" in reason
+        assert "No module named 'pkg_resources'" in reason and "Lightning 2.1-2.3 needs setuptools<81" in reason
+        (skipped,) = document(proc)["skipped"]
+        assert (skipped["namespace"], skipped["version"]) == ("pytorch_lightning", standalone.trainer_version)
+        assert skipped["reason"].startswith("not checked") and why in skipped["reason"]
+        assert document(proc)["verdict"] == "FAILED"
+        assert "training with the shim" not in proc.stderr  # nothing was trained
     status = subprocess.run(
         [sys.executable, "-m", "fsdp_shim", "status", "--python-check"],
         capture_output=True,
@@ -731,6 +749,8 @@ def test_a_model_that_casts_itself_is_told_the_shim_changes_nothing(layouts: dic
         (["--activation-checkpointing", "torch.nn:TransformerEncoderLayer,no_colon"], "'no_colon' is not MODULE:CLASS"),
         (["--datamodule", "m:D"], "--init-args and --datamodule need --model"),
         (["--model-path", "."], "--model-path needs --model or --activation-checkpointing"),
+        (["--model", "m:M", "--package", "lightning"], "--package is for the seed model; with --model"),
+        (["--package", "lightning_fabric"], "argument --package: invalid choice: 'lightning_fabric'"),
     ],
 )
 def test_bad_numbers_and_options_are_usage_errors_before_anything_starts(args: list[str], message: str) -> None:
@@ -738,6 +758,25 @@ def test_bad_numbers_and_options_are_usage_errors_before_anything_starts(args: l
     assert proc.returncode == 2
     assert message in proc.stderr
     assert "reading the installed Lightning" not in proc.stderr  # no child process was started
+
+
+def test_which_namespaces_the_seed_model_trains() -> None:
+    """Every installed one, but not the standalone next to lightning (pip brings it along); ``--package`` names
+    one, or all; naming one that is not installed is refused. Each one left out says why and how to check it."""
+    both = {"lightning.pytorch": "2.3.3", "pytorch_lightning": "2.6.6"}
+    chosen, skipped = select(None, both)
+    assert chosen == ["lightning.pytorch"] and [(s.namespace, s.version) for s in skipped] == [
+        ("pytorch_lightning", "2.6.6")
+    ]
+    assert "--package pytorch_lightning" in skipped[0].reason
+    assert select("all", both) == (list(both), [])
+    chosen, skipped = select("pytorch_lightning", both)
+    assert chosen == ["pytorch_lightning"] and [s.namespace for s in skipped] == ["lightning.pytorch"]
+    assert "(--package pytorch_lightning; --package all checks every one)" in skipped[0].reason
+    for alone in ({"lightning.pytorch": "2.4.0"}, {"pytorch_lightning": "2.4.0"}):
+        assert select(None, alone) == (list(alone), [])
+    with pytest.raises(ValueError, match="--package lightning: lightning is not installed in this interpreter"):
+        select("lightning", {"pytorch_lightning": "2.4.0"})
 
 
 def test_without_torch_it_says_so(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from typing import Any
 
 from _fsdp_shim.config import CAST, FIXES, RECOMPUTE, TRAINER_NAMESPACES, base_release
 from _fsdp_shim.distributions import describe_import_failure, installed_packages
-from _fsdp_shim.verify import seed
+from _fsdp_shim.verify import seed, selection
 from _fsdp_shim.verify.output import Progress, render
 from _fsdp_shim.verify.records import Options, ProbeRequest, RankResult
 from _fsdp_shim.verify.verdict import (
@@ -65,7 +65,7 @@ def main(options: Options) -> int:
         print(f"fsdp-shim verify: {problem}", file=sys.stderr)
         return 2
     try:
-        sections = verify(options, Path(tmp))
+        sections, skipped = verify(options, Path(tmp))
     except Stop as stop:
         print(stop.message, file=sys.stderr)
         return stop.code
@@ -74,9 +74,10 @@ def main(options: Options) -> int:
     (verdict, reason), seconds = overall(sections), time.monotonic() - start
     if options.as_json:
         document = {"verdict": verdict, "reason": reason, **asdict(options), "seconds": round(seconds, 1)}
+        document["skipped"] = [asdict(skip) for skip in skipped]
         print(json.dumps({**document, "sections": [asdict(section) for section in sections]}, indent=2))
     else:
-        print(f"{render(sections, options)}\n(took {seconds:.0f} s)")
+        print(f"{render(sections, options, skipped)}\n(took {seconds:.0f} s)")
     return 1 if verdict == "FAILED" else 0
 
 
@@ -231,18 +232,28 @@ def _classes(options: Options) -> str:
     return ", ".join(spec.rpartition(":")[2] for spec in options.activation_checkpointing) or seed.CHECKPOINTED
 
 
-def verify(options: Options, workdir: Path) -> list[Section]:
-    """Every section, in the order of ``TRAINER_NAMESPACES`` (the user's model last); probes write in ``workdir``."""
+def verify(options: Options, workdir: Path) -> tuple[list[Section], list[selection.Skipped]]:
+    """Every section, in the order of ``TRAINER_NAMESPACES`` (the user's model last), and the installed namespaces
+    the seed model was not trained with (``selection``); probes write in ``workdir``."""
     out = workdir / "gate.json"
     with Progress(not options.as_json) as progress:
         progress.phase(GATE_STEP)
         failed = run_probe(ProbeRequest("gate", str(out), options), "1", GATE_STEP)
     if failed or not out.exists():
-        return [Section("Lightning", None, "FAILED", f"{GATE_STEP} {failed or 'wrote nothing'}")]
+        return [Section("Lightning", None, "FAILED", f"{GATE_STEP} {failed or 'wrote nothing'}")], []
     gate = json.loads(out.read_text())
+    chosen, skipped = list(gate["namespaces"]), []
+    if options.model is None:
+        try:
+            installed = {ns: info["version"] for ns, info in gate["namespaces"].items()}
+            chosen, skipped = selection.select(options.package, installed)
+        except ValueError as error:
+            raise Stop(f"fsdp-shim verify: {error} ({sys.executable})", 2) from None
     sections: list[Section] = []
     to_measure: list[tuple[str | None, str, str | None]] = []
     for namespace, info in gate["namespaces"].items():
+        if namespace not in chosen:
+            continue
         if options.model is not None and info["import_failure"] is None:
             continue  # with --model, the model's own namespace is judged below; a broken one is still reported
         if (decided := _decided(namespace, info, options)) is None:
@@ -260,4 +271,4 @@ def verify(options: Options, workdir: Path) -> list[Section]:
     with Progress(not options.as_json, total) as progress:
         sections += [_measured(options, workdir, progress, *measured) for measured in to_measure]
     order = {name: index for index, name in enumerate(TRAINER_NAMESPACES)}
-    return sorted(sections, key=lambda section: order.get(section.namespace, len(order)))
+    return sorted(sections, key=lambda section: order.get(section.namespace, len(order))), skipped

@@ -9,10 +9,12 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from _fsdp_shim.verify import seed
 from _fsdp_shim.verify.records import Options
+from _fsdp_shim.verify.selection import Skipped
 from _fsdp_shim.verify.verdict import Section, overall
 
 WIDTH, LABEL, VALUE = 100, 46, 22
@@ -117,11 +119,13 @@ def render_section(section: Section, options: Options, used: set[str]) -> list[s
     return lines
 
 
-def render(sections: list[Section], options: Options) -> str:
+def render(sections: list[Section], options: Options, skipped: Sequence[Skipped] = ()) -> str:
     lines = [f"fsdp-shim verify ({options.precision}, {options.devices} device(s), {options.steps} steps)", ""]
     used: set[str] = set()
     for section in sections:
         lines += [*render_section(section, options, used), ""]
+    for skip in skipped:  # installed, not checked: said after what was, with how to check it
+        lines += [f"{skip.namespace} {skip.version}".rstrip(), *_wrapped(skip.reason, "  "), ""]
     terms = [line for term, meaning in TERMS.items() if term in used for line in _wrapped(f"{term}: {meaning}", "  ")]
     lines += ["Terms:", *terms, ""] if terms else []
     verdict, reason = overall(sections)

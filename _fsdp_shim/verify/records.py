@@ -22,6 +22,7 @@ class Options:
     timeout: float = PROBE_TIMEOUT
     model_path: str | None = None
     activation_checkpointing: list[str] = field(default_factory=list)
+    package: str | None = None  # the seed model's namespaces (verify/selection.py): None, every one the user uses
 
 
 @dataclass(frozen=True)
