@@ -38,12 +38,17 @@ FOOTER = """
 **Other torch releases.** The torch in brackets: Lightning 2.2.5 and 2.3.3 run on the oldest torch that
 runs FSDP on CPU (2.3.1), 2.6.6 on the newest (2.15.0, on Python 3.12) next to 2.4.0, each on PyPI's
 own build; the default session runs 2.4.0 on the matrix's own torch. Measured once by hand
-on 2026-12-03, not in the matrix (CI time): PyPI's torch builds on CPU with gloo, running
-`tests/scenarios/fsdp_train.py --api trainer --package lightning --shim before --cases
-init+pretrained:bf16-true` with 1 and 2 processes:
+on 2026-12-03 (torch 2.14.1: 2026-12-06), not in the matrix (CI time): PyPI's torch builds on CPU with
+gloo, running `tests/scenarios/fsdp_train.py --api trainer --package lightning --shim before --cases
+init+pretrained:bf16-true` with 1 and 2 processes (per rank below: 2 processes):
 
 | torch | Lightning | CPU FSDP | with the shim |
 |---|---|---|---|
+| 2.14.1 | 2.3.3, with `pytorch_lightning` 2.6.6 (what `pip install lightning==2.3.3` gives today) \
+and `setuptools<81` (without it `import lightning` fails) | trains | bfloat16, 1,344 flat-parameter bytes per \
+rank (float32 without: 2,688); checkpointed (`tests/scenarios/recompute.py --cases \
+mask:none,mask:policy,mask:nonreentrant,mask:reentrant`) equal to the run without, bit for bit (without the \
+shim: `CheckpointError`) |
 | 2.2.2 | 2.2.5 | trains | bfloat16, 1,344 flat-parameter bytes per rank (float32 without: 2,688) |
 | 2.1.2 | 2.1.4 | fails in FSDP's lazy init, shim or not: `TypeError: Stream() takes no arguments` \
 (torch 2.1's CPU device handle has no streams) | untestable on CPU |
