@@ -362,6 +362,7 @@ def docs_tools(session: nox.Session, python: str) -> None:
                 "the docs check needs Debian's chromium and chromium-driver: "
                 "apt-get install -y --no-install-recommends chromium chromium-driver"
             )
+        session.log("installing Debian's chromium and chromium-driver with apt-get: the check reads every page in them")
         session.run("apt-get", "update", "-qq", external=True)
         session.run(
             "apt-get", "install", "-y", "-qq", "--no-install-recommends", "chromium", "chromium-driver", external=True
@@ -403,6 +404,12 @@ CLUSTER_LIMIT_SECONDS = 900
 """The cluster tests are killed after this (about 5-10 minutes here; each job has its own 240 s bound)."""
 
 
+def interrupt(signum: int, frame: object) -> None:
+    """SIGTERM as Ctrl-C: nox stops the running command (and ``timeout`` everything it started), and the
+    session's ``finally`` runs, where Python's default would end nox at once, its daemons left running."""
+    raise KeyboardInterrupt
+
+
 @nox.session
 @timed
 def cluster(session: nox.Session) -> None:
@@ -411,6 +418,7 @@ def cluster(session: nox.Session) -> None:
     apt-get if missing (about 30-60 s; needs root), starts its own daemons in a temporary folder and
     stops exactly those afterwards, also when the tests fail."""
     import shutil
+    import signal
     import tempfile
 
     started = time.monotonic()
@@ -431,6 +439,11 @@ def cluster(session: nox.Session) -> None:
         "FSDP_SHIM_TEST_CLUSTER_TABLES": str(tables),
         "SLURM_CONF": str(state / "slurm.conf"),
     }
+    session.log(
+        f"starting munged, slurmctld and slurmd n1 and n2 in {state}: stopped when this session ends, fails "
+        "or is interrupted (Ctrl-C, SIGTERM)"
+    )
+    previous = signal.signal(signal.SIGTERM, interrupt)
     try:
         session.run(*slurm, "start", str(state), external=True)
         session.run(
@@ -454,6 +467,7 @@ def cluster(session: nox.Session) -> None:
         )
     finally:
         session.run(*slurm, "stop", str(state), external=True)
+        signal.signal(signal.SIGTERM, previous)
         shutil.rmtree(state.parent, ignore_errors=True)
         session.log(f"cluster session: {time.monotonic() - started:.0f} s wall; per-rank tables in {tables}")
 

@@ -9,6 +9,8 @@ import importlib.util
 import json
 import math
 import os
+import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -445,6 +447,58 @@ def test_find_python_uses_the_one_on_path_or_makes_pyenvs_newest_patch_active(
     monkeypatch.delenv("PYENV_VERSION", raising=False)
     assert find_python("3.98") == "3.98"  # pyenv has none: nox's uv backend downloads it
     assert "PYENV_VERSION" not in os.environ
+
+
+# ----------------------------------------------------------------------------- .ci/run, interrupted
+INTERRUPTED_COMMAND = """
+import subprocess, sys, time
+from pathlib import Path
+out = Path(sys.argv[1])
+child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+(out / "child").write_text(str(child.pid))
+try:
+    (out / "started").write_text("")
+    time.sleep(300)
+finally:
+    time.sleep(0.5)  # a cleanup that takes a moment, as stopping daemons does
+    (out / "cleaned-up").write_text("")
+"""
+
+
+@pytest.mark.parametrize(
+    ("to", "signal_number", "status"),
+    [("shell", signal.SIGTERM, 143), ("group", signal.SIGINT, 130), ("group", signal.SIGTERM, 143)],
+    ids=["SIGTERM to the shell", "Ctrl-C", "SIGTERM to the group"],
+)
+def test_ci_run_interrupts_the_test_command_as_ctrl_c_does_and_waits_for_its_cleanup(
+    tmp_path: Path, to: str, signal_number: int, status: int
+) -> None:
+    """``.ci/run`` runs the test command with ``run_interruptibly`` (.ci/interruptible.sh): SIGTERM to its shell,
+    or Ctrl-C or SIGTERM to its process group (a terminal, a CI timeout), reaches the command as Ctrl-C does, so
+    its ``finally`` runs (where nox's cluster session stops its SLURM daemons) and what it started ends; the
+    shell returns 130 or 143 only after that. Started as a terminal starts it: SIGINT at its default."""
+    script = tmp_path / "interrupted.py"
+    script.write_text(INTERRUPTED_COMMAND)
+    command = shlex.join([sys.executable, str(script), str(tmp_path)])
+    shell = f". {shlex.quote(str(ROOT / '.ci' / 'interruptible.sh'))} && run_interruptibly {shlex.quote(command)}"
+    proc = subprocess.Popen(
+        ["bash", "-c", shell],
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        stderr=subprocess.DEVNULL,  # the command's KeyboardInterrupt traceback
+    )
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "started").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert (tmp_path / "started").exists()
+    (os.kill if to == "shell" else os.killpg)(proc.pid, signal_number)
+    assert proc.wait(timeout=60) == status
+    assert (tmp_path / "cleaned-up").exists()
+    child = int((tmp_path / "child").read_text())
+    deadline = time.monotonic() + 10
+    while alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(child)
 
 
 # ----------------------------------------------------------------------------- hang protection

@@ -45,6 +45,8 @@ def install() -> None:
     if all(shutil.which(name) for name in BINARIES):
         print("slurm and munge are installed")
         return
+    missing = [name for name in BINARIES if not shutil.which(name)]
+    print(f"installing Debian's {', '.join(PACKAGES)} with apt-get (missing: {', '.join(missing)})", flush=True)
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     # Wait for another apt/dpkg run instead of failing at once; a fresh machine needs the lists first.
     apt = ["apt-get", "-q", "-o", "DPkg::Lock::Timeout=300"]
