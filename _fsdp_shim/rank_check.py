@@ -99,17 +99,30 @@ def _decision(namespace: str, dtype: Any) -> dict[str, Any]:
     version = getattr(module, "__version__", None) or ""
     fixes = {}
     for fix in FIXES:
+        state = wrappers.status(namespace, fix)
         if fix.built_in(version):
             fixes[fix.name] = "Lightning"
+        elif state.reason.startswith("not needed on torch"):
+            fixes[fix.name] = "torch"
+        elif wrappers.acting(namespace, fix):  # not "patched": a path still to check acts, whatever the context
+            passed_by = wrappers.passed_by(namespace, fix)
+            fixes[fix.name] = "fsdp-shim" + (f" except the {', '.join(passed_by)} checkpoint" if passed_by else "")
         else:
-            fixes[fix.name] = "fsdp-shim" if wrappers.status(namespace, fix).patched else "off"
+            fixes[fix.name] = "off"
     where = {"host": socket.gethostname(), "pid": os.getpid(), "namespace": namespace, "lightning": version}
     return {"fixes": fixes, "dtype": str(dtype), **where, "fsdp_shim": __version__}
 
 
 def _behaviour(report: dict[str, Any]) -> tuple[Any, ...]:
-    """What must agree across ranks: the dtype, and which fixes are in effect (whoever provides them)."""
-    return (report.get("dtype"), *(report.get("fixes", {}).get(fix.name, "off") != "off" for fix in FIXES))
+    """What must agree across ranks: the dtype, and which fixes are in effect (whoever provides them), with
+    the paths the shim's is not (``fsdp-shim except ...``)."""
+    by_fix = report.get("fixes", {})
+    return (report.get("dtype"), *(_in_effect(by_fix.get(fix.name, "off")) for fix in FIXES))
+
+
+def _in_effect(by: str) -> str:
+    """``off``, ``on``, or ``on except the ... checkpoint``."""
+    return "off" if by == "off" else "on" + by.partition(" except")[1] + by.partition(" except")[2]
 
 
 def _exchange(
@@ -130,8 +143,15 @@ def _exchange(
 def _summary(report: dict[str, Any]) -> str:
     """``bfloat16; fixes: cast, recompute`` (a fix Lightning ships itself is named as such)."""
     by_fix = report.get("fixes", {})
-    fixes = [name if by == "fsdp-shim" else f"{name} (Lightning's own)" for name, by in by_fix.items() if by != "off"]
+    fixes = [_named(name, by) for name, by in by_fix.items() if by != "off"]
     return f"{str(report.get('dtype')).replace('torch.', '')}; fixes: {', '.join(fixes) or 'none'}"
+
+
+def _named(fix: str, by: str) -> str:
+    """``recompute``, ``cast (Lightning's own)``, ``recompute (except the non-reentrant checkpoint)``."""
+    if by.startswith("fsdp-shim"):
+        return fix + (f" ({by.removeprefix('fsdp-shim ')})" if by != "fsdp-shim" else "")
+    return f"{fix} ({by}'s own)"
 
 
 def _ranks(ranks: list[int]) -> str:

@@ -447,8 +447,8 @@ def test_a_node_with_another_release_and_other_fixes_stops_the_job_named_with_it
 
 def test_a_rank_whose_torch_recomputes_past_the_fix_stops_the_job(tmp_path, layouts):
     """Rank 1's torch checkpoint calls names the shim did not wrap (``hide_checkpoint_internals``): its
-    recompute fix is not in effect, so it runs other fixes than rank 0, and both ranks stop before any
-    model is wrapped, naming rank 1 with the cast alone."""
+    recompute fix is not in effect for the non-reentrant checkpoint, so it runs other fixes than rank 0, and
+    both ranks stop before any model is wrapped, naming what rank 1 runs."""
     layout = affected_layout(layouts, "lightning")
     proc, out = torchrun_job(
         tmp_path,
@@ -460,7 +460,8 @@ def test_a_rank_whose_torch_recomputes_past_the_fix_stops_the_job(tmp_path, layo
         expect_ok=False,
     )
     output = by_rank(proc)
-    rank1 = f"rank 1 on {socket.gethostname()}: bfloat16; fixes: cast (lightning.pytorch {layout.trainer_version}"
+    fixes = "cast, recompute (except the non-reentrant checkpoint)"
+    rank1 = f"rank 1 on {socket.gethostname()}: bfloat16; fixes: {fixes} (lightning.pytorch {layout.trainer_version}"
     assert "the recompute fix is not in effect on torch" in output[1], output[1][-3000:]
     for rank in (0, 1):
         (message,) = shim_errors(output[rank])
