@@ -4,6 +4,7 @@ has a fresh interpreter import Lightning as a training script does, to show what
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -14,14 +15,16 @@ from pathlib import Path
 from typing import Any
 
 import _fsdp_shim
-from _fsdp_shim import startup_files
+from _fsdp_shim import recompute_check, startup_files
 from _fsdp_shim._version import __version__
 from _fsdp_shim.config import (
+    CAST,
     DISABLED_FIXES_VARIABLE,
     FIXES,
     LIGHTNING_PACKAGES,
     LOG_VARIABLE,
     RANK_CHECK_TIMEOUT_VARIABLE,
+    RECOMPUTE,
     SHIM_VARIABLE,
     STRICT_VARIABLE,
     disabled_fixes,
@@ -68,6 +71,70 @@ def _installed_lightning() -> list[dict[str, Any]]:
         facts = {"distribution": distribution, "version": version, "affected": affected, "fixes": verdicts}
         rows += [{"namespace": namespace, **facts, "verdict": verdict} for namespace in namespaces_of(package)]
     return sorted(rows, key=lambda row: row["namespace"])
+
+
+def _torch() -> tuple[str, Path | None] | None:
+    """This environment's torch version and its ``torch/utils/checkpoint.py``, found, not imported."""
+    found = distribution_of("torch")
+    if found is None:
+        return None
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        spec = None
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    files = [Path(folder, "utils", "checkpoint.py") for folder in folders]
+    return found[1], next((file for file in files if file.is_file()), None)
+
+
+def _still_needed(lightning: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per fix, whether this environment needs it (``needed``: True, False, or None where it cannot tell) and why:
+    the cast from the Lightning releases installed, the recompute from them and from torch's checkpoint code."""
+    releases = [f"{row['namespace']} {row['version']}" for row in lightning]
+    if not releases:
+        return {fix.name: {"needed": None, "why": "no Lightning in this environment"} for fix in FIXES}
+    lacking = {
+        fix.name: [f"{r['namespace']} {r['version']}" for r in lightning if fix.affects(r["version"])] for fix in FIXES
+    }
+    answers = {}
+    if lacking[CAST.name]:
+        later = "it can go once every environment runs Lightning 2.5.0 or later"
+        answers[CAST.name] = {"needed": True, "why": f"{_and(lacking[CAST.name])} lack it; {later}"}
+    else:
+        answers[CAST.name] = {"needed": False, "why": f"every Lightning here has it or needs none ({_and(releases)})"}
+    if lacking[RECOMPUTE.name]:
+        answers[RECOMPUTE.name] = _recompute_needed()
+    else:
+        answers[RECOMPUTE.name] = {"needed": False, "why": "no Lightning here has 'true' precisions for FSDP"}
+    return answers
+
+
+def _recompute_needed() -> dict[str, Any]:
+    """Whether torch's checkpoint here restores the forward's default dtype itself, path by path (docs/upstream.md)."""
+    torch = _torch()
+    if torch is None or torch[1] is None:
+        what = "no torch in this environment" if torch is None else f"torch {torch[0]} has no torch/utils/checkpoint.py"
+        return {"needed": None, "why": f"cannot tell: {what}"}
+    version, file = torch
+    try:
+        own = recompute_check.restored_in_file(file)
+    except (OSError, SyntaxError, ValueError) as error:
+        return {"needed": None, "why": f"cannot tell: {file} cannot be read ({error})"}
+    paths = (recompute_check.REENTRANT, recompute_check.NON_REENTRANT, recompute_check.COMPOSABLE)
+    left = [path for path in paths if path not in own]
+    if not left:
+        return {"needed": False, "why": f"torch {version}'s checkpoint restores the default dtype itself (in {file})"}
+    which = f"the {_and(left)} checkpoint{'s' if len(left) > 1 else ''}"
+    return {
+        "needed": True,
+        "why": f"with activation checkpointing: no Lightning release restores the default dtype for a recompute, nor "
+        f"does torch {version}'s checkpoint for {which}; it can go once torch's does, or where you train without "
+        "activation checkpointing",
+    }
+
+
+def _and(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 def _check_toggles(report: Report) -> None:
@@ -266,6 +333,7 @@ def collect(python_check: bool = False) -> Report:
             for fix in FIXES
         ],
         "lightning": _installed_lightning(),
+        "still_needed": {},  # per fix: whether this environment needs it, and why
         "armed": {},  # whether a Python started from this shell arms the shim, and by what
         "child": None,
         "problems": [],
@@ -274,6 +342,7 @@ def collect(python_check: bool = False) -> Report:
     _check_activations(report)
     _check_environment_file(report)
     report["armed"] = _armed(report)
+    report["still_needed"] = _still_needed(report["lightning"])
     if python_check:
         _check_child(report)
     report["consistent"] = not report["problems"]
@@ -313,6 +382,9 @@ def render(report: Report) -> str:
     for row in report["lightning"]:
         lines.append(f"  {row['namespace']:<18} {row['version']}")
         lines += [f"    {name:<10} {verdict}" for name, verdict in row["fixes"].items()]
+    lines += ["", "Still needed here? (docs/removal.md)"]
+    answer = {True: "needed", False: "not needed", None: "unknown"}
+    lines += [f"  {name:<10} {answer[a['needed']]}: {a['why']}" for name, a in report["still_needed"].items()]
     if report["child"] is not None:
         lines += ["", "A fresh interpreter (imports Lightning, not fsdp_shim):"]
         if not report["child"]["shim_loaded"]:

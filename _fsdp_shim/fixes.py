@@ -55,6 +55,7 @@ from typing import TYPE_CHECKING, Any
 from _fsdp_shim import failures, pins, rank_check, recompute_check, wrappers
 from _fsdp_shim.config import CAST, NAMESPACES, RANK_CHECK, RECOMPUTE, Fix, Release, base_release
 from _fsdp_shim.recompute_check import COMPOSABLE, NON_REENTRANT, REENTRANT
+from _fsdp_shim.status import NOT_NEEDED_ON_TORCH
 from _fsdp_shim.wrappers import Args, GlueError, Kwargs, NotNeeded, Plan, Proof, Target
 
 if TYPE_CHECKING:
@@ -109,7 +110,7 @@ def recompute_targets(namespace: str, version: str) -> tuple[Target, ...]:
     own = recompute_check.restored_by_torch()
     if own >= set(recompute_check.paths()):
         raise NotNeeded(
-            f"not needed on torch {torch.__version__}: its checkpoint restores the forward's default dtype for "
+            f"{NOT_NEEDED_ON_TORCH}{torch.__version__}: its checkpoint restores the forward's default dtype for "
             "every recompute itself; torch left untouched"
         )
     generator = recompute_check.generator_name(torch.utils.checkpoint)

@@ -17,6 +17,7 @@ from typing import Any
 from _fsdp_shim import failures, wrappers
 from _fsdp_shim.config import FIXES, RANK_CHECK_TIMEOUT_VARIABLE, SHIM_VARIABLE, rank_check_timeout
 from _fsdp_shim.failures import FSDPShimError
+from _fsdp_shim.status import NOT_NEEDED_ON_TORCH
 
 DEFAULT_TIMEOUT_SECONDS = 1800.0  # where the group's own timeout cannot be read (torch's default for it)
 
@@ -102,7 +103,7 @@ def _decision(namespace: str, dtype: Any) -> dict[str, Any]:
         state = wrappers.status(namespace, fix)
         if fix.built_in(version):
             fixes[fix.name] = "Lightning"
-        elif state.reason.startswith("not needed on torch"):
+        elif state.reason.startswith(NOT_NEEDED_ON_TORCH):
             fixes[fix.name] = "torch"
         elif wrappers.acting(namespace, fix):  # not "patched": a path still to check acts, whatever the context
             passed_by = wrappers.passed_by(namespace, fix)

@@ -25,6 +25,7 @@ import contextlib
 import importlib
 import inspect
 import threading
+from pathlib import Path
 from types import CodeType, ModuleType
 from typing import Any
 
@@ -89,6 +90,20 @@ def restored_by_torch() -> frozenset[str]:
     if restores(methods.get("forward"), methods.get("backward"), helpers):
         found.add(REENTRANT)
     return frozenset(found)
+
+
+def restored_in_file(path: Path) -> frozenset[str]:
+    """``restored_by_torch`` for a torch that is not imported (``fsdp-shim status``): its checkpoint.py compiled,
+    not run. The composable checkpoint imports the module's generator by name: it goes with the non-reentrant."""
+    module = compile(path.read_text(encoding="utf-8"), str(path), "exec")
+    functions: dict[str, CodeType] = {}
+    for code in (const for const in module.co_consts if isinstance(const, CodeType)):
+        functions.setdefault(code.co_name, code)
+        functions.update({f"{code.co_name}.{c.co_name}": c for c in code.co_consts if isinstance(c, CodeType)})
+    generator = next((name for name in GENERATORS if name in functions), "")
+    found = {NON_REENTRANT, COMPOSABLE} if restores(functions.get(generator), None, functions) else set()
+    forward, backward = functions.get("CheckpointFunction.forward"), functions.get("CheckpointFunction.backward")
+    return frozenset(found | ({REENTRANT} if restores(forward, backward, functions) else set()))
 
 
 def restores(forward: CodeType | None, recompute: CodeType | None, helpers: dict[str, CodeType]) -> bool:
