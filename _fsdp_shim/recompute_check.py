@@ -209,9 +209,8 @@ def _composable_forward(torch: Any, composable: Any, block: Any, x: Any) -> Any:
         def forward(self, x: Any) -> Any:
             return block(x)
 
-    module = Block()
     try:  # no RNG state forked: the RNG is the whole process's (torch before 2.4 has no such option)
-        composable.checkpoint(module, preserve_rng_state=False)
-    except TypeError:
-        composable.checkpoint(module)
+        module = composable.checkpoint(Block(), preserve_rng_state=False)
+    except TypeError:  # a module it was applied to, even in vain, refuses a second time: a new one
+        module = composable.checkpoint(Block())
     return module(x)
