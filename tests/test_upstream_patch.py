@@ -180,6 +180,7 @@ def test_the_lightning_side_alternative_fixes_its_policy_only_without_debug(beha
     own = behaviours["own"]["results"]["bfloat16"]
     case = own["lightning-context-fn"]
     assert case["error"] is None and case["seen"] == ["torch.bfloat16"] * 2, case
+    assert case["default_dtype_after"] == "torch.float32"  # the backward's, put back after the recompute
     assert (case["output"], case["grads"]) == (own["none"]["output"], own["none"]["grads"])
     for name, refusal in REFUSED.items():
         assert (own[name]["error"] or "").startswith(refusal), own[name]
