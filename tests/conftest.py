@@ -5,6 +5,7 @@ activation are exercised exactly as users meet them."""
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import random
@@ -15,6 +16,7 @@ import sysconfig
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -113,6 +115,39 @@ def run_on_a_free_port(
         if proc.returncode == 0 or PORT_TAKEN not in proc.stderr:
             break
     return proc, command
+
+
+PATCHED_CHECKPOINT = ROOT / "tests" / "patched_checkpoint"
+"""First on a child's ``PYTHONPATH``, its ``sitecustomize`` serves ``torch.utils.checkpoint`` as
+docs/upstream/checkpoint-default-dtype.patch makes it (a copy; the installed torch is never written)."""
+
+
+def patched_checkpoint_env(**overrides: str | None) -> dict[str, str]:
+    """``clean_env(**overrides)`` for a child whose torch has the upstream patch (``PATCHED_CHECKPOINT``
+    first on ``PYTHONPATH``): ``run_child(..., env=patched_checkpoint_env(FSDP_SHIM="1"))``. Where the patch
+    does not apply, the child's ``import torch`` fails naming the release: mark such tests
+    ``needs_patched_checkpoint``."""
+    env = clean_env(**overrides)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PATCHED_CHECKPOINT), env.get("PYTHONPATH")]))
+    return env
+
+
+def patched_checkpoint_tools() -> ModuleType:
+    """``PATCHED_CHECKPOINT``'s ``sitecustomize`` loaded under another name, so that it installs nothing
+    here: its ``patch_problem()`` asks whether the patch applies to the installed torch without importing it."""
+    spec = importlib.util.spec_from_file_location("patched_checkpoint_tools", PATCHED_CHECKPOINT / "sitecustomize.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+UPSTREAM_PATCH_PROBLEM: str | None = patched_checkpoint_tools().patch_problem()
+"""Why docs/upstream/checkpoint-default-dtype.patch does not apply to the torch installed here, or None."""
+needs_patched_checkpoint = pytest.mark.skipif(
+    UPSTREAM_PATCH_PROBLEM is not None, reason=f"the upstream patch: {UPSTREAM_PATCH_PROBLEM}"
+)
+"""Skips a test that needs ``patched_checkpoint_env`` where the patch does not apply (it applies to torch 2.15.0)."""
 
 
 CHILD = ROOT / "tests" / "child.py"
