@@ -173,7 +173,8 @@ def test_a_context_lightning_is_imported_in_switches_nothing_off(context: str, l
     else:
         assert result["inside"] == "patched"
     assert result["after"] == [True, "patched"]
-    assert set(result["checkpoint"].values()) == {"ShimWrapper"}, result["checkpoint"]
+    wrapped = [name for name, kind in result["checkpoint"].items() if kind == "ShimWrapper"]
+    assert len(wrapped) == 2 and "CheckpointFunction.forward" in wrapped, result["checkpoint"]  # and the generator
     assert result["backward"] == {"non-reentrant": "torch.bfloat16", "reentrant": "torch.bfloat16"}
     assert (result["dtype"], result["warnings"], result["seen_by_mode"]) == ("torch.float32", [], [])
 
@@ -269,3 +270,67 @@ def _importable(name: str) -> bool:
         return importlib.util.find_spec(name) is not None
     except ImportError:
         return False
+
+
+RESTORING = """
+import contextlib
+import torch
+
+
+@contextlib.contextmanager
+def _default_dtype_context(dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+class CheckpointFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, run_function, preserve_rng_state, *args):
+        ctx.default_dtype = torch.get_default_dtype()
+        return run_function(*args)
+
+    @staticmethod
+    def backward(ctx, *args):
+        with _default_dtype_context(ctx.default_dtype):
+            return ctx.run_function(*args)
+
+
+def _checkpoint_without_reentrant_generator_impl(fn, args, kwargs):
+    default_dtype = torch.get_default_dtype()
+
+    def recompute_fn(*inputs):
+        with _default_dtype_context(default_dtype):
+            fn(*inputs)
+
+    yield
+"""
+
+
+def test_whether_torch_restores_the_dtype_is_read_from_its_code(tmp_path: Path) -> None:
+    """``fsdp-shim status`` reads torch's checkpoint.py without importing it: the upstream patch's shape
+    restores every path; the dtype read only in the helper (not captured at the forward) restores none;
+    the session's own torch, none (no release has it). Compiled, never run: the files import nothing."""
+    import importlib.util
+
+    from _fsdp_shim.recompute_check import restored_in_file
+
+    def read(source: str) -> list[str]:
+        (tmp_path / "checkpoint.py").write_text(source)
+        return sorted(restored_in_file(tmp_path / "checkpoint.py"))
+
+    assert read(RESTORING) == ["composable", "non-reentrant", "reentrant"]
+    not_captured = RESTORING.replace("    default_dtype = torch.get_default_dtype()\n", "    default_dtype = None\n")
+    assert read(not_captured) == ["reentrant"]
+    assert read(RESTORING.replace("ctx.default_dtype = torch.get_default_dtype()", "ctx.default_dtype = 0")) == [
+        "composable",
+        "non-reentrant",
+    ]
+    spec = importlib.util.find_spec("torch")  # found, not imported
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("needs torch")
+    own = Path(next(iter(spec.submodule_search_locations)), "utils", "checkpoint.py")
+    assert restored_in_file(own) == frozenset()

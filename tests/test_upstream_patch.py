@@ -94,24 +94,25 @@ def test_the_torch_style_test_passes_on_the_patched_checkpoint_and_fails_on_torc
 
 @pytest.mark.per_release
 @needs_patched_checkpoint
-@pytest.mark.parametrize("precision", ["bf16-true", "16-true"])
+@pytest.mark.parametrize(("precision", "recompute_fix"), [("bf16-true", "on"), ("16-true", "off")])
 def test_the_patch_alone_fixes_the_projects_recompute_cases(
-    precision: str, layouts: dict[str, Layout], tmp_path: Path
+    precision: str, recompute_fix: str, layouts: dict[str, Layout], tmp_path: Path
 ) -> None:
-    """Lightning's policy, ``checkpoint`` reentrant and not and the composable checkpoint, every block, with
-    the shim's recompute fix off (it wraps nothing: its debug log names no wrapper): each trains as without
-    checkpointing, bit for bit; the probe's recomputes run in the precision's dtype, its ``autograd.Function``
-    backward in float32 as Lightning leaves it. Without the patch these cases raise or train differently
-    (tests/test_recompute.py: ``test_without_the_shim_every_release_recomputes_in_float32``)."""
+    """Lightning's policy, ``checkpoint`` reentrant and not and the composable checkpoint, every block, with the
+    shim's recompute fix off, or on, where it steps aside (it wraps nothing: its debug log names no wrapper, and
+    no recompute acted line): each trains as without checkpointing, bit for bit; the probe's recomputes run in
+    the precision's dtype, its ``autograd.Function`` backward in float32 as Lightning leaves it. Without the
+    patch these cases raise or train differently (tests/test_recompute.py:
+    ``test_without_the_shim_every_release_recomputes_in_float32``)."""
     layout = trainer_layout(layouts)
     cases = [f"{block}:{mode}" for block in (*BLOCKS, "probe") for mode in ("none", *PATHS)]
-    env = {
-        "PYTHONPATH": patched_checkpoint_env()["PYTHONPATH"],
-        "FSDP_SHIM_DISABLED_FIXES": "recompute",
-        "FSDP_SHIM_LOG": "debug",
-    }
+    env = {"PYTHONPATH": patched_checkpoint_env()["PYTHONPATH"], "FSDP_SHIM_LOG": "debug"}
+    env.update({"FSDP_SHIM_DISABLED_FIXES": "recompute"} if recompute_fix == "off" else {})
     results, output = run_with_output(tmp_path, "trainer", cases, precision=precision, package=layout.package, env=env)
     assert "recompute (torch.utils.checkpoint" not in output, output[-3000:]
+    assert "recompute acted" not in output, output[-3000:]
+    if recompute_fix == "on":
+        assert "recompute fix: not needed on torch" in output, output[-3000:]
     assert_like_the_run_without_checkpointing(results, cases)
     by_case = results[0]
     forwards = len(by_case["probe:none"]["block_dtypes"])
@@ -184,3 +185,34 @@ def test_the_lightning_side_alternative_fixes_its_policy_only_without_debug(beha
     assert (case["output"], case["grads"]) == (own["none"]["output"], own["none"]["grads"])
     for name, refusal in REFUSED.items():
         assert (own[name]["error"] or "").startswith(refusal), own[name]
+
+
+@pytest.mark.per_release
+@needs_patched_checkpoint
+def test_the_shim_steps_aside_where_torch_restores_the_dtype_itself(layouts: dict[str, Layout]) -> None:
+    """With the patched copy and the shim on: every namespace says the recompute is not needed on this torch,
+    the rank line names it torch's own, torch holds its own functions (decided from its code: no check that
+    switches the dtype), torch's file reads as restoring every path, and a bfloat16 checkpointed backward,
+    reentrant and not, recomputes in bfloat16 with no ``set_default_dtype`` call from the shim's code."""
+    trainer_layout(layouts)
+    packages = [name for name in ("lightning.pytorch", "pytorch_lightning") if _importable(name)]
+    result = child_json("recompute_proof:stepped_aside", {"packages": packages}, env=patched_checkpoint_env())
+    reason = (
+        f"not needed on torch {result['torch']}: its checkpoint restores the forward's default dtype for every "
+        "recompute itself; torch left untouched"
+    )
+    assert result["recompute"] and all(state == [False, reason] for state in result["recompute"].values()), result
+    assert all(line.endswith("recompute (torch's own)") for line in result["rank_check"].values()), result
+    assert "ShimWrapper" not in [*result["checkpoint"].values(), *result["composable"].values()], result
+    assert result["read_from_file"] == ["composable", "non-reentrant", "reentrant"]
+    assert result["set_by_the_shim"] == []
+    assert result["grads"] == {"non-reentrant": "torch.bfloat16", "reentrant": "torch.bfloat16"}
+
+
+def _importable(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:
+        return False

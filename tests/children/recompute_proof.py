@@ -517,3 +517,58 @@ def _sections_overlapping(package: str, order: str, dtypes: list[str], pin: bool
     a.join(30)
     p.join(30)
     return str(torch.get_default_dtype())
+
+
+def stepped_aside(packages: list[str]) -> dict[str, Any]:
+    """On a torch whose checkpoint restores the default dtype itself: what status and the rank check say, what
+    torch holds, what torch's file reads as, and every ``torch.set_default_dtype`` call the shim's own code
+    makes during a bfloat16 checkpointed backward, reentrant and not (none: it wraps nothing)."""
+    import torch
+    import torch.utils.checkpoint as checkpoint
+
+    import fsdp_shim
+
+    for package in packages:
+        importlib.import_module(package)
+    from pathlib import Path
+
+    from _fsdp_shim import rank_check, recompute_check
+
+    by_shim: list[str] = []
+    original = torch.set_default_dtype
+    shim_code = str(Path(fsdp_shim.__file__).resolve().parent.parent / "_fsdp_shim")
+
+    def watched(dtype: torch.dtype) -> None:
+        caller = sys._getframe(1).f_code.co_filename
+        if caller.startswith(shim_code):
+            by_shim.append(f"{caller}: {dtype}")
+        original(dtype)
+
+    torch.set_default_dtype = watched
+    grads = {}
+    try:
+        for reentrant in (False, True):
+            x = torch.ones(4, dtype=torch.bfloat16, requires_grad=True)
+            torch.set_default_dtype(torch.bfloat16)
+            try:
+                out = checkpoint.checkpoint(lambda t: t * torch.ones(4), x, use_reentrant=reentrant)
+            finally:
+                torch.set_default_dtype(torch.float32)
+            out.sum().backward()
+            grads["reentrant" if reentrant else "non-reentrant"] = str(x.grad.dtype)
+    finally:
+        torch.set_default_dtype = original
+    status = fsdp_shim.status()
+    imported = [ns for ns in status.namespaces if ns.imported]
+    return {
+        "recompute": {ns.namespace: [ns.fix("recompute").affected, ns.fix("recompute").reason] for ns in imported},
+        "rank_check": {
+            ns.namespace: rank_check._summary(rank_check._decision(ns.namespace, torch.bfloat16)) for ns in imported
+        },
+        "checkpoint": _held("torch.utils.checkpoint"),
+        "composable": _held("torch.distributed._composable.checkpoint_activation"),
+        "read_from_file": sorted(recompute_check.restored_in_file(Path(checkpoint.__file__))),
+        "set_by_the_shim": by_shim,
+        "grads": grads,
+        "torch": torch.__version__,
+    }
