@@ -284,16 +284,18 @@ def _check_again_if_due() -> None:
 
 def confirm_every_rank_after_setup(wrapped: Callable[..., Any], instance: Any, args: Args, kwargs: Kwargs) -> Any:
     """The FSDP strategy's ``setup_environment``, which creates the process group, then the check that
-    every rank runs the same fixes, for "bf16-true" and "16-true" (where the fixes change anything)."""
+    every rank runs the same fixes, for "bf16-true" and "16-true" (where the fixes change anything). Whether
+    the group was created here decides whether a joined rank's silence may end the wait early."""
     try:
         plugin = instance.precision_plugin if hasattr(instance, "precision_plugin") else instance.precision
         dtype = plugin._desired_input_dtype if plugin.precision in ("bf16-true", "16-true") else None
         namespace = namespace_of(instance)
+        joined_before = rank_check.process_group_exists()
     except Exception as error:
         raise GlueError(error) from error
     result = wrapped(*args, **kwargs)
     if dtype is not None:
-        rank_check.confirm_every_rank(namespace, dtype)
+        rank_check.confirm_every_rank(namespace, dtype, joined_here=not joined_before)
     return result
 
 
