@@ -4,7 +4,8 @@ Importing ``_fsdp_shim`` or any module in it activates nothing; ``import fsdp_sh
 ``import ddtrace.auto`` does and ``import ddtrace`` does not). This ``__init__`` is what every armed
 interpreter imports, so it imports only ``sys`` and holds only what must exist before Lightning: the
 switch parser, the namespace table, the warning class, one finder and one ``arm()``, which every way
-of activating calls (``fsdp_shim_env.pth`` where ``FSDP_SHIM`` is set, the copy ``fsdp-shim install``
+of activating calls (``fsdp_shim_env.pth`` where ``FSDP_SHIM`` is set and not blank, or on Python 3.15+ its
+PEP 829 companion ``fsdp_shim_env.start`` through ``arm_if_switched_on``; the copy ``fsdp-shim install``
 writes, ``fsdp-shim run``'s ``sitecustomize``, ``import fsdp_shim``).
 
 The finder answers for the four Lightning namespaces only. CPython holds its global import lock while
@@ -93,6 +94,17 @@ def arm(source=ENVIRONMENT_SOURCE):
     if not [finder for finder in sys.meta_path if getattr(finder, "__name__", None) == "fsdp_shim_finder"]:
         sys.meta_path.insert(0, fsdp_shim_finder)
     _hand_over_all(not_handed_over(), ALREADY_IMPORTED)
+
+
+def arm_if_switched_on():
+    """``fsdp_shim_env.start``'s entry point, which Python 3.15+ calls at every start in place of the import
+    line of ``fsdp_shim_env.pth`` (PEP 829): arm where ``FSDP_SHIM`` is set and not blank, as that line does.
+    Set to ``0`` or an unreadable value it arms too: the hand-over reads the switch again at Lightning's
+    import, so a script can still switch the shim on or off before it, and an unreadable value is said."""
+    import os
+
+    if switch_state(os.environ.get(SHIM_VARIABLE)) != "unset":
+        arm()
 
 
 def fsdp_shim_finder(name, path=None, target=None):

@@ -462,7 +462,8 @@ def make_venv(root: Path, paths: list[str] | None = None) -> Venv:
 
 @pytest.fixture(scope="session")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A wheel of this checkout, built from a copy (a build writes build/ and *.egg-info where it runs)."""
+    """A wheel of this checkout, built from a copy of its files (a build writes _fsdp_shim/_version.py where it
+    runs), with the version the checkout's own build wrote: the copy has no git history to read it from."""
     work = tmp_path_factory.mktemp("wheel")
     source = work / "source"
     listing = ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"]
@@ -473,8 +474,12 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
             target = source / os.fsdecode(name)
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(path.read_bytes())
+    from _fsdp_shim._version import __version__
+
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(work), str(source)], check=True)
+    env = {**os.environ, "SETUPTOOLS_SCM_PRETEND_VERSION_FOR_FSDP_SHIM": __version__}
+    build = [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(work), str(source)]
+    subprocess.run(build, check=True, env=env)
     return next(work.glob("fsdp_shim-*.whl"))
 
 
