@@ -48,9 +48,9 @@ ALREADY_IMPORTED = "(imported before the shim was armed)"
 
 ARMED_BY = []
 """How this copy of the finder was armed in this process, in order (``fsdp_shim.status().sources``)."""
-_handed = {}
+_handed = {}  # type: dict[str, object]
 """Namespace name -> the module object handed over (a namespace imported again is a new object)."""
-_inert = []
+_inert = []  # type: list[BaseException]
 """Non-empty once a hand-over found a package it does not match: the finder then stays out of the way."""
 _asking = {}
 """Names (keys) the finder is asking the finders after it about: another finder that asks every finder (an
@@ -128,7 +128,7 @@ def fsdp_shim_finder(name, path=None, target=None):
         _asking.pop(name, None)
 
 
-fsdp_shim_finder.find_spec = fsdp_shim_finder
+fsdp_shim_finder.find_spec = fsdp_shim_finder  # type: ignore[attr-defined]  # a finder that is a function
 
 
 def _observe(loader, name):

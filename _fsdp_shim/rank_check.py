@@ -37,9 +37,9 @@ def confirm_every_rank(namespace: str, dtype: Any) -> None:
         return
     group, store, rank, world_size = found
     with _lock:
-        for failed, error in _failed:
+        for failed, error in _failed:  # type: ignore[misc]  # the name the except above deleted, reused
             if failed is group:
-                raise error
+                raise error  # type: ignore[misc]
         if any(checked is group for checked in _checked):
             return
         _checked.append(group)

@@ -11,7 +11,10 @@ Importing this package activates the shim, like ``import ddtrace.auto`` (the imp
 ``cast``) one fix. ``python -m fsdp_shim`` is the ``fsdp-shim`` command, which activates nothing.
 """
 
+from __future__ import annotations
+
 import sys
+import types
 
 from _fsdp_shim import FSDPShimWarning
 from _fsdp_shim._version import __version__
@@ -35,7 +38,7 @@ def _runs_the_command() -> bool:
     if argv is not None:
         before_arguments = argv[: len(argv) - len(sys.argv) + 1]
         return before_arguments[-2:] == ["-m", __name__] or before_arguments[-1:] == [f"-m{__name__}"]
-    frame = sys._getframe()
+    frame: types.FrameType | None = sys._getframe()
     while frame is not None:
         if frame.f_code.co_name == "_run_module_as_main" and frame.f_globals.get("__name__") == "runpy":
             return frame.f_locals.get("mod_name") == __name__

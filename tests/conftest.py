@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -476,9 +477,12 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
             target.write_bytes(path.read_bytes())
     from _fsdp_shim._version import __version__
 
-    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
     env = {**os.environ, "SETUPTOOLS_SCM_PRETEND_VERSION_FOR_FSDP_SHIM": __version__}
-    build = [*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(work), str(source)]
+    uv = shutil.which("uv", path=os.path.dirname(sys.executable)) or shutil.which("uv")
+    build = [uv, "build", "-q", "--wheel", "--python", sys.executable, "--out-dir", str(work), str(source)]
+    if uv is None:  # pip builds it too, in an isolated environment of its own (the build backend from the index)
+        build = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", "wheel", "--no-deps", "-w"]
+        build += [str(work), str(source)]
     subprocess.run(build, check=True, env=env)
     return next(work.glob("fsdp_shim-*.whl"))
 
