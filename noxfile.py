@@ -385,8 +385,9 @@ def tests_python_3_9(session: nox.Session) -> None:
     """The oldest Python of ``requires-python``, with the runtime dependencies at their floors (uv's
     lowest-direct resolution of the wheel): the floors in pyproject.toml are the ones this session ran."""
     _, wheel = distributions(session)
-    session.install(COMPILE, "--resolution", "lowest-direct", str(wheel))
-    session.install(COMPILE, *test_tools())  # keeps the floors: each satisfies what the test tools ask for
+    runtime = nox.project.load_toml(ROOT / "pyproject.toml")["project"]["dependencies"]
+    session.install(COMPILE, "--resolution", "lowest-direct", str(wheel), *runtime)  # direct: at their floors
+    session.install(COMPILE, "pip", *test_tools())  # keeps the floors: the tools accept them (pip: the tests')
     check = (
         "import sys\nfrom importlib.metadata import version\nfrom packaging.version import Version\n"
         f"floors = {runtime_floors()!r}\n"
@@ -412,12 +413,12 @@ def sdist(session: nox.Session) -> None:
     with tarfile.open(archive) as tar:
         tar.extractall(unpacked, filter="data")
     folder = unpacked / archive.name.removesuffix(".tar.gz")
-    session.install(COMPILE, str(folder), *test_tools())
+    session.install(COMPILE, str(folder), "pip", *test_tools())  # pip: the tests run it
     version = archive.name.removesuffix(".tar.gz").split("-", 1)[1]
     check = f"from _fsdp_shim._version import __version__ as v; print('installed:', v); assert v == {version!r}, v"
     session.run("python", "-I", "-c", check)
     session.chdir(folder)
-    session.run("pytest", "--collect-only", "-q", "-p", "no:cacheprovider")
+    session.run("pytest", "--collect-only", "-qq", "-p", "no:cacheprovider")
     run_no_torch_tests(session)
 
 

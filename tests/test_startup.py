@@ -159,7 +159,7 @@ def test_the_module_every_interpreter_imports_runs_almost_nothing_at_import() ->
     assert not [node for node in body if isinstance(node, ast.ImportFrom)]
     assert "__getattr__" in [node.name for node in body if isinstance(node, ast.FunctionDef)]
     assert startup.FSDPShimWarning is startup.FSDPShimWarning and issubclass(startup.FSDPShimWarning, RuntimeWarning)
-    top_level = [node for node in body if not isinstance(node, ast.FunctionDef | ast.ClassDef)]
+    top_level = [node for node in body if not isinstance(node, (ast.FunctionDef, ast.ClassDef))]
     assert not [node for statement in top_level for node in ast.walk(statement) if isinstance(node, ast.Call)]
     assert ast.unparse(last) == "if __name__ == COPY_NAME:\n    arm('startup file')"
 
@@ -313,11 +313,12 @@ def user_sitecustomize(tmp_path: Path, request: pytest.FixtureRequest) -> tuple[
     extra.mkdir()
     (extra / "site_extra_module.py").write_text("VALUE = 1\n")
     # One line per run: (pid, command line). `fsdp-shim run` execs, so the launcher and the command
-    # share a pid and differ in their command line; a process that ran it twice repeats a line.
+    # share a pid and differ in their command line; a process that ran it twice repeats a line. The
+    # command line from /proc: Python 3.9 has no sys.orig_argv.
     body = (
         "import os, sys\n"
         f"with open({str(counter)!r}, 'a') as f:\n"
-        "    f.write(f'{os.getpid()} {sys.orig_argv!r}\\n')\n"
+        "    f.write(f'{os.getpid()} {open(\"/proc/self/cmdline\").read().split(chr(0))!r}\\n')\n"
         f"sys.path.insert(0, {str(extra)!r})\n"
         "USER_MARKER = 'the user sitecustomize'\n"
     )
