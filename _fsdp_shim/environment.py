@@ -4,6 +4,7 @@ has a fresh interpreter import Lightning as a training script does, to show what
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -31,7 +32,7 @@ from _fsdp_shim.config import (
     strict_state,
     valid_switch_values,
 )
-from _fsdp_shim.distributions import describe_import_failure, distribution_of, namespaces_of
+from _fsdp_shim.distributions import describe_import_failure, distribution_of, installed_packages, namespaces_of
 from _fsdp_shim.run import BOOTSTRAP_DIRECTORY, bootstrap_on_pythonpath
 
 PYTHON_CHECK = Path(__file__).resolve().parent / "children" / "python_check.py"  # run by its path
@@ -68,6 +69,21 @@ def _installed_lightning() -> list[dict[str, Any]]:
         facts = {"distribution": distribution, "version": version, "affected": affected, "fixes": verdicts}
         rows += [{"namespace": namespace, **facts, "verdict": verdict} for namespace in namespaces_of(package)]
     return sorted(rows, key=lambda row: row["namespace"])
+
+
+def _nothing_to_patch() -> bool:
+    """Neither torch nor a Lightning package is importable beside this fsdp-shim: an isolated install (pipx,
+    ``uv tool``), which no training process imports from. Looked up, not imported."""
+    return not installed_packages() and importlib.util.find_spec("torch") is None
+
+
+NOTHING_TO_PATCH = (
+    "NOTHING TO PATCH HERE: neither torch nor Lightning is installed beside this fsdp-shim ({python}): an "
+    "isolated install (pipx, `uv tool`) cannot reach your training. Install fsdp-shim into the environment that "
+    "runs the training instead (`pip install fsdp-shim` there), and run `fsdp-shim status` with its Python."
+)
+"""status's last line where ``nothing_to_patch`` holds, in place of "OK": nothing disagrees, but nothing here is
+what the shim is for (exit code 0, as PROBLEM lines alone set 1)."""
 
 
 def _check_toggles(report: Report) -> None:
@@ -236,6 +252,8 @@ def _armed_lines(report: Report) -> list[str]:
     if report["armed"]["state"] == "armed":
         scope = "every Python of this environment" if by == [INSTALL] else "every Python started from here"
         return [f"Shim: ARMED in {scope}, by:", *table(sources)]
+    if report["nothing_to_patch"] and shim_state() != "on":
+        return ["Shim: NOT ARMED, and there is nothing to arm it for: no torch, no Lightning here (see below)."]
     ways = [(f"{SHIM_VARIABLE}=1 python train.py", "one command and every process it starts")]
     if not env.get("read"):
         ways = []  # this interpreter reads no fsdp_shim_env.pth: the variable alone arms nothing
@@ -266,6 +284,7 @@ def collect(python_check: bool = False) -> Report:
             for fix in FIXES
         ],
         "lightning": _installed_lightning(),
+        "nothing_to_patch": _nothing_to_patch(),  # an isolated install (pipx, `uv tool`): NOTHING_TO_PATCH
         "armed": {},  # whether a Python started from this shell arms the shim, and by what
         "child": None,
         "problems": [],
@@ -285,6 +304,8 @@ def render(report: Report) -> str:
     lines += [*_armed_lines(report), ""]
     off = _switched_off()
     unset = {SHIM_VARIABLE: "1 arms the shim, 0 switches it off", STRICT_VARIABLE: "strict mode off"}
+    if report["nothing_to_patch"]:
+        unset[SHIM_VARIABLE] = "nothing to arm here"
     shipped = {SHIM_VARIABLE: " (the shim is OFF: Lightning runs as shipped)"} if off else {}
     for name, value in report["toggles"].items():
         if value is not None:
@@ -326,5 +347,7 @@ def render(report: Report) -> str:
                 lines.append(f"  {namespace['namespace']:<18} {namespace['version'] or '-':<10} {namespace['reason']}")
     lines.append("")
     ok = "OK: no problem found" + (f"; the shim is OFF ({off}), so nothing is patched" if off else "")
+    if report["nothing_to_patch"]:
+        ok = NOTHING_TO_PATCH.format(python=report["python"])
     lines += [f"PROBLEM: {p}" for p in report["problems"]] or [ok]
     return "\n".join(lines)
