@@ -345,8 +345,11 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "format", "--check", ".")
     session.run("mypy")
     session.run("validate-pyproject", "pyproject.toml")
-    workflows = sorted(str(path) for path in (ROOT / ".github" / "workflows").glob("*.yml"))
+    github = ROOT / ".github"
+    workflows = sorted(str(path) for path in (github / "workflows").glob("*.yml"))
     session.run("check-jsonschema", "--builtin-schema", "vendor.github-workflows", *workflows)
+    forms = sorted(str(path) for path in (github / "ISSUE_TEMPLATE").glob("*.yml") if path.name != "config.yml")
+    session.run("check-jsonschema", "--builtin-schema", "vendor.github-issue-forms", *forms)
     distributions(session)
 
 
