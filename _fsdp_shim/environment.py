@@ -34,7 +34,7 @@ from _fsdp_shim.config import (
     strict_state,
     valid_switch_values,
 )
-from _fsdp_shim.distributions import describe_import_failure, distribution_of, namespaces_of
+from _fsdp_shim.distributions import describe_import_failure, distribution_of, installed_packages, namespaces_of
 from _fsdp_shim.run import BOOTSTRAP_DIRECTORY, bootstrap_on_pythonpath
 
 PYTHON_CHECK = Path(__file__).resolve().parent / "children" / "python_check.py"  # run by its path
@@ -112,10 +112,10 @@ def _still_needed(lightning: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def _recompute_needed() -> dict[str, Any]:
     """Whether torch's checkpoint here restores the forward's default dtype itself, path by path (docs/upstream.md)."""
     torch = _torch()
-    if torch is None or torch[1] is None:
-        what = "no torch in this environment" if torch is None else f"torch {torch[0]} has no torch/utils/checkpoint.py"
+    version, file = torch if torch is not None else (None, None)
+    if file is None:
+        what = f"torch {version} has no torch/utils/checkpoint.py" if version else "no torch in this environment"
         return {"needed": None, "why": f"cannot tell: {what}"}
-    version, file = torch
     try:
         own = recompute_check.restored_in_file(file)
     except (OSError, SyntaxError, ValueError) as error:
@@ -135,6 +135,21 @@ def _recompute_needed() -> dict[str, Any]:
 
 def _and(names: list[str]) -> str:
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def _nothing_to_patch() -> bool:
+    """Neither torch nor a Lightning package is importable beside this fsdp-shim: an isolated install (pipx,
+    ``uv tool``), which no training process imports from. Looked up, not imported."""
+    return not installed_packages() and importlib.util.find_spec("torch") is None
+
+
+NOTHING_TO_PATCH = (
+    "NOTHING TO PATCH HERE: neither torch nor Lightning is installed beside this fsdp-shim ({python}): an "
+    "isolated install (pipx, `uv tool`) cannot reach your training. Install fsdp-shim into the environment that "
+    "runs the training instead (`pip install fsdp-shim` there), and run `fsdp-shim status` with its Python."
+)
+"""status's last line where ``nothing_to_patch`` holds, in place of "OK": nothing disagrees, but nothing here is
+what the shim is for (exit code 0, as PROBLEM lines alone set 1)."""
 
 
 def _check_toggles(report: Report) -> None:
@@ -303,6 +318,8 @@ def _armed_lines(report: Report) -> list[str]:
     if report["armed"]["state"] == "armed":
         scope = "every Python of this environment" if by == [INSTALL] else "every Python started from here"
         return [f"Shim: ARMED in {scope}, by:", *table(sources)]
+    if report["nothing_to_patch"] and shim_state() != "on":
+        return ["Shim: NOT ARMED, and there is nothing to arm it for: no torch, no Lightning here (see below)."]
     ways = [(f"{SHIM_VARIABLE}=1 python train.py", "one command and every process it starts")]
     if not env.get("read"):
         ways = []  # this interpreter reads no fsdp_shim_env.pth: the variable alone arms nothing
@@ -334,6 +351,7 @@ def collect(python_check: bool = False) -> Report:
         ],
         "lightning": _installed_lightning(),
         "still_needed": {},  # per fix: whether this environment needs it, and why
+        "nothing_to_patch": _nothing_to_patch(),  # an isolated install (pipx, `uv tool`): NOTHING_TO_PATCH
         "armed": {},  # whether a Python started from this shell arms the shim, and by what
         "child": None,
         "problems": [],
@@ -354,6 +372,8 @@ def render(report: Report) -> str:
     lines += [*_armed_lines(report), ""]
     off = _switched_off()
     unset = {SHIM_VARIABLE: "1 arms the shim, 0 switches it off", STRICT_VARIABLE: "strict mode off"}
+    if report["nothing_to_patch"]:
+        unset[SHIM_VARIABLE] = "nothing to arm here"
     shipped = {SHIM_VARIABLE: " (the shim is OFF: Lightning runs as shipped)"} if off else {}
     for name, value in report["toggles"].items():
         if value is not None:
@@ -398,5 +418,7 @@ def render(report: Report) -> str:
                 lines.append(f"  {namespace['namespace']:<18} {namespace['version'] or '-':<10} {namespace['reason']}")
     lines.append("")
     ok = "OK: no problem found" + (f"; the shim is OFF ({off}), so nothing is patched" if off else "")
+    if report["nothing_to_patch"]:
+        ok = NOTHING_TO_PATCH.format(python=report["python"])
     lines += [f"PROBLEM: {p}" for p in report["problems"]] or [ok]
     return "\n".join(lines)

@@ -51,9 +51,9 @@ def confirm_every_rank(namespace: str, dtype: Any, joined_here: bool = False) ->
         return
     group, store, rank, world_size = found
     with _lock:
-        for failed, error in _failed:
+        for failed, error in _failed:  # type: ignore[misc]  # the name the except above deleted, reused
             if failed is group:
-                raise error
+                raise error  # type: ignore[misc]
         if any(checked is group for checked in _checked):
             return
         _checked.append(group)
@@ -89,7 +89,7 @@ def process_group_exists() -> bool:
 
 def _process_group() -> tuple[Any, Any, int, int] | None:
     """The default group, its store, this rank and the world size; ``None`` outside a multi-rank job."""
-    dist = sys.modules.get("torch.distributed")
+    dist: Any = sys.modules.get("torch.distributed")
     if not process_group_exists() or dist.get_world_size() < 2:
         return None
     c10d = dist.distributed_c10d

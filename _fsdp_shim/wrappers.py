@@ -143,7 +143,7 @@ class WrapperState:
             return wrapped(*args, **kwargs)
 
 
-class ShimWrapper(wrapt.FunctionWrapper):
+class ShimWrapper(wrapt.FunctionWrapper):  # type: ignore[name-defined]  # wrapt's stubs: 3.10+
     """The only kind of wrapper fsdp-shim puts on a class: ``ShimWrapper(function, state.run, enabled=state)``."""
 
     @property

@@ -9,6 +9,7 @@ import importlib.util
 import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -480,6 +481,14 @@ class Venv:
         return run_command([self.python, *args], env=env or clean_env(), cwd=cwd, check=check)
 
 
+def base_interpreter() -> str:
+    """The interpreter this virtual environment was made from, which reads a user site: Python 3.9's
+    ``sys._base_executable`` in a venv is the venv's own interpreter."""
+    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    candidate = Path(sys.base_prefix) / "bin" / version
+    return str(candidate) if candidate.is_file() else getattr(sys, "_base_executable", sys.executable)
+
+
 def site_packages_of(python: str) -> Path:
     code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
     return Path(subprocess.check_output([python, "-c", code], text=True).strip())
@@ -497,19 +506,31 @@ def make_venv(root: Path, paths: list[str] | None = None) -> Venv:
 
 @pytest.fixture(scope="session")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A wheel of this checkout, built from a copy (a build writes build/ and *.egg-info where it runs)."""
+    """A wheel of this checkout, built from a copy of its files (a build writes _fsdp_shim/_version.py where it
+    runs), with the version the checkout's own build wrote: the copy has no git history to read it from. In an
+    unpacked sdist (the sdist session), from a copy of the whole folder, as a packager builds it."""
     work = tmp_path_factory.mktemp("wheel")
     source = work / "source"
-    listing = ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"]
-    files = subprocess.run(listing, cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
-    for name in filter(None, files):
-        path = ROOT / os.fsdecode(name)
-        if path.is_file():
-            target = source / os.fsdecode(name)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(path.read_bytes())
-    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(work), str(source)], check=True)
+    if (ROOT / "PKG-INFO").is_file():
+        shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns("__pycache__"))
+    else:
+        listing = ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"]
+        files = subprocess.run(listing, cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
+        for name in filter(None, files):
+            path = ROOT / os.fsdecode(name)
+            if path.is_file():
+                target = source / os.fsdecode(name)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(path.read_bytes())
+    from _fsdp_shim._version import __version__
+
+    env = {**os.environ, "SETUPTOOLS_SCM_PRETEND_VERSION": __version__}
+    uv = shutil.which("uv", path=os.path.dirname(sys.executable)) or shutil.which("uv")
+    build = [uv, "build", "-q", "--wheel", "--python", sys.executable, "--out-dir", str(work), str(source)]
+    if uv is None:  # pip builds it too, in an isolated environment of its own (the build backend from the index)
+        build = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", "wheel", "--no-deps", "-w"]
+        build += [str(work), str(source)]
+    subprocess.run(build, check=True, env=env)
     return next(work.glob("fsdp_shim-*.whl"))
 
 
@@ -525,7 +546,9 @@ class PipVenv(Venv):
         outer = [str(ROOT / p) for p in paths] + [sysconfig.get_paths()["purelib"]]
         self.paths_file.write_text("".join(f"{p}\n" for p in outer))
         self.before = sorted(p.name for p in self.site_packages.iterdir())
-        self.pip("install", "--no-deps", "--no-index", str(wheel))
+        # --ignore-installed: the outer environment's fsdp-shim (editable, or the session's wheel) has this
+        # version too, and pip would skip the wheel as "already installed with the same version".
+        self.pip("install", "--no-deps", "--no-index", "--ignore-installed", str(wheel))
 
     def pip(self, *args: str) -> None:
         subprocess.run([self.python, "-m", "pip", "--disable-pip-version-check", "-q", *args], check=True)

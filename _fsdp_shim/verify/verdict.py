@@ -34,7 +34,7 @@ class Section:
     shim_off_error: str | None = None  # the traceback of a user's model that raised without the shim
 
 
-def fix_entries(states: dict[str, dict[str, Any]], verdicts: dict[str, tuple[str, str]]) -> list[dict[str, Any]]:
+def fix_entries(states: dict[str, dict[str, Any]], verdicts: dict[str, tuple[str | None, str]]) -> list[dict[str, Any]]:
     """Per fix: its verdict (``None`` where not checked), reason, and ``shim``: its ``FixStatus`` read in a probe.
     A fix the shim says is not in effect on this torch is ``FAILED`` with that reason, checked or not."""
     rows = [(fix.name, *verdicts.get(fix.name, (None, NOT_CHECKED))) for fix in FIXES]
