@@ -315,11 +315,114 @@ for _name, _other in OTHER_TORCH.items():
         run_matrix_session(session, _name, python=str(Path(session.virtualenv.bin) / "python"))
 
 
+DIST_DIR = ROOT / "build" / "dist"
+"""Where the lint session builds the sdist and wheel, once per nox run: the sessions after it use those."""
+_distributions: list[Path] = []
+
+
+def distributions(session: nox.Session) -> tuple[Path, Path]:
+    """The sdist and wheel of this checkout, built once per nox run (``uv build``: the wheel from the sdist, as
+    ``python -m build`` does) and checked as the index checks an upload: ``twine check --strict`` renders
+    the README, ``check-wheel-contents`` reads the wheel's files (its list of top-level names: pyproject.toml)."""
+    if not _distributions:
+        session.run("rm", "-rf", str(DIST_DIR), external=True)
+        session.run(
+            "uv", "build", "-q", "--python", sys.executable, "--out-dir", str(DIST_DIR), str(ROOT), external=True
+        )
+        sdist, wheel = next(DIST_DIR.glob("*.tar.gz")), next(DIST_DIR.glob("*.whl"))
+        session.run("twine", "check", "--strict", str(sdist), str(wheel), external=True)
+        session.run("check-wheel-contents", str(wheel), external=True)
+        _distributions.extend([sdist, wheel])
+    return _distributions[0], _distributions[1]
+
+
 @nox.session
 @timed
 def lint(session: nox.Session) -> None:
+    """The linter, the type checker on the package (pyproject.toml's [tool.mypy]), the metadata and the
+    workflows against their schemas, and the sdist and wheel built and checked as the index checks them."""
     session.run("ruff", "check", ".")
     session.run("ruff", "format", "--check", ".")
+    session.run("mypy")
+    session.run("validate-pyproject", "pyproject.toml")
+    github = ROOT / ".github"
+    workflows = sorted(str(path) for path in (github / "workflows").glob("*.yml"))
+    session.run("check-jsonschema", "--builtin-schema", "vendor.github-workflows", *workflows)
+    forms = sorted(str(path) for path in (github / "ISSUE_TEMPLATE").glob("*.yml") if path.name != "config.yml")
+    session.run("check-jsonschema", "--builtin-schema", "vendor.github-issue-forms", *forms)
+    distributions(session)
+
+
+def runtime_floors() -> dict[str, str]:
+    """Each runtime dependency's lowest allowed release, from pyproject.toml (``wrapt>=1.14,...`` -> ``1.14``)."""
+    from packaging.requirements import Requirement
+
+    floors = {}
+    for spec in nox.project.load_toml(ROOT / "pyproject.toml")["project"]["dependencies"]:
+        requirement = Requirement(spec)
+        floors[requirement.name] = next(s.version for s in requirement.specifier if s.operator == ">=")
+    return floors
+
+
+def test_tools() -> list[str]:
+    """``.ci/requirements-test.txt`` less Lightning's dependencies (torchmetrics would resolve a torch)."""
+    lines = (ROOT / ".ci" / "requirements-test.txt").read_text().splitlines()
+    return [line for line in lines if line.strip() and not line.startswith(("#", "-r"))]
+
+
+NO_TORCH_TESTS = ["tests/test_startup.py", "tests/test_cli.py", "tests/test_install.py"]
+"""What the sessions of another Python run, with no torch and no Lightning: every way the shim is armed at
+start-up, the command, and what pip, uv and ``fsdp-shim install`` put into an environment and take out."""
+
+
+def run_no_torch_tests(session: nox.Session) -> None:
+    """``pytest``, not ``python -m pytest``: the current folder is not on ``sys.path``, so the tests import the
+    package as installed in the session's environment."""
+    tests = session.posargs or NO_TORCH_TESTS
+    session.run("pytest", "-n", "2", "-q", "-p", "no:cacheprovider", *tests, env={"FSDP_SHIM_TEST_SCOPE": "all"})
+
+
+@nox.session(name="tests-python-3.9", venv_backend="uv", python=find_python("3.9"))
+@timed
+def tests_python_3_9(session: nox.Session) -> None:
+    """The oldest Python of ``requires-python``, with the runtime dependencies at their floors (uv's
+    lowest-direct resolution of the wheel): the floors in pyproject.toml are the ones this session ran."""
+    _, wheel = distributions(session)
+    runtime = nox.project.load_toml(ROOT / "pyproject.toml")["project"]["dependencies"]
+    session.install(COMPILE, "--resolution", "lowest-direct", str(wheel), *runtime)  # direct: at their floors
+    session.install(COMPILE, "pip", *test_tools())  # keeps the floors: the tools accept them (pip: the tests')
+    check = (
+        "import sys\nfrom importlib.metadata import version\nfrom packaging.version import Version\n"
+        f"floors = {runtime_floors()!r}\n"
+        "found = {name: version(name) for name in floors}\nprint('runtime dependencies:', found)\n"
+        "assert all(Version(found[name]) == Version(floor) for name, floor in floors.items()), (found, floors)\n"
+        "assert sys.version_info[:2] == (3, 9), sys.version\n"
+    )
+    session.run("python", "-I", "-c", check)
+    run_no_torch_tests(session)
+
+
+@nox.session(name="sdist", venv_backend="uv", python=find_python("3.13"))
+@timed
+def sdist(session: nox.Session) -> None:
+    """What a packager does with the sdist, on the newest Python here: unpack it, ``pip install`` the folder
+    into a fresh environment, collect every test from the folder and run those that need neither torch nor
+    Lightning (the release workflow runs this before it publishes)."""
+    import tarfile
+
+    archive, _ = distributions(session)
+    unpacked = ROOT / "build" / "sdist"
+    session.run("rm", "-rf", str(unpacked), external=True)
+    with tarfile.open(archive) as tar:
+        tar.extractall(unpacked, filter="data")
+    folder = unpacked / archive.name.removesuffix(".tar.gz")
+    session.install(COMPILE, str(folder), "pip", *test_tools())  # pip: the tests run it
+    version = archive.name.removesuffix(".tar.gz").split("-", 1)[1]
+    check = f"from _fsdp_shim._version import __version__ as v; print('installed:', v); assert v == {version!r}, v"
+    session.run("python", "-I", "-c", check)
+    session.chdir(folder)
+    session.run("pytest", "--collect-only", "-qq", "-p", "no:cacheprovider")
+    run_no_torch_tests(session)
 
 
 @nox.session(name="compat-table")
@@ -392,7 +495,14 @@ def docs(session: nox.Session) -> None:
     session.run(python, checker, str(site), "--markdown", "README.md", "--screenshots", screenshots, external=True)
 
 
-nox.options.sessions = ["lint", *(f"tests-{name}" for name in MATRIX), "compat-table", "docs"]
+nox.options.sessions = [
+    "lint",
+    *(f"tests-{name}" for name in MATRIX),
+    "tests-python-3.9",
+    "sdist",
+    "compat-table",
+    "docs",
+]
 
 
 # ----------------------------------------------------------------------------- real cluster launchers

@@ -4,7 +4,8 @@ Importing ``_fsdp_shim`` or any module in it activates nothing; ``import fsdp_sh
 ``import ddtrace.auto`` does and ``import ddtrace`` does not). This ``__init__`` is what every armed
 interpreter imports, so it imports only ``sys`` and holds only what must exist before Lightning: the
 switch parser, the namespace table, the warning class, one finder and one ``arm()``, which every way
-of activating calls (``fsdp_shim_env.pth`` where ``FSDP_SHIM`` is set, the copy ``fsdp-shim install``
+of activating calls (``fsdp_shim_env.pth`` where ``FSDP_SHIM`` is set and not blank, or on Python 3.15+ its
+PEP 829 companion ``fsdp_shim_env.start`` through ``arm_if_switched_on``; the copy ``fsdp-shim install``
 writes, ``fsdp-shim run``'s ``sitecustomize``, ``import fsdp_shim``).
 
 The finder answers for the four Lightning namespaces only. CPython holds its global import lock while
@@ -47,9 +48,9 @@ ALREADY_IMPORTED = "(imported before the shim was armed)"
 
 ARMED_BY = []
 """How this copy of the finder was armed in this process, in order (``fsdp_shim.status().sources``)."""
-_handed = {}
+_handed = {}  # type: dict[str, object]
 """Namespace name -> the module object handed over (a namespace imported again is a new object)."""
-_inert = []
+_inert = []  # type: list[BaseException]
 """Non-empty once a hand-over found a package it does not match: the finder then stays out of the way."""
 _asking = {}
 """Names (keys) the finder is asking the finders after it about: another finder that asks every finder (an
@@ -95,6 +96,17 @@ def arm(source=ENVIRONMENT_SOURCE):
     _hand_over_all(not_handed_over(), ALREADY_IMPORTED)
 
 
+def arm_if_switched_on():
+    """``fsdp_shim_env.start``'s entry point, which Python 3.15+ calls at every start in place of the import
+    line of ``fsdp_shim_env.pth`` (PEP 829): arm where ``FSDP_SHIM`` is set and not blank, as that line does.
+    Set to ``0`` or an unreadable value it arms too: the hand-over reads the switch again at Lightning's
+    import, so a script can still switch the shim on or off before it, and an unreadable value is said."""
+    import os
+
+    if switch_state(os.environ.get(SHIM_VARIABLE)) != "unset":
+        arm()
+
+
 def fsdp_shim_finder(name, path=None, target=None):
     """The finder, a function that is its own ``find_spec``. It answers for a namespace, and for any
     import once a namespace finished executing without it (a finder in front of it loaded it)."""
@@ -116,7 +128,7 @@ def fsdp_shim_finder(name, path=None, target=None):
         _asking.pop(name, None)
 
 
-fsdp_shim_finder.find_spec = fsdp_shim_finder
+fsdp_shim_finder.find_spec = fsdp_shim_finder  # type: ignore[attr-defined]  # a finder that is a function
 
 
 def _observe(loader, name):

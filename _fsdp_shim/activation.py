@@ -59,6 +59,7 @@ def activate() -> bool:
     for name in NAMESPACES:  # and what was handed over before a deactivate()
         if getattr(getattr(sys.modules.get(name), "__spec__", None), "_initializing", True) is False:
             _patch(name)
+    _check_again()
     return True
 
 
@@ -226,8 +227,26 @@ def _warn_about_models_already_wrapped(name: str) -> None:
 
 
 # ----------------------------------------------------------------------------- status
+def _check_again() -> None:
+    """Run again a check of a fix that could not run where it ran first (``wrappers.recheck``)."""
+    wrappers = sys.modules.get("_fsdp_shim.wrappers")
+    if wrappers is not None and wrappers.has_unsettled_checks():
+        try:
+            wrappers.recheck()
+        except (failures.FSDPShimError, Warning):
+            raise
+        except Exception as error:
+            failures.report(
+                f"fsdp-shim: internal error while checking a fix again ({type(error).__name__}: {error})",
+                "see fsdp_shim.status() for what is in effect",
+                key="internal:recheck",
+                cause=error,
+            )
+
+
 def status() -> ShimStatus:
     """Per namespace and per fix: version, affected or not, patched or not, and why."""
+    _check_again()
     on = enabled()
     skipped, _ = config.disabled_fixes()
     variables = (SHIM_VARIABLE, STRICT_VARIABLE, DISABLED_FIXES_VARIABLE, RANK_CHECK_TIMEOUT_VARIABLE)

@@ -22,10 +22,8 @@ def installed_packages() -> list[str]:
 
 def distribution_of(package: str) -> tuple[str, str] | None:
     """``(distribution, version)`` that provides ``package``, from metadata (so also where its import fails)."""
-    try:
-        names = metadata.packages_distributions().get(package, [])
-    except AttributeError:  # Python 3.9
-        names = [package.replace("_", "-")]
+    packages_distributions = getattr(metadata, "packages_distributions", None)  # Python 3.10+
+    names = packages_distributions().get(package, []) if packages_distributions else [package.replace("_", "-")]
     for name in names:
         with contextlib.suppress(metadata.PackageNotFoundError):
             return name, metadata.version(name)

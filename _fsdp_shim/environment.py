@@ -4,6 +4,7 @@ has a fresh interpreter import Lightning as a training script does, to show what
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -14,14 +15,16 @@ from pathlib import Path
 from typing import Any
 
 import _fsdp_shim
-from _fsdp_shim import startup_files
+from _fsdp_shim import recompute_check, startup_files
 from _fsdp_shim._version import __version__
 from _fsdp_shim.config import (
+    CAST,
     DISABLED_FIXES_VARIABLE,
     FIXES,
     LIGHTNING_PACKAGES,
     LOG_VARIABLE,
     RANK_CHECK_TIMEOUT_VARIABLE,
+    RECOMPUTE,
     SHIM_VARIABLE,
     STRICT_VARIABLE,
     disabled_fixes,
@@ -31,7 +34,7 @@ from _fsdp_shim.config import (
     strict_state,
     valid_switch_values,
 )
-from _fsdp_shim.distributions import describe_import_failure, distribution_of, namespaces_of
+from _fsdp_shim.distributions import describe_import_failure, distribution_of, installed_packages, namespaces_of
 from _fsdp_shim.run import BOOTSTRAP_DIRECTORY, bootstrap_on_pythonpath
 
 PYTHON_CHECK = Path(__file__).resolve().parent / "children" / "python_check.py"  # run by its path
@@ -68,6 +71,85 @@ def _installed_lightning() -> list[dict[str, Any]]:
         facts = {"distribution": distribution, "version": version, "affected": affected, "fixes": verdicts}
         rows += [{"namespace": namespace, **facts, "verdict": verdict} for namespace in namespaces_of(package)]
     return sorted(rows, key=lambda row: row["namespace"])
+
+
+def _torch() -> tuple[str, Path | None] | None:
+    """This environment's torch version and its ``torch/utils/checkpoint.py``, found, not imported."""
+    found = distribution_of("torch")
+    if found is None:
+        return None
+    try:
+        spec = importlib.util.find_spec("torch")
+    except (ImportError, ValueError):
+        spec = None
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    files = [Path(folder, "utils", "checkpoint.py") for folder in folders]
+    return found[1], next((file for file in files if file.is_file()), None)
+
+
+def _still_needed(lightning: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per fix, whether this environment needs it (``needed``: True, False, or None where it cannot tell) and why:
+    the cast from the Lightning releases installed, the recompute from them and from torch's checkpoint code."""
+    releases = [f"{row['namespace']} {row['version']}" for row in lightning]
+    if not releases:
+        return {fix.name: {"needed": None, "why": "no Lightning in this environment"} for fix in FIXES}
+    lacking = {
+        fix.name: [f"{r['namespace']} {r['version']}" for r in lightning if fix.affects(r["version"])] for fix in FIXES
+    }
+    answers = {}
+    if lacking[CAST.name]:
+        later = "it can go once every environment runs Lightning 2.5.0 or later"
+        answers[CAST.name] = {"needed": True, "why": f"{_and(lacking[CAST.name])} lack it; {later}"}
+    else:
+        answers[CAST.name] = {"needed": False, "why": f"every Lightning here has it or needs none ({_and(releases)})"}
+    if lacking[RECOMPUTE.name]:
+        answers[RECOMPUTE.name] = _recompute_needed()
+    else:
+        answers[RECOMPUTE.name] = {"needed": False, "why": "no Lightning here has 'true' precisions for FSDP"}
+    return answers
+
+
+def _recompute_needed() -> dict[str, Any]:
+    """Whether torch's checkpoint here restores the forward's default dtype itself, path by path (docs/upstream.md)."""
+    torch = _torch()
+    version, file = torch if torch is not None else (None, None)
+    if file is None:
+        what = f"torch {version} has no torch/utils/checkpoint.py" if version else "no torch in this environment"
+        return {"needed": None, "why": f"cannot tell: {what}"}
+    try:
+        own = recompute_check.restored_in_file(file)
+    except (OSError, SyntaxError, ValueError) as error:
+        return {"needed": None, "why": f"cannot tell: {file} cannot be read ({error})"}
+    paths = (recompute_check.REENTRANT, recompute_check.NON_REENTRANT, recompute_check.COMPOSABLE)
+    left = [path for path in paths if path not in own]
+    if not left:
+        return {"needed": False, "why": f"torch {version}'s checkpoint restores the default dtype itself (in {file})"}
+    which = f"the {_and(left)} checkpoint{'s' if len(left) > 1 else ''}"
+    return {
+        "needed": True,
+        "why": f"with activation checkpointing: no Lightning release restores the default dtype for a recompute, nor "
+        f"does torch {version}'s checkpoint for {which}; it can go once torch's does, or where you train without "
+        "activation checkpointing",
+    }
+
+
+def _and(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def _nothing_to_patch() -> bool:
+    """Neither torch nor a Lightning package is importable beside this fsdp-shim: an isolated install (pipx,
+    ``uv tool``), which no training process imports from. Looked up, not imported."""
+    return not installed_packages() and importlib.util.find_spec("torch") is None
+
+
+NOTHING_TO_PATCH = (
+    "NOTHING TO PATCH HERE: neither torch nor Lightning is installed beside this fsdp-shim ({python}): an "
+    "isolated install (pipx, `uv tool`) cannot reach your training. Install fsdp-shim into the environment that "
+    "runs the training instead (`pip install fsdp-shim` there), and run `fsdp-shim status` with its Python."
+)
+"""status's last line where ``nothing_to_patch`` holds, in place of "OK": nothing disagrees, but nothing here is
+what the shim is for (exit code 0, as PROBLEM lines alone set 1)."""
 
 
 def _check_toggles(report: Report) -> None:
@@ -236,6 +318,8 @@ def _armed_lines(report: Report) -> list[str]:
     if report["armed"]["state"] == "armed":
         scope = "every Python of this environment" if by == [INSTALL] else "every Python started from here"
         return [f"Shim: ARMED in {scope}, by:", *table(sources)]
+    if report["nothing_to_patch"] and shim_state() != "on":
+        return ["Shim: NOT ARMED, and there is nothing to arm it for: no torch, no Lightning here (see below)."]
     ways = [(f"{SHIM_VARIABLE}=1 python train.py", "one command and every process it starts")]
     if not env.get("read"):
         ways = []  # this interpreter reads no fsdp_shim_env.pth: the variable alone arms nothing
@@ -266,6 +350,8 @@ def collect(python_check: bool = False) -> Report:
             for fix in FIXES
         ],
         "lightning": _installed_lightning(),
+        "still_needed": {},  # per fix: whether this environment needs it, and why
+        "nothing_to_patch": _nothing_to_patch(),  # an isolated install (pipx, `uv tool`): NOTHING_TO_PATCH
         "armed": {},  # whether a Python started from this shell arms the shim, and by what
         "child": None,
         "problems": [],
@@ -274,6 +360,7 @@ def collect(python_check: bool = False) -> Report:
     _check_activations(report)
     _check_environment_file(report)
     report["armed"] = _armed(report)
+    report["still_needed"] = _still_needed(report["lightning"])
     if python_check:
         _check_child(report)
     report["consistent"] = not report["problems"]
@@ -285,6 +372,8 @@ def render(report: Report) -> str:
     lines += [*_armed_lines(report), ""]
     off = _switched_off()
     unset = {SHIM_VARIABLE: "1 arms the shim, 0 switches it off", STRICT_VARIABLE: "strict mode off"}
+    if report["nothing_to_patch"]:
+        unset[SHIM_VARIABLE] = "nothing to arm here"
     shipped = {SHIM_VARIABLE: " (the shim is OFF: Lightning runs as shipped)"} if off else {}
     for name, value in report["toggles"].items():
         if value is not None:
@@ -313,6 +402,9 @@ def render(report: Report) -> str:
     for row in report["lightning"]:
         lines.append(f"  {row['namespace']:<18} {row['version']}")
         lines += [f"    {name:<10} {verdict}" for name, verdict in row["fixes"].items()]
+    lines += ["", "Still needed here? (docs/removal.md)"]
+    answer = {True: "needed", False: "not needed", None: "unknown"}
+    lines += [f"  {name:<10} {answer[a['needed']]}: {a['why']}" for name, a in report["still_needed"].items()]
     if report["child"] is not None:
         lines += ["", "A fresh interpreter (imports Lightning, not fsdp_shim):"]
         if not report["child"]["shim_loaded"]:
@@ -326,5 +418,7 @@ def render(report: Report) -> str:
                 lines.append(f"  {namespace['namespace']:<18} {namespace['version'] or '-':<10} {namespace['reason']}")
     lines.append("")
     ok = "OK: no problem found" + (f"; the shim is OFF ({off}), so nothing is patched" if off else "")
+    if report["nothing_to_patch"]:
+        ok = NOTHING_TO_PATCH.format(python=report["python"])
     lines += [f"PROBLEM: {p}" for p in report["problems"]] or [ok]
     return "\n".join(lines)

@@ -167,6 +167,23 @@ def announce_once_on_rank_zero(key: str, message: str, *args: object) -> None:
         announce(message, *args)
 
 
+_confirmed = False
+"""Whether this process has said its confirmation line (read first: a pin asks on every recompute)."""
+
+
+def confirm(what: str) -> None:
+    """The confirmation line (docs/configuration.md, "Logging"): one line on rank zero, once per process, the
+    first time a fix changes something; what the job's own log shows of the shim. A run where nothing
+    applies (float32) says nothing."""
+    global _confirmed
+    if _confirmed:
+        return
+    from _fsdp_shim._version import __version__
+
+    _confirmed = True
+    announce_once_on_rank_zero("active", "fsdp-shim %s: active; %s", __version__, what)
+
+
 def warn_once_on_rank_zero(key: str, message: str, *args: object) -> None:
     """A WARNING record (on stderr even with no logging configured), once per key, on rank zero only."""
     if first_time(f"log:{key}") and process_rank() == 0:

@@ -40,7 +40,7 @@ def file_texts() -> dict[str, str]:
     """What this version writes at each name, in the order it writes them (``remove_files`` goes the other way),
     so a starting interpreter never finds the ``.pth`` without the module it imports."""
     try:  # through the loader, so that a zip import works too
-        source = _fsdp_shim.__loader__.get_source("_fsdp_shim")  # type: ignore[union-attr]
+        source = _fsdp_shim.__loader__.get_source("_fsdp_shim")
     except Exception as error:
         raise StartupFileError(f"cannot read the source of _fsdp_shim ({type(error).__name__}: {error})") from error
     if not source or "def fsdp_shim_finder" not in source:
@@ -127,7 +127,7 @@ def copy_imported_instead(directory: Path) -> Path | None:
     """The module that ``directory``'s ``.pth`` imports by name in place of a current copy (a missing copy by its
     path), or ``None``. ``site`` reads the ``.pth`` with only the entries before ``directory`` on ``sys.path``, and
     before ``sys.path[0]`` (the script's folder) is added."""
-    search_path = sys.path if sys.flags.safe_path else sys.path[1:]
+    search_path = sys.path if getattr(sys.flags, "safe_path", False) else sys.path[1:]  # -P: Python 3.11+
     position = [canonical(entry or os.curdir) for entry in search_path]
     own = canonical(directory)
     entries = search_path[: position.index(own) + 1] if own in position else [*search_path, str(directory)]

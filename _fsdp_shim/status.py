@@ -8,6 +8,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 NOT_IMPORTED = "not imported yet; it is checked when it is imported"
+NOT_NEEDED_ON_TORCH = "not needed on torch "
+"""How a fix's reason starts where the running torch has the fix itself (``recompute_check.restored_by_torch``)."""
 
 
 @dataclass(frozen=True)

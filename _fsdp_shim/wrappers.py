@@ -17,6 +17,7 @@ import importlib
 import inspect
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -64,6 +65,8 @@ class Target:
     body: Body
     shared: bool = False
     """Outside Lightning (torch): one wrapper for every namespace that needs the fix, removed with the last."""
+    path: str = ""
+    """Which of the fix's checked paths it serves (the recompute: a checkpoint kind); see ``Proof``."""
 
     def label(self, namespace: str) -> str:
         path = self.module if self.shared else f"{namespace}.{self.module}"
@@ -72,8 +75,28 @@ class Target:
 
 Plan = Callable[[str, str], tuple[Target, ...]]
 """``(namespace, version) -> targets``: what a fix wraps in one namespace of one release."""
-Proof = Callable[[], "str | None"]
-"""Shows that a fix works once its wrappers are on: ``None``, or what was found instead."""
+
+
+class NotNeeded(Exception):
+    """Raised by a plan where the environment has the fix itself (torch restores the default dtype): the
+    message says so, and nothing is wrapped."""
+
+
+@dataclass(frozen=True)
+class Finding:
+    """What a fix's check found for one path on the running torch."""
+
+    shown: bool
+    why: str = ""
+    """What was found instead (or, where shown without a wrapper, whose fix it is)."""
+    holds: bool = False
+    """Not shown because torch's call path differs: true of every later check on this torch (kept, and the
+    path's wrappers come off). Otherwise the check could not run here and is tried again later."""
+
+
+Proof = Callable[[frozenset[str]], "dict[str, Finding]"]
+"""Shows that a fix works once its wrappers are on: a ``Finding`` for every path of the running torch but
+those it is given (settled already)."""
 
 
 # ----------------------------------------------------------------------------- one wrapper
@@ -91,6 +114,7 @@ class WrapperState:
     """What the class dict held before (Lightning's function or another library's object), else ``None``."""
     inherited: bool
     shared: bool = False
+    path: str = ""
     composed_with: str | None = None
     """Set when ``original`` is another library's object where Lightning ships none."""
     on: bool = True
@@ -119,7 +143,7 @@ class WrapperState:
             return wrapped(*args, **kwargs)
 
 
-class ShimWrapper(wrapt.FunctionWrapper):
+class ShimWrapper(wrapt.FunctionWrapper):  # type: ignore[name-defined]  # wrapt's stubs: 3.10+
     """The only kind of wrapper fsdp-shim puts on a class: ``ShimWrapper(function, state.run, enabled=state)``."""
 
     @property
@@ -215,7 +239,9 @@ def _resolve(namespace: str, target: Target, fix: str) -> tuple[Any, bool]:
     if inherited:
         function = _inherited_at_call_time(owner, target.attribute, function)  # type: ignore[arg-type]
     original = None if inherited else own
-    state = WrapperState(fix, label, owner, target.attribute, target.body, original, inherited, target.shared)
+    state = WrapperState(
+        fix, label, owner, target.attribute, target.body, original, inherited, target.shared, target.path
+    )
     state.composed_with = describe(own) if target.inherited and not inherited else None
     return ShimWrapper(function, state.run, enabled=state), True
 
@@ -233,6 +259,30 @@ def _inherited_at_call_time(owner: type, attribute: str, found: Any) -> Callable
 
 # ----------------------------------------------------------------------------- one namespace, one fix
 @dataclass
+class _Check:
+    """One fix's check of one set of wrapped functions on the running torch, shared by every namespace's
+    record that holds them: it runs once per torch, not once per namespace. A path whose check could not run
+    (``Finding.holds`` false) is checked again: at the next ``recheck``, at most every ``backoff`` seconds
+    from a checkpoint call (doubling up to ``MAX_BACKOFF``), at once from ``activate()`` and ``status()``."""
+
+    fix: str
+    proof: Proof
+    findings: dict[str, Finding] = field(default_factory=dict)
+    ran: bool = False
+    retry_at: float = 0.0
+    backoff: float = 1.0
+
+    def settled(self) -> frozenset[str]:
+        return frozenset(path for path, found in self.findings.items() if found.shown or found.holds)
+
+    def unsettled(self) -> bool:
+        return not self.ran or any(not found.shown and not found.holds for found in self.findings.values())
+
+
+MAX_BACKOFF = 300.0
+
+
+@dataclass
 class _Record:
     module: Any
     """The namespace's module object when it was checked: another one in ``sys.modules`` now means it
@@ -244,13 +294,15 @@ class _Record:
     deactivated: bool = False
     disabled: bool = False
     """Whether ``FSDP_SHIM_DISABLED_FIXES`` named the fix when this was decided: a change is decided anew."""
+    check: _Check | None = None
 
 
 _records: dict[tuple[str, str], _Record] = {}
-_proofs: dict[tuple[tuple[Any, str, Any], ...], str | None] = {}
-"""What each proof found, per set of wrapped functions (the objects, not their ids, which are reused):
-it runs once per torch, not once per namespace."""
-_proof_lock = threading.Lock()
+_checks: dict[tuple[tuple[Any, str, Any], ...], _Check] = {}
+"""Per set of wrapped functions (the objects, not their ids, which are reused)."""
+_unsettled: set[int] = set()
+"""The ids of the checks with a path still to check: empty, a checkpoint call pays one lookup."""
+_proof_lock = threading.Lock()  # one check at a time; never taken by the check's own calls
 _retired: list[Any] = []
 """Wrappers on the classes of an earlier copy of a namespace (imported again since): ``unpatch``
 still restores those classes, which old objects may still use."""
@@ -262,7 +314,8 @@ def patch(namespace: str, fix: Fix, plan: Plan, *, disabled: bool = False, proof
     """Apply ``fix`` to an imported namespace whose release lacks it; leave any other alone. Idempotent:
     a namespace is checked once per copy of its classes, and again after ``unpatch``. A fix switched
     off (``disabled``) after it was patched is taken off, as ``unpatch`` does. Where ``proof`` is given
-    (a fix on private names of torch), the fix stays on only if it shows on this torch that it works."""
+    (a fix on private names of torch), each path's wrappers stay on only where it does not show that
+    torch's call path passes them by, and the fix says "in effect" only for the paths it has shown."""
     module = sys.modules.get(namespace)
     if module is None:
         return status(namespace, fix)
@@ -285,7 +338,10 @@ def patch(namespace: str, fix: Fix, plan: Plan, *, disabled: bool = False, proof
         decided.disabled = disabled
         _records[key] = decided
     if proof is not None and decided.reason == "patched":
-        _keep_if_proven(key, decided, proof)
+        found = tuple((w.shim_state.owner, w.shim_state.attribute, w.__wrapped__) for w in decided.wrappers)
+        with _lock:
+            decided.check = _checks.setdefault(found, _Check(fix.name, proof))
+        _run_check(decided.check, force=False)
     if decided.reason.startswith("not patched: "):
         version = decided.version or "(unknown version)"
         which = f" ({fix.name} fix)" if decided.affected else ""
@@ -297,31 +353,102 @@ def patch(namespace: str, fix: Fix, plan: Plan, *, disabled: bool = False, proof
     return status(namespace, fix)
 
 
-def _keep_if_proven(key: tuple[str, str], record: _Record, proof: Proof) -> None:
-    """Run ``proof`` once per set of wrapped functions; where it fails, take the wrappers off again (those
-    no other namespace's record holds), record why, and say it once for every namespace."""
-    found = tuple((w.shim_state.owner, w.shim_state.attribute, w.__wrapped__) for w in record.wrappers)
-    with _proof_lock:  # one check at a time: it switches the process's default dtype for its forwards
-        why = _proofs.get(found)
-        if found not in _proofs:
-            try:
-                why = _proofs[found] = proof()
-            except Exception as error:  # the check itself broke: nothing was shown (not kept: may pass later)
-                why = f"not in effect: its check failed ({type(error).__name__}: {error})"
-    if why is None:
+def has_unsettled_checks() -> bool:
+    return bool(_unsettled)
+
+
+def recheck(force: bool = True) -> None:
+    """Check again every path that could not be checked before (``_Check``); ``force`` ignores the backoff.
+    Called with ``force=False`` from inside the job's checkpoint calls: it never waits for another check."""
+    if not _unsettled:
         return
     with _lock:
-        still_used = _held_elsewhere(key)
-        for wrapper in reversed(record.wrappers):
-            if id(wrapper) not in still_used:
+        live = {id(r.check): r.check for r in _records.values() if r.check is not None and not r.deactivated}
+    for check in live.values():
+        if check.unsettled():
+            _run_check(check, force)
+
+
+def _run_check(check: _Check, force: bool) -> None:
+    """Run ``check`` for its unsettled paths (unless its backoff says not yet, or another check is running and
+    this call must not wait), then take off what torch's call path passes by."""
+    if _proof_lock.acquire(blocking=force or not check.ran):
+        try:
+            if check.unsettled() and (force or not check.ran or time.monotonic() >= check.retry_at):
+                _run(check)
+        finally:
+            _proof_lock.release()
+    _take_off_failed(check)
+
+
+def _run(check: _Check) -> None:
+    before = check.settled()
+    try:
+        check.findings.update(check.proof(before))
+    except Exception as error:  # the check itself broke: nothing was shown (may pass later)
+        paths = {w.shim_state.path for r in _records.values() if r.check is check for w in r.wrappers}
+        why = f"its check failed ({type(error).__name__}: {error})"
+        check.findings.update({path: Finding(False, why) for path in paths - before})
+    check.ran = True
+    if check.unsettled():
+        check.retry_at, check.backoff = time.monotonic() + check.backoff, min(2 * check.backoff, MAX_BACKOFF)
+        _unsettled.add(id(check))
+    else:
+        _unsettled.discard(id(check))
+
+
+def _take_off_failed(check: _Check) -> None:
+    """Take off the wrappers of every path torch's call path passes by, in every namespace that holds them
+    (one patched later too), and say so once (an error in strict mode)."""
+    failed = [path for path, found in check.findings.items() if found.holds]
+    if not failed:
+        return
+    with _lock:
+        for record in [r for r in _records.values() if r.check is check]:
+            for wrapper in [w for w in reversed(record.wrappers) if w.shim_state.path in failed]:
                 remove(wrapper)
-        record.wrappers, record.reason = [], why
-    fix = key[1]
+                record.wrappers.remove(wrapper)
     failures.report(
-        f"fsdp-shim: the {fix} fix is {why}",
-        "torch was left as it was, so this fix is off in this process",
-        key=f"proof:{fix}",
+        f"fsdp-shim: the {check.fix} fix is not in effect on torch {_torch_version()} for {_the(failed)} "
+        f"({_whys(failed, check.findings)})",
+        "torch was left as it was there, so this fix is off for that checkpoint in this process",
+        key=f"proof:{check.fix}:{','.join(failed)}",
     )
+
+
+def acting(namespace: str, fix: Fix) -> bool:
+    """Whether the fix's wrappers act in the namespace now (shown, or a path still to check): what the
+    rank check compares, which must not depend on the context a check happened to run in."""
+    record = _records.get((namespace, fix.name))
+    if record is None or record.deactivated or record.reason != "patched":
+        return False
+    return any(w.shim_state.on and placement(w) != "gone" for w in record.wrappers)
+
+
+def passed_by(namespace: str, fix: Fix) -> list[str]:
+    """The paths of the fix's check that torch's call path passes by, in the namespace's record: the fix is
+    off there however the other paths stand."""
+    record = _records.get((namespace, fix.name))
+    check = record.check if record is not None else None
+    return [path for path, found in check.findings.items() if found.holds] if check is not None else []
+
+
+def _torch_version() -> str:
+    return str(getattr(sys.modules.get("torch"), "__version__", "?"))
+
+
+def _the(paths: list[str]) -> str:
+    """``the reentrant checkpoint``, ``the reentrant and composable checkpoints``."""
+    if len(paths) == 1:
+        return f"the {paths[0]} checkpoint"
+    return f"the {', '.join(paths[:-1])} and {paths[-1]} checkpoints"
+
+
+def _whys(paths: list[str], findings: dict[str, Finding]) -> str:
+    """What the check found for ``paths``: one reason, or each path's."""
+    if len({findings[path].why for path in paths}) == 1:
+        return findings[paths[0]].why
+    return "; ".join(f"the {path} checkpoint: {findings[path].why}" for path in paths)
 
 
 def _held_elsewhere(key: tuple[str, str]) -> set[int]:
@@ -365,6 +492,8 @@ def _decide(namespace: str, fix: Fix, plan: Plan, module: Any, disabled: bool) -
         return _Record(module, version, True, f"switched off by {DISABLED_FIXES_VARIABLE}")
     try:
         steps = [_resolve(namespace, target, fix.name) for target in plan(namespace, version)]
+    except NotNeeded as error:
+        return _Record(module, version, False, str(error))
     except (ImportError, TargetChanged) as error:
         return _Record(module, version, True, f"not patched: {error}")
     return version, steps
@@ -437,8 +566,40 @@ def status(namespace: str, fix: Fix) -> FixStatus:
                 notes.append(f"its wrapper on {state.label} is under {top}")
             if state.composed_with is not None:
                 notes.append(f"on {state.label} it wraps {state.composed_with}, which was there before")
+    unshown, shown_by_others = _check_reasons(record.check)
+    notes += shown_by_others
     if record.deactivated:
         return FixStatus(fix.name, True, False, "; ".join(["deactivated", *problems]), targets)
-    if problems:
-        return FixStatus(fix.name, True, False, "not patched: " + "; ".join(problems), targets)
+    if problems or unshown:
+        return FixStatus(
+            fix.name,
+            True,
+            False,
+            "; ".join([*unshown, *(["not patched: " + "; ".join(problems)] if problems else [])]),
+            targets,
+        )
     return FixStatus(fix.name, True, True, "patched" + (f" ({'; '.join(notes)})" if notes else ""), targets)
+
+
+def _check_reasons(check: _Check | None) -> tuple[list[str], list[str]]:
+    """What keeps the fix from being in effect everywhere (paths torch's call path passes by, then paths not
+    checked yet, each with the paths shown), and the notes for paths shown without a wrapper (torch's own)."""
+    if check is None:
+        return [], []
+    found, where = check.findings, f"on torch {_torch_version()}"
+    if not check.ran:
+        return [f"not shown yet {where}: its check has not run"], []
+    failed = [path for path, f in found.items() if not f.shown and f.holds]  # in the order the check gave them
+    unchecked = [path for path, f in found.items() if not f.shown and not f.holds]
+    shown = [path for path, f in found.items() if f.shown]
+    by_others = {f.why: [p for p in shown if found[p].why == f.why] for f in found.values() if f.shown and f.why}
+    notes = [f"{_the(paths)}: {why}" for why, paths in by_others.items()]
+    reasons = []
+    if failed:
+        reasons.append(f"not in effect {where} for {_the(failed)} ({_whys(failed, found)})")
+    if unchecked:
+        again = "checked again at a later checkpoint call, fsdp_shim.activate() or status()"
+        reasons.append(f"not shown yet {where} for {_the(unchecked)} ({_whys(unchecked, found)}; {again})")
+    if reasons and shown:
+        reasons.append(f"in effect for {_the(shown)}")
+    return reasons, ([] if reasons else notes)

@@ -5,9 +5,11 @@ activation are exercised exactly as users meet them."""
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -15,6 +17,7 @@ import sysconfig
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import pytest
@@ -113,6 +116,39 @@ def run_on_a_free_port(
         if proc.returncode == 0 or PORT_TAKEN not in proc.stderr:
             break
     return proc, command
+
+
+PATCHED_CHECKPOINT = ROOT / "tests" / "patched_checkpoint"
+"""First on a child's ``PYTHONPATH``, its ``sitecustomize`` serves ``torch.utils.checkpoint`` as
+docs/upstream/checkpoint-default-dtype.patch makes it (a copy; the installed torch is never written)."""
+
+
+def patched_checkpoint_env(**overrides: str | None) -> dict[str, str]:
+    """``clean_env(**overrides)`` for a child whose torch has the upstream patch (``PATCHED_CHECKPOINT``
+    first on ``PYTHONPATH``): ``run_child(..., env=patched_checkpoint_env(FSDP_SHIM="1"))``. Where the patch
+    does not apply, the child's ``import torch`` fails naming the release: mark such tests
+    ``needs_patched_checkpoint``."""
+    env = clean_env(**overrides)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PATCHED_CHECKPOINT), env.get("PYTHONPATH")]))
+    return env
+
+
+def patched_checkpoint_tools() -> ModuleType:
+    """``PATCHED_CHECKPOINT``'s ``sitecustomize`` loaded under another name, so that it installs nothing
+    here: its ``patch_problem()`` asks whether the patch applies to the installed torch without importing it."""
+    spec = importlib.util.spec_from_file_location("patched_checkpoint_tools", PATCHED_CHECKPOINT / "sitecustomize.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+UPSTREAM_PATCH_PROBLEM: str | None = patched_checkpoint_tools().patch_problem()
+"""Why docs/upstream/checkpoint-default-dtype.patch does not apply to the torch installed here, or None."""
+needs_patched_checkpoint = pytest.mark.skipif(
+    UPSTREAM_PATCH_PROBLEM is not None, reason=f"the upstream patch: {UPSTREAM_PATCH_PROBLEM}"
+)
+"""Skips a test that needs ``patched_checkpoint_env`` where the patch does not apply (it applies to torch 2.15.0)."""
 
 
 CHILD = ROOT / "tests" / "child.py"
@@ -445,6 +481,14 @@ class Venv:
         return run_command([self.python, *args], env=env or clean_env(), cwd=cwd, check=check)
 
 
+def base_interpreter() -> str:
+    """The interpreter this virtual environment was made from, which reads a user site: Python 3.9's
+    ``sys._base_executable`` in a venv is the venv's own interpreter."""
+    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
+    candidate = Path(sys.base_prefix) / "bin" / version
+    return str(candidate) if candidate.is_file() else getattr(sys, "_base_executable", sys.executable)
+
+
 def site_packages_of(python: str) -> Path:
     code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
     return Path(subprocess.check_output([python, "-c", code], text=True).strip())
@@ -462,19 +506,31 @@ def make_venv(root: Path, paths: list[str] | None = None) -> Venv:
 
 @pytest.fixture(scope="session")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A wheel of this checkout, built from a copy (a build writes build/ and *.egg-info where it runs)."""
+    """A wheel of this checkout, built from a copy of its files (a build writes _fsdp_shim/_version.py where it
+    runs), with the version the checkout's own build wrote: the copy has no git history to read it from. In an
+    unpacked sdist (the sdist session), from a copy of the whole folder, as a packager builds it."""
     work = tmp_path_factory.mktemp("wheel")
     source = work / "source"
-    listing = ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"]
-    files = subprocess.run(listing, cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
-    for name in filter(None, files):
-        path = ROOT / os.fsdecode(name)
-        if path.is_file():
-            target = source / os.fsdecode(name)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(path.read_bytes())
-    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(work), str(source)], check=True)
+    if (ROOT / "PKG-INFO").is_file():
+        shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns("__pycache__"))
+    else:
+        listing = ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"]
+        files = subprocess.run(listing, cwd=ROOT, capture_output=True, check=True).stdout.split(b"\0")
+        for name in filter(None, files):
+            path = ROOT / os.fsdecode(name)
+            if path.is_file():
+                target = source / os.fsdecode(name)
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(path.read_bytes())
+    from _fsdp_shim._version import __version__
+
+    env = {**os.environ, "SETUPTOOLS_SCM_PRETEND_VERSION": __version__}
+    uv = shutil.which("uv", path=os.path.dirname(sys.executable)) or shutil.which("uv")
+    build = [uv, "build", "-q", "--wheel", "--python", sys.executable, "--out-dir", str(work), str(source)]
+    if uv is None:  # pip builds it too, in an isolated environment of its own (the build backend from the index)
+        build = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", "wheel", "--no-deps", "-w"]
+        build += [str(work), str(source)]
+    subprocess.run(build, check=True, env=env)
     return next(work.glob("fsdp_shim-*.whl"))
 
 
@@ -490,7 +546,9 @@ class PipVenv(Venv):
         outer = [str(ROOT / p) for p in paths] + [sysconfig.get_paths()["purelib"]]
         self.paths_file.write_text("".join(f"{p}\n" for p in outer))
         self.before = sorted(p.name for p in self.site_packages.iterdir())
-        self.pip("install", "--no-deps", "--no-index", str(wheel))
+        # --ignore-installed: the outer environment's fsdp-shim (editable, or the session's wheel) has this
+        # version too, and pip would skip the wheel as "already installed with the same version".
+        self.pip("install", "--no-deps", "--no-index", "--ignore-installed", str(wheel))
 
     def pip(self, *args: str) -> None:
         subprocess.run([self.python, "-m", "pip", "--disable-pip-version-check", "-q", *args], check=True)

@@ -4,8 +4,10 @@ documented exit code. (``verify``'s own are in ``test_verify.py``.)"""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -141,6 +143,8 @@ def test_the_bootstrap_parses_under_old_pythons() -> None:
 
 @pytest.mark.parametrize("value", ["0", "off"])
 def test_status_with_the_shim_switched_off_says_so(value: str) -> None:
+    if json.loads(cli("status", "--json").stdout)["nothing_to_patch"]:
+        pytest.skip("no torch and no Lightning here: status ends with that instead (the isolated-install test)")
     proc = cli("status", env=clean_env(FSDP_SHIM=value))
     assert proc.returncode == 0, proc.stdout
     assert f"FSDP_SHIM={value!r} (the shim is OFF: Lightning runs as shipped)" in proc.stdout
@@ -158,6 +162,8 @@ def test_status_says_whether_the_shim_is_armed_and_what_would_arm_it() -> None:
     """Unset, ``FSDP_SHIM`` neither arms nor switches off: ``status`` says first that nothing arms the
     shim here, and lists what would, rather than "shim on" above "OK" (a reader takes it as active).
     ``FSDP_SHIM=1`` arms it where this interpreter reads ``fsdp_shim_env.pth``."""
+    if json.loads(cli("status", "--json").stdout)["nothing_to_patch"]:
+        pytest.skip("no torch and no Lightning here: status says so instead (the isolated-install test)")
     unset = cli("status", env=clean_env())
     lines = unset.stdout.splitlines()
     assert lines[2] == "Shim: NOT ARMED in a Python started from here: nothing arms it. Any one of these arms it:"
@@ -354,3 +360,34 @@ def test_status_names_each_fix_its_releases_what_it_changes_and_the_switch() -> 
     for fix in FIXES:
         assert f"{fix.name:<10} Lightning {fix.releases()}" in text and fix.changes in text
     assert text.count("[switched off]") == 1
+
+
+def test_status_in_an_isolated_install_says_the_shim_must_go_into_the_training_environment(
+    tmp_path: Path, wheel: Path
+) -> None:
+    """``uv tool install fsdp-shim`` (as pipx does) gives the command an environment of its own, with no torch
+    and no Lightning: there ``status`` says that it patches nothing and where the shim must be installed
+    instead, and neither calls that "OK" nor suggests ``FSDP_SHIM=1``, which would arm nothing in the training
+    environment."""
+    uv = shutil.which("uv", path=os.path.dirname(sys.executable)) or shutil.which("uv")
+    if uv is None:
+        pytest.skip("needs uv")
+    env = clean_env(PYTHONPATH=None, UV_TOOL_DIR=str(tmp_path / "tools"), UV_TOOL_BIN_DIR=str(tmp_path / "bin"))
+    install = [uv, "tool", "install", "-q", "--python", sys.executable, str(wheel)]
+    run_command(install, env=env, cwd=tmp_path, check=True)
+    tool = str(tmp_path / "bin" / "fsdp-shim")
+    for switch in (None, "1"):
+        proc = run_command([tool, "status"], env={**env, **({"FSDP_SHIM": switch} if switch else {})}, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        last = proc.stdout.splitlines()[-1]
+        assert last.startswith("NOTHING TO PATCH HERE: neither torch nor Lightning is installed beside this fsdp-shim")
+        assert "Install fsdp-shim into the environment that runs the training instead" in last
+        assert "OK: no problem found" not in proc.stdout and "PROBLEM" not in proc.stdout
+        assert "FSDP_SHIM=1 python" not in proc.stdout and "1 arms the shim" not in proc.stdout
+    lines = run_command([tool, "status"], env=env, cwd=tmp_path).stdout.splitlines()
+    assert lines[2] == "Shim: NOT ARMED, and there is nothing to arm it for: no torch, no Lightning here (see below)."
+    report = json.loads(run_command([tool, "status", "--json"], env=env, cwd=tmp_path).stdout)
+    assert report["nothing_to_patch"] is True and report["problems"] == []
+    # The same command in this environment says so only where it has neither torch nor Lightning either.
+    here = json.loads(cli("status", "--json").stdout)
+    assert here["nothing_to_patch"] is (not here["lightning"] and importlib.util.find_spec("torch") is None)

@@ -4,7 +4,9 @@
 default session). Real FSDP through Lightning's Trainer and Fabric (gloo, CPU), each rank its own
 process started by torchrun, as on a cluster; a rank is set apart the way a node is: ``FSDP_SHIM=0``,
 another ``FSDP_SHIM_RANK_CHECK_TIMEOUT``, another Lightning on its ``PYTHONPATH``, a late start, a
-restart (``tests/scenarios/fsdp_train.py``'s per-rank options). torchrun's ``--tee 3`` prefixes every
+restart (``tests/scenarios/fsdp_train.py``'s per-rank options), an interpreter that starts late; the
+early end's evidence on the torch in hand, in two ranks of a bare process group (``per_release``: the
+torch sessions run it on torch 2.3 and the newest). torchrun's ``--tee 3`` prefixes every
 line with the local rank (``[default1]:``), so each assertion reads the rank it is about. The
 expected line and messages are built from ``_fsdp_shim.config`` (which fixes a release lacks or ships)
 and the layouts installed, and the expected dtypes and bytes from other runs of the same job.
@@ -23,6 +25,7 @@ the models in ``tests/scenarios/fsdp_train.py`` shards without padding. Each tes
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import json
 import os
 import re
@@ -40,6 +43,7 @@ from typing import Any
 import pytest
 from conftest import (
     BYTE_KEYS,
+    CHILD,
     DTYPES,
     FSDP_SHIM,
     NAMESPACES,
@@ -57,7 +61,15 @@ from conftest import (
 )
 
 from _fsdp_shim._version import __version__ as shim_version
-from _fsdp_shim.config import FIXES, MAX_RANK_CHECK_SECONDS, RANK_CHECK_TIMEOUT_VARIABLE, rank_check_timeout
+from _fsdp_shim.config import (
+    FIXES,
+    MAX_RANK_CHECK_SECONDS,
+    RANK_CHECK_TIMEOUT_VARIABLE,
+    Release,
+    base_release,
+    rank_check_timeout,
+)
+from _fsdp_shim.rank_check import GRACE_SECONDS
 from _fsdp_shim.startup_files import PTH_NAME
 
 CASE = "init+pretrained:bf16-true"
@@ -84,17 +96,23 @@ def torchrun_job(
     options: tuple[str, ...] = (),
     expect_ok: bool = True,
     timeout: float = JOB_TIMEOUT,
+    late: tuple[int, float] | None = None,
 ) -> tuple[subprocess.CompletedProcess[str], Path]:
     """``tests/scenarios/fsdp_train.py`` on ``ranks`` ranks of one torchrun node (``options`` go to
     torchrun: ``--max-restarts``), fsdp_shim imported first on every rank (``FSDP_SHIM=0`` still switches
-    a rank off), with ``--tee 3`` and only the shim's warnings shown. ``run_scenario`` has no place for
-    torchrun's options."""
+    a rank off), with ``--tee 3`` and only the shim's warnings shown. ``late``: (rank, seconds) that rank's
+    interpreter starts so much later (a slow node; ``--delay-rank`` delays a rank that has joined the group).
+    ``run_scenario`` has no place for torchrun's options."""
     out = tmp_path / name
     arguments = ["--api", api, "--package", package, "--shim", "before", "--devices", str(ranks)]
     arguments += ["--cases", CASE, "--out", str(out), *extra]
+    program = [str(SCENARIO)]
+    if late is not None:
+        wait = f'[ "$RANK" = {late[0]} ] && sleep {late[1]:g}; exec "$@"'
+        program = ["--no-python", "bash", "-c", wait, "bash", sys.executable, str(SCENARIO)]
 
     def attempt(retry: bool) -> tuple[list[str], dict[str, str]]:
-        command = [*torchrun(ranks), "--tee", "3", *options, str(SCENARIO), *arguments]
+        command = [*torchrun(ranks), "--tee", "3", *options, *program, *arguments]
         return command, clean_env(PYTHONWARNINGS=SHOWN_WARNINGS, **(env or {}))
 
     proc, command = run_on_a_free_port(attempt, timeout)
@@ -245,27 +263,118 @@ def test_fabric_ranks_agree_with_an_extra_model_and_unbounded_waits(tmp_path, la
 
 
 # ----------------------------------------------------------------------------- ranks that do not
-def test_a_rank_without_the_shim_stops_the_job_and_is_named(tmp_path, layouts):
-    """Trainer, 2 ranks, rank 1 with ``FSDP_SHIM=0``, a 5 s wait: rank 0 raises FSDPShimError naming
-    rank 1 and the wait, says what it runs itself, and names no dtype for rank 1, whose dtype it never
-    saw. Nobody trains."""
+def test_a_rank_without_the_shim_stops_the_job_within_a_minute_by_default(tmp_path, layouts):
+    """Trainer, 2 ranks, rank 1 with ``FSDP_SHIM=0``, the shim's settings all default (a 1,800 s process-group
+    timeout): every rank's gloo address is in the store when rank 0 checks, so rank 1 has joined the group and
+    gone past the point where it would have reported; rank 0 raises FSDPShimError ``GRACE_SECONDS`` later,
+    naming rank 1 as joined but silent, says what it runs itself, and names no dtype for rank 1, whose dtype
+    it never saw. Nobody trains, and the job ends in under two minutes (before: 30 minutes of silence)."""
     layout = affected_layout(layouts)
+    started = time.monotonic()
     proc, out = torchrun_job(
         tmp_path,
         "off",
         2,
         package=layout.package,
-        env={RANK_CHECK_TIMEOUT_VARIABLE: "5", "FSDP_SHIM_STRICT": "0"},
+        env={"FSDP_SHIM_STRICT": "0"},
         extra=("--shim-off-rank", "1"),
         expect_ok=False,
     )
+    wall = time.monotonic() - started
     (message,) = shim_errors(by_rank(proc)[0])
-    assert message.startswith("fsdp-shim: rank 1 of 2 did not report within 5 s which fixes it runs"), message
+    assert message.startswith(
+        f"fsdp-shim: rank 1 of 2 joined the process group but did not report within {GRACE_SECONDS:g} s which "
+        "fixes it runs"
+    ), message
     assert f"half-patched ({reported('0', NAMESPACES[layout.package][0], layout.trainer_version)})." in message
+    assert "Stopping before any model is wrapped." in message
     assert "FSDP_SHIM=0 in their environment" in message
     assert "float32" not in message, message
     assert not shim_errors(by_rank(proc).get(1, "")), "rank 1 has no shim and cannot raise its error"
     assert_nobody_trained(out, 2)
+    assert GRACE_SECONDS < wall < 120, wall
+
+
+def test_a_rank_that_starts_late_is_waited_for_past_the_grace(tmp_path, layouts):
+    """Trainer, 2 ranks with the shim, default settings; rank 1's interpreter starts ``GRACE_SECONDS`` + 10 s
+    late. gloo connects lazily here (``TORCH_GLOO_LAZY_INIT=1``, as NCCL does), so rank 0 joins the group
+    and reaches the check at once, long before rank 1 has joined: without the evidence that every rank has
+    joined, the grace does not start, and rank 0 waits (by torch's default, eager gloo, that wait is in
+    ``init_process_group`` instead: the cluster session's late SLURM rank). The job trains, both ranks in
+    bfloat16, and rank zero's line says it waited longer than the grace."""
+    layout = affected_layout(layouts)
+    proc, out = torchrun_job(
+        tmp_path,
+        "late-start",
+        2,
+        package=layout.package,
+        env={"TORCH_GLOO_LAZY_INIT": "1"},
+        late=(1, GRACE_SECONDS + 10),
+    )
+    results = scenario_results(out, 2)
+    for rank in range(2):
+        assert results[rank][CASE]["flat_param_dtypes"] == [BF16], (rank, results[rank][CASE])
+    lines = confirmations(proc)
+    assert len(lines) == 1, "\n".join(lines) or proc.stderr[-4000:]
+    assert lines[0].startswith(f"[default0]:{confirmation(2, layout.trainer_version)}"), lines
+    assert seconds_waited(lines[0]) > GRACE_SECONDS, lines
+    assert not shim_warnings(proc.stdout + proc.stderr)
+
+
+LAZY_GLOO_SINCE: Release = (2, 8, 0)
+"""The first torch whose gloo connects lazily with ``TORCH_GLOO_LAZY_INIT=1`` (pytorch/pytorch#150801);
+an older one ignores the variable and connects while joining: the test's eager case."""
+
+
+def cuda_devices() -> int:
+    """GPUs ``nvidia-smi`` lists (this process imports no torch)."""
+    try:
+        listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+    return listed.count("GPU ")
+
+
+@pytest.mark.per_release  # torch's own key names: the torch sessions run it on 2.3 and the newest
+@pytest.mark.parametrize("backend", ["gloo", "lazy gloo", "nccl"])
+def test_the_early_end_waits_for_every_rank_to_join_the_process_group(backend: str) -> None:
+    """Two ranks of a real process group under torchrun, no Lightning: rank 0 reports and waits (the rank
+    check's own wait: 20 s at most, a 2 s grace); rank 1 starts 4 s late and never reports, as a rank
+    without the shim. gloo: rank 0's wait ends early, with only its own report, and never sooner than the
+    grace after rank 1 began to join: eager gloo keeps rank 0 in ``init_process_group`` until rank 1
+    arrives, so the store shows every rank joined when the check starts; lazy gloo lets rank 0 check at
+    once, while rank 1's address is not in the store yet, and the grace starts only once it is. NCCL
+    (two GPUs; docs/cluster.md) writes no such address: the whole wait, as without the early end."""
+    if backend == "nccl" and cuda_devices() < 2:
+        pytest.skip("needs two GPUs (nvidia-smi -L): the NCCL case of docs/cluster.md")
+    torch_version = importlib.metadata.version("torch")
+    if backend == "lazy gloo" and (base_release(torch_version) or (0, 0, 0)) < LAZY_GLOO_SINCE:
+        pytest.skip(f"torch {torch_version} has no lazy gloo (TORCH_GLOO_LAZY_INIT): its gloo is the eager case")
+    wait, grace, late_by = 20.0, 2.0, 4.0
+    arguments = {"backend": backend.split()[-1], "late_by": late_by, "wait": wait, "grace": grace, "poll": 0.2}
+    env = clean_env(**({"TORCH_GLOO_LAZY_INIT": "1"} if backend == "lazy gloo" else {}))
+
+    def attempt(retry: bool) -> tuple[list[str], dict[str, str]]:
+        command = [*torchrun(2), "--tee", "3", str(CHILD), "children.rank_evidence:rank", json.dumps(arguments)]
+        return command, {**env, "MASTER_PORT": str(free_port())}
+
+    proc, command = run_on_a_free_port(attempt, timeout=180)
+    assert proc.returncode == 0, f"{shlex.join(command)}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    ranks = {rank: json.loads(re.findall(r"^\{.*$", text, re.M)[-1]) for rank, text in by_rank(proc).items()}
+    checker, silent = ranks[0], ranks[1]
+    print(f"{backend}: the store's keys when rank 0 checks: {checker['keys']}")
+    assert checker["reported"] == [0], checker
+    if backend == "nccl":
+        assert checker["joined_then"] is False and checker["early"] is False, checker
+        assert checker["ended"] - checker["checking"] >= wait, checker
+        return
+    assert checker["early"] is True, checker
+    assert checker["ended"] >= silent["joining"] + grace, (checker, silent)
+    assert checker["ended"] - checker["checking"] < wait, checker
+    lazy = backend == "lazy gloo"
+    assert checker["joined_then"] is not lazy, checker
+    if lazy:
+        assert checker["checking"] < silent["joining"], (checker, silent)
 
 
 def test_a_late_rank_is_named_without_a_dtype_it_did_not_send(tmp_path, layouts):
@@ -447,8 +556,8 @@ def test_a_node_with_another_release_and_other_fixes_stops_the_job_named_with_it
 
 def test_a_rank_whose_torch_recomputes_past_the_fix_stops_the_job(tmp_path, layouts):
     """Rank 1's torch checkpoint calls names the shim did not wrap (``hide_checkpoint_internals``): its
-    recompute fix is not in effect, so it runs other fixes than rank 0, and both ranks stop before any
-    model is wrapped, naming rank 1 with the cast alone."""
+    recompute fix is not in effect for the non-reentrant checkpoint, so it runs other fixes than rank 0, and
+    both ranks stop before any model is wrapped, naming what rank 1 runs."""
     layout = affected_layout(layouts, "lightning")
     proc, out = torchrun_job(
         tmp_path,
@@ -460,7 +569,8 @@ def test_a_rank_whose_torch_recomputes_past_the_fix_stops_the_job(tmp_path, layo
         expect_ok=False,
     )
     output = by_rank(proc)
-    rank1 = f"rank 1 on {socket.gethostname()}: bfloat16; fixes: cast (lightning.pytorch {layout.trainer_version}"
+    fixes = "cast, recompute (except the non-reentrant checkpoint)"
+    rank1 = f"rank 1 on {socket.gethostname()}: bfloat16; fixes: {fixes} (lightning.pytorch {layout.trainer_version}"
     assert "the recompute fix is not in effect on torch" in output[1], output[1][-3000:]
     for rank in (0, 1):
         (message,) = shim_errors(output[rank])
@@ -789,10 +899,11 @@ def slurm_job(jobs: Jobs, mode: str, per_node: int, startup: str | None = None) 
     return jobs.run(name, [command], env, 2 * per_node)
 
 
-def half_patched_slurm_command(per_node: int, out: Path) -> list[str]:
-    """``srun fsdp-shim run python`` with ``FSDP_SHIM=0`` on node n2 only (set inside the task)."""
+def on_one_node_slurm_command(per_node: int, out: Path, node: str, step: str) -> list[str]:
+    """``srun fsdp-shim run python`` whose tasks on ``node`` alone run ``step`` first, in their shell
+    (``export FSDP_SHIM=0``, ``sleep 40``)."""
     inner = shlex.join([*shim_command(), "run", *program(per_node, out)])
-    return [*srun(per_node), "bash", "-c", f'[ "$SLURMD_NODENAME" = n2 ] && export FSDP_SHIM=0; exec {inner}']
+    return [*srun(per_node), "bash", "-c", f'[ "$SLURMD_NODENAME" = {node} ] && {step}; exec {inner}']
 
 
 def rank_lines(outputs: list[tuple[int, str]]) -> dict[int, dict[str, str]]:
@@ -811,9 +922,12 @@ def rank_lines(outputs: list[tuple[int, str]]) -> dict[int, dict[str, str]]:
     return ranks
 
 
-def check_half_patched(title: str, commands: list[list[str]], outputs: list[tuple[int, str]], world: int) -> None:
+def check_half_patched(
+    title: str, commands: list[list[str]], outputs: list[tuple[int, str]], world: int, wait: str | None
+) -> None:
     """The job stops (non-zero exit), every rank with the shim raises FSDPShimError naming exactly the
-    ranks with FSDP_SHIM=0 and the wait, and those ranks do not report success either. Prints the
+    ranks with FSDP_SHIM=0 and the wait (``FSDP_SHIM_RANK_CHECK_TIMEOUT``; ``None``: unset, so the grace
+    after every rank joined the process group), and those ranks do not report success either. Prints the
     per-rank table."""
     ranks = rank_lines(outputs)
     lines = [f"\n=== {title}", "$ " + " & ".join(shlex.join(c) for c in commands)]
@@ -828,21 +942,45 @@ def check_half_patched(title: str, commands: list[list[str]], outputs: list[tupl
     unshimmed = sorted(rank for rank, entry in ranks.items() if entry.get("shim") == "0")
     assert 0 < len(unshimmed) < world, ranks
     noun = "rank" if len(unshimmed) == 1 else "ranks"
-    named = f"{noun} {', '.join(map(str, unshimmed))} of {world} did not report within {RANK_CHECK_TIMEOUT} s"
+    joined, seconds = ("", wait) if wait else ("joined the process group but ", f"{GRACE_SECONDS:g}")
+    named = f"{noun} {', '.join(map(str, unshimmed))} of {world} {joined}did not report within {seconds} s"
     for rank, entry in ranks.items():
         if rank not in unshimmed:
             assert entry["failed"].startswith("FSDPShimError") and named in entry["failed"], (rank, entry)
 
 
 @cluster
-@pytest.mark.parametrize("topology", SLURM_TOPOLOGIES)
-def test_slurm_half_patched_job_stops_naming_the_ranks_without_the_shim(jobs: Jobs, topology: str) -> None:
+@pytest.mark.parametrize(("topology", "wait"), [("2x1", None), ("2x2", RANK_CHECK_TIMEOUT)])
+def test_slurm_half_patched_job_stops_naming_the_ranks_without_the_shim(
+    jobs: Jobs, topology: str, wait: str | None
+) -> None:
+    """2x1 at the shim's default settings: the job ends ``GRACE_SECONDS`` after every rank joined the
+    process group, in under two minutes; 2x2 with ``FSDP_SHIM_RANK_CHECK_TIMEOUT=10``, which waits that long."""
     per_node = SLURM_TOPOLOGIES[topology]
-    name = f"slurm 2x{per_node} half-patched (n2: FSDP_SHIM=0)"
-    command = half_patched_slurm_command(per_node, jobs.out(name))
+    name = f"slurm 2x{per_node} half-patched (n2: FSDP_SHIM=0, {RANK_CHECK_TIMEOUT_VARIABLE}={wait or 'unset'})"
+    command = on_one_node_slurm_command(per_node, jobs.out(name), "n2", "export FSDP_SHIM=0")
     started = time.monotonic()
-    outputs = launch([command], slurm_env(FSDP_SHIM_RANK_CHECK_TIMEOUT=RANK_CHECK_TIMEOUT))
-    check_half_patched(f"{name} ({time.monotonic() - started:.0f} s)", [command], outputs, 2 * per_node)
+    outputs = launch([command], slurm_env(FSDP_SHIM_RANK_CHECK_TIMEOUT=wait))
+    wall = time.monotonic() - started
+    check_half_patched(f"{name} ({wall:.0f} s)", [command], outputs, 2 * per_node, wait)
+    assert wall < 120, wall
+
+
+@cluster
+def test_slurm_a_rank_that_starts_late_trains(jobs: Jobs) -> None:
+    """2x1 at the shim's default settings, ``srun fsdp-shim run python``; rank 0's task (node n1, the
+    one that hosts the process group's store) starts ``GRACE_SECONDS`` + 10 s late. Rank 1 waits for it
+    in ``init_process_group`` (gloo joins eagerly), so no rank checks before every rank has joined: the
+    job trains in bfloat16 on both ranks, confirmed once."""
+    late = GRACE_SECONDS + 10
+    name = f"slurm 2x1 rank 0 starts {late:g} s late"
+    command = on_one_node_slurm_command(1, jobs.out(name), "n1", f"sleep {late:g}")
+    ranks = jobs.run(name, [command], slurm_env(), 2)
+    assert_placement(ranks, 2, 1)
+    assert_patched(ranks, slurm_baseline(jobs, 1))
+    output = jobs.outputs[name]
+    assert output.count("fsdp-shim: patched on all") == 1, output[-6000:]
+    assert output.count(confirmation(2, ranks[0]["lightning"])) == 1, output[-6000:]
 
 
 @cluster
@@ -982,4 +1120,4 @@ def test_torchrun_half_patched_job_stops_naming_the_rank_without_the_shim(jobs: 
     commands = torchrun_nodes(rendezvous, jobs.out(name), (run, ["env", "FSDP_SHIM=0", *run]))
     started = time.monotonic()
     outputs = launch(commands, torchrun_env(FSDP_SHIM_RANK_CHECK_TIMEOUT=RANK_CHECK_TIMEOUT))
-    check_half_patched(f"{name} ({time.monotonic() - started:.0f} s)", commands, outputs, 2)
+    check_half_patched(f"{name} ({time.monotonic() - started:.0f} s)", commands, outputs, 2, RANK_CHECK_TIMEOUT)

@@ -28,6 +28,7 @@ from _fsdp_shim.config import CAST, RECOMPUTE
 from _fsdp_shim.fixes import plan_of, precision_class
 from _fsdp_shim.startup_files import write_files
 
+pytest.importorskip("torch", reason="its targets are named after the torch in hand, read at import")
 QUIET = ("-W", "ignore::DeprecationWarning")
 DTYPE_ON, DTYPE_OFF = "torch.bfloat16", "torch.float32"
 """What each target gives with the fix (a bf16-true plugin's cast dtype, or a checkpoint's recompute in

@@ -22,6 +22,7 @@ from conftest import (
     ROOT,
     PipVenv,
     Venv,
+    base_interpreter,
     child_json,
     clean_env,
     fsdp_shim,
@@ -140,7 +141,7 @@ def test_an_unusable_home_for_the_user_site(tmp_path: Path) -> None:
     home = tmp_path / "home-is-a-file"
     home.write_text("")
     env = clean_env(HOME=str(home), PYTHONUSERBASE=None, PYTHONPATH=str(ROOT))
-    base_python = getattr(sys, "_base_executable", sys.executable)
+    base_python = base_interpreter()
     proc = shim("install", "--user", env=env, python=base_python)
     assert_one_line_failure(
         proc, "cannot write to", str(home), "nothing was written", "this environment's site-packages"
@@ -464,7 +465,7 @@ def test_concurrent_installs_into_one_folder_all_succeed(tmp_path: Path) -> None
 def test_a_user_site_install_is_not_read_under_python_s_or_i_as_the_docs_say(tmp_path: Path) -> None:
     """`install --user`, then `python -s`, PYTHONNOUSERSITE=1 or `python -I` (which implies -s): not
     armed, so the "cannot reach" table in docs/activation.md lists it, with what to do instead."""
-    base_python = getattr(sys, "_base_executable", sys.executable)
+    base_python = base_interpreter()
     env = clean_env(PYTHONUSERBASE=str(tmp_path / "userbase"), PYTHONPATH=str(ROOT))
     installed = shim("install", "--user", env=env, python=base_python)
     if installed.returncode != 0:
@@ -516,12 +517,16 @@ def test_uv_pip_uninstall_leaves_no_file_of_fsdp_shims(tmp_path: Path, wheel: Pa
         [*uv_pip, "install", "-q", "--python", venv.python, "--no-deps", "--no-index", str(wheel)], check=True
     )
     env = clean_env(PYTHONDONTWRITEBYTECODE=None, FSDP_SHIM="1")
-    every_module = (
-        "import importlib, pkgutil, _fsdp_shim, fsdp_shim\n"
+    every_module = (  # but those that need torch, where there is none (the sessions of another Python)
+        "import importlib, importlib.util, pkgutil, _fsdp_shim, fsdp_shim\n"
         "for package in (_fsdp_shim, fsdp_shim):\n"
         "    for module in pkgutil.walk_packages(package.__path__, package.__name__ + '.'):\n"
         "        if not module.name.endswith('__main__'):\n"
-        "            importlib.import_module(module.name)\n"
+        "            try:\n"
+        "                importlib.import_module(module.name)\n"
+        "            except ModuleNotFoundError as error:\n"
+        "                if error.name != 'torch' or importlib.util.find_spec('torch'):\n"
+        "                    raise\n"
     )
     venv.run("-c", every_module, env=env, cwd=tmp_path)
     venv.run("-m", "fsdp_shim", "--version", env=env, cwd=tmp_path)
@@ -534,5 +539,91 @@ def test_uv_pip_uninstall_leaves_no_file_of_fsdp_shims(tmp_path: Path, wheel: Pa
     assert any(path.name.startswith("__main__.") for path in compiled)
     assert any("children" in path.parts for path in compiled)
     subprocess.run([*uv_pip, "uninstall", "-q", "--python", venv.python, "fsdp-shim"], check=True)
-    assert files_in(venv.site_packages) == before
+    # Only the __pycache__ of a module that is not fsdp-shim's may be new (uv's _virtualenv.py on Python 3.9).
+    assert set(files_in(venv.site_packages)) - set(before) <= {"__pycache__"}
     assert [path for path in venv.site_packages.rglob("*") if "fsdp" in path.name] == []
+
+
+INSTALLED_STARTUP_FILES = ("fsdp_shim_env.pth", "fsdp_shim_env.start")
+
+
+@pytest.fixture(scope="module")
+def source_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of this checkout's files to install from (an editable install points into it; builds write in it)."""
+    source = tmp_path_factory.mktemp("source") / "fsdp-shim"
+    listing = ["git", "ls-files", "--cached", "--others", "--exclude-standard"]
+    in_git = subprocess.run(listing, cwd=ROOT, capture_output=True, text=True)
+    names = in_git.stdout.splitlines() if in_git.returncode == 0 else []
+    if (ROOT / "PKG-INFO").is_file() or not names:  # an unpacked sdist: every file is the project's
+        shutil.copytree(ROOT, source, ignore=shutil.ignore_patterns("__pycache__", ".pytest_cache"))
+    for name in names:
+        if (ROOT / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, source / name)
+    return source
+
+
+def test_every_way_of_installing_places_the_start_up_files_and_uninstalling_removes_them(
+    tmp_path: Path, source_tree: Path, wheel: Path
+) -> None:
+    """The build backend ships ``fsdp_shim_env.pth`` and ``.start`` in every wheel it builds (pyproject.toml:
+    hatchling's force-include), so every installer puts them into site-packages with the package, records them,
+    and removes them with it: pip from the sdist, pip's editable install in hatchling's two modes (a path file;
+    ``dev-mode-exact``, an import hook), ``pip install --user``, ``uv pip install -e``. (The wheel with pip and
+    with uv: the two tests above.) In each, ``FSDP_SHIM=1`` arms the shim in a fresh interpreter."""
+    from _fsdp_shim._version import __version__
+
+    build_env = clean_env(PYTHONPATH=None, SETUPTOOLS_SCM_PRETEND_VERSION=__version__)  # the copy has no git
+    texts = {name: (ROOT / name).read_text() for name in INSTALLED_STARTUP_FILES}
+    exact = tmp_path / "exact"
+    shutil.copytree(source_tree, exact)
+    table = "[tool.hatch.build.targets.wheel]\n"  # hatchling's other editable mode: an import hook, no path file
+    pyproject = (exact / "pyproject.toml").read_text()
+    assert pyproject.count(table) == 1
+    (exact / "pyproject.toml").write_text(pyproject.replace(table, f"{table}dev-mode-exact = true\n"))
+    if UV is None:
+        pytest.skip("needs uv (it builds the sdist, and is one of the installers)")
+    sdists = tmp_path / "sdist"
+    build_sdist = [UV, "build", "-q", "--sdist", "--out-dir", str(sdists), str(source_tree)]
+    subprocess.run(build_sdist, env=build_env, check=True)
+
+    def check(python: str, site_packages: Path, install: list[str], uninstall: list[str], env: dict[str, str]) -> None:
+        before = files_in(site_packages)
+        run_command(install, env=env, cwd=tmp_path, check=True)
+        assert {name: (site_packages / name).read_text() for name in INSTALLED_STARTUP_FILES} == texts, install
+        arming = "import sys; print([getattr(f, '__name__', '') for f in sys.meta_path].count('fsdp_shim_finder'))"
+        armed = run_command([python, "-c", arming], env={**env, "FSDP_SHIM": "1"}, cwd=tmp_path, check=True)
+        assert armed.stdout.strip() == "1", install
+        run_command(uninstall, env=env, cwd=tmp_path, check=True)
+        left = [path for path in site_packages.rglob("*") if "fsdp" in path.name]
+        assert set(files_in(site_packages)) - set(before) <= {"__pycache__"} and left == [], (install, left)
+
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    pip = [python, "-m", "pip", "--disable-pip-version-check", "-q"]
+    site_packages = site_packages_of(python)
+    uninstall = [*pip, "uninstall", "-y", "fsdp-shim"]
+    run_command([*pip, "install", "editables"], check=True)  # dev-mode-exact's hook, which its wheel requires
+    for install in (
+        [*pip, "install", "--no-deps", str(next(sdists.glob("*.tar.gz")))],
+        [*pip, "install", "--no-deps", "-e", str(source_tree)],
+        [*pip, "install", "--no-deps", "-e", str(exact)],
+    ):
+        check(python, site_packages, install, uninstall, build_env)
+
+    base = base_interpreter()
+    user_env = {**build_env, "PYTHONUSERBASE": str(tmp_path / "userbase")}
+    user_pip = [base, "-m", "pip", "--disable-pip-version-check", "-q"]
+    user_site = Path(run_command([base, "-m", "site", "--user-site"], env=user_env, check=True).stdout.strip())
+    user_site.mkdir(parents=True)
+    install = [*user_pip, "install", "--user", "--no-deps", "--no-index", "--ignore-installed", str(wheel)]
+    check(base, user_site, install, [*user_pip, "uninstall", "-y", "fsdp-shim"], user_env)
+
+    uv_venv_root = tmp_path / "uv"
+    subprocess.run([UV, "venv", "-q", "--python", sys.executable, str(uv_venv_root)], check=True)
+    uv_python = str(uv_venv_root / "bin" / "python")
+    uv_pip = [UV, "pip", "--quiet"]
+    install = [*uv_pip, "install", "--python", uv_python, "--no-deps", "-e", str(source_tree)]
+    uninstall = [*uv_pip, "uninstall", "--python", uv_python, "fsdp-shim"]
+    check(uv_python, site_packages_of(uv_python), install, uninstall, build_env)

@@ -586,3 +586,38 @@ def test_demo_transformer_small(tmp_path: Path) -> None:
 
     for key, result in runs.items():
         assert len(result["losses"]) == STEPS and all(math.isfinite(loss) for loss in result["losses"]), key
+
+
+# ----------------------------------------------------------------------------- the version, from git
+def test_a_tagged_commit_builds_its_version_and_the_next_commit_a_development_version(tmp_path: Path) -> None:
+    """hatch-vcs: a clone whose commit is tagged ``v7.7.7`` builds 7.7.7 (the wheel's name and the
+    ``_fsdp_shim._version`` that ``--version``, status and the confirmation line read); one commit later it
+    builds a development version of the next release, which says so (``7.7.8.dev1+g<commit>``)."""
+    import re
+    import shutil
+    import zipfile
+
+    uv = shutil.which("uv", path=os.path.dirname(sys.executable)) or shutil.which("uv")
+    if uv is None or not (ROOT / ".git").exists():
+        pytest.skip("needs uv and this checkout's git history (an unpacked sdist has none)")
+    head = run_command(["git", "rev-parse", "HEAD"], check=True).stdout.strip()
+    clone = tmp_path / "clone"
+    run_command(["git", "clone", "-q", "--no-checkout", str(ROOT), str(clone)], check=True)
+    git = ["git", "-C", str(clone), "-c", "user.name=test", "-c", "user.email=test@example.invalid"]
+    run_command([*git, "checkout", "-q", head], check=True)
+    run_command([*git, "tag", "v7.7.7"], check=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SETUPTOOLS_SCM_PRETEND_VERSION")}
+
+    def built_version(out: Path) -> tuple[str, str]:
+        run_command([uv, "build", "-q", "--wheel", "--out-dir", str(out), str(clone)], env=env, check=True)
+        (wheel,) = out.glob("fsdp_shim-*.whl")
+        with zipfile.ZipFile(wheel) as archive:
+            module = archive.read("_fsdp_shim/_version.py").decode()
+        return wheel.name.split("-")[1], re.search(r'__version__ = "([^"]+)"', module).group(1)
+
+    assert built_version(tmp_path / "tagged") == ("7.7.7", "7.7.7")
+    run_command([*git, "commit", "-q", "--allow-empty", "-m", "one commit after the tag"], check=True)
+    commit = run_command([*git, "rev-parse", "HEAD"], check=True).stdout.strip()
+    name, module = built_version(tmp_path / "next")
+    assert name == module and module.startswith("7.7.8.dev1+g"), (name, module)
+    assert commit.startswith(module.split("+g", 1)[1]), (module, commit)  # the commit it was built from

@@ -91,14 +91,13 @@ def recompute_acted(dtype: str) -> str:
 
 
 def first_fix_acted(layout: Layout, api: str, dtype: str) -> str:
-    """How the confirmation line ends: the cast's, before the first forward, where the release lacks it (with
-    the recompute in effect), else the recompute's, in the first checkpointed backward."""
+    """How the confirmation line ends: the cast's, before the first forward, where the release lacks it, else
+    the recompute's, in the first checkpointed backward: what acted first, and nothing else."""
     version = layout.version(api)
     if not CAST.affects(version):
         return recompute_acted(dtype)
     namespace = NAMESPACES[layout.package][api == "fabric"]
-    cast = f"; cast acted ({namespace} {version}: the model cast to {dtype} before FSDP wraps it)"
-    return f"{cast}; recompute in effect for activation-checkpointed blocks"
+    return f"; cast acted ({namespace} {version}: the model cast to {dtype} before FSDP wraps it)"
 
 
 def trainer_layout(layouts: dict[str, Layout]) -> Layout:

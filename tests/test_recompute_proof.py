@@ -2,11 +2,13 @@
 
 Its wrappers sit on private names of torch (``_fsdp_shim.fixes``: the reentrant ``CheckpointFunction.forward``,
 the non-reentrant generator torch calls, the composable checkpoint's own reference), so each is a guess about
-torch's call path; ``prove_recompute`` checks the guess at run time. Here, on the session's torch: what is
-wrapped and shown; a torch whose checkpoint calls other names (simulated: ``hide_checkpoint_internals``) is
-reported "not in effect" everywhere and left as it was; switching the fix off in a running process takes
-it off; threads' concurrent recomputes leave the default dtype as it was. The torch sessions of the matrix
-run the ``per_release`` ones on the newest and an old torch.
+torch's call path; ``_fsdp_shim.recompute_check`` checks the guess at run time, per path, in a thread of its own
+and without switching the default dtype. Here, on the session's torch: what is wrapped and shown; a torch whose
+checkpoint calls other names (simulated: ``hide_checkpoint_internals``) is reported "not in effect" for that path
+and left as it was there; a context at the import that fails a check switches nothing off; switching the fix off
+in a running process takes it off; what the pins leave behind, whatever ends them and whatever another thread
+does with the default dtype. The torch sessions of the matrix run the ``per_release`` ones on the newest and an
+old torch.
 """
 
 from __future__ import annotations
@@ -16,11 +18,13 @@ import os
 from pathlib import Path
 
 import pytest
+from children.recompute_proof import CONTEXTS
 from conftest import ROOT, Layout, an_affected_namespace, child_json, clean_env, fsdp_shim
 
 from _fsdp_shim.config import RECOMPUTE, base_release
 
 HIDE = "from children.recompute_proof import hide_checkpoint_internals; hide_checkpoint_internals()\n"
+MOVED = "torch recomputed it without the shim's pinned function (its checkpoint calls other functions)"
 
 
 def affected_trainer(layouts: dict[str, Layout]) -> str:
@@ -61,10 +65,9 @@ def test_every_checkpoint_path_of_this_torch_is_wrapped_and_shown(layouts: dict[
             f"torch.utils.checkpoint.{generator}",
             f"torch.distributed._composable.checkpoint_activation.{generator}",
         ]
-    assert result["check_on"] is None
-    off = result["check_off"]
-    for path in ("reentrant", "non-reentrant", "composable"):
-        assert f"the {path} checkpoint recomputed in float32, not its forward's float64" in off, off
+    paths = ("reentrant", "non-reentrant", "composable")
+    assert result["check_on"] == {path: [True, "", False] for path in paths}
+    assert result["check_off"] == {path: [False, MOVED, True] for path in paths}
     assert result["checkpoint_off"]["CheckpointFunction.forward"] == "staticmethod"
     assert result["composable_off"] == {generator: "function"}
 
@@ -73,28 +76,36 @@ def test_every_checkpoint_path_of_this_torch_is_wrapped_and_shown(layouts: dict[
 def test_a_torch_whose_checkpoint_calls_other_names_is_reported_not_in_effect_and_left_alone(
     layouts: dict[str, Layout],
 ) -> None:
-    """Every namespace says "not in effect on torch X.Y" with what was found, one warning for all of
-    them, torch holds its own functions again, and the rank check reports the fix off."""
+    """Every namespace says "not in effect on torch X.Y" for the path torch no longer calls (the non-reentrant
+    one: ``hide_checkpoint_internals`` moves only the module's functions) and in effect for the paths shown;
+    one warning for all of them; torch holds its own generator again; the rank check names the path."""
     import torch
 
     packages = [name for name in ("lightning.pytorch", "lightning.fabric", "pytorch_lightning") if _importable(name)]
     affected_trainer(layouts)
     result = child_json("recompute_proof:moved_internals", {"packages": packages})
-    expected = f"not in effect on torch {torch.__version__} (the non-reentrant checkpoint recomputed in float32"
+    where = f"not in effect on torch {torch.__version__}"
+    shown = "in effect for the reentrant and composable checkpoints"
+    expected = f"{where} for the non-reentrant checkpoint ({MOVED}); {shown}"
     assert result["status"], result
     for namespace, status in result["status"].items():
-        assert status["patched"] is False and status["reason"].startswith(expected), (namespace, status)
-        assert result["rank_check"][namespace]["recompute"] == "off"
+        assert (status["patched"], status["reason"]) == (False, expected), (namespace, status)
+        assert result["rank_check"][namespace]["recompute"] == "fsdp-shim except the non-reentrant checkpoint"
     (warning,) = [w for w in result["warnings"] if "recompute" in w]
-    assert warning.startswith(f"fsdp-shim: the recompute fix is {expected}"), warning
-    assert "torch was left as it was" in warning
-    assert "ShimWrapper" not in result["checkpoint"].values(), result["checkpoint"]
+    assert warning == (
+        f"fsdp-shim: the recompute fix is {where} for the non-reentrant checkpoint ({MOVED}); torch was left as "
+        "it was there, so this fix is off for that checkpoint in this process"
+    )
+    generators = {name: kind for name, kind in result["checkpoint"].items() if name != "CheckpointFunction.forward"}
+    assert set(generators.values()) == {"function"}, result["checkpoint"]
+    assert result["checkpoint"]["CheckpointFunction.forward"] == "ShimWrapper"
 
 
 def test_strict_mode_raises_where_the_recompute_is_not_in_effect(layouts: dict[str, Layout]) -> None:
     namespace = affected_trainer(layouts)
     result = child_json("recompute_proof:moved_internals", {"packages": [namespace], "strict": True})
     assert result["raised"].startswith("FSDPShimError: fsdp-shim: the recompute fix is not in effect on torch"), result
+    assert "for the non-reentrant checkpoint" in result["raised"], result
     assert result["raised"].endswith("(FSDP_SHIM_STRICT is on)"), result
 
 
@@ -139,6 +150,72 @@ def test_the_check_holds_whatever_context_lightning_is_imported_in(layouts: dict
         "inside": {"inference_mode": True, "device": "meta"},
         "dtype": "torch.bfloat16",
     }
+
+
+@pytest.mark.parametrize("context", CONTEXTS)
+def test_a_context_lightning_is_imported_in_switches_nothing_off(context: str, layouts: dict[str, Layout]) -> None:
+    """Lightning imported (strict mode on) inside a context the check's calls would trip over in the importing
+    thread: the check runs in a thread of its own, so only checkpoint debug mode, which is module-wide, keeps
+    one path from being shown, and that path is checked again later. Nothing raises, nothing warns, the user's
+    mode sees none of the check's calls, torch keeps every wrapper, status blames no torch, and once outside
+    the context status says "patched" and a bfloat16 checkpointed backward recomputes in bfloat16."""
+    import torch
+
+    namespace = affected_trainer(layouts)
+    result = child_json("recompute_proof:imported_inside", {"package": namespace, "context": context, "strict": True})
+    if context == "checkpoint debug mode":
+        assert result["inside"] == (
+            f"not shown yet on torch {torch.__version__} for the composable checkpoint (its check could not run here "
+            "(ValueError: debug=True is incompatible with non-default context_fn); checked again at a later "
+            "checkpoint call, fsdp_shim.activate() or status()); in effect for the reentrant and non-reentrant "
+            "checkpoints"
+        )
+    else:
+        assert result["inside"] == "patched"
+    assert result["after"] == [True, "patched"]
+    wrapped = [name for name, kind in result["checkpoint"].items() if kind == "ShimWrapper"]
+    assert len(wrapped) == 2 and "CheckpointFunction.forward" in wrapped, result["checkpoint"]  # and the generator
+    assert result["backward"] == {"non-reentrant": "torch.bfloat16", "reentrant": "torch.bfloat16"}
+    assert (result["dtype"], result["warnings"], result["seen_by_mode"]) == ("torch.float32", [], [])
+
+
+def test_a_thread_making_tensors_during_the_first_lightning_import_gets_only_float32(
+    layouts: dict[str, Layout],
+) -> None:
+    """The check switches no default dtype: no call of ``torch.set_default_dtype`` during the import, and a
+    thread making tensors all along gets float32 only."""
+    namespace = affected_trainer(layouts)
+    result = child_json("recompute_proof:import_watched", {"package": namespace})
+    assert (result["switches"], result["reason"]) == ([], "patched")
+    assert list(result["seen"]) == ["torch.float32"] and result["seen"]["torch.float32"] > 0, result["seen"]
+
+
+def test_a_pin_ended_by_an_error_leaves_neither_its_dtype_nor_itself(layouts: dict[str, Layout]) -> None:
+    """Two threads' pins in bfloat16 and float16 under ``simplefilter("error")``: the float16 one raises the
+    shim's warning as an error, and afterwards the default dtype is float32 and no pin is left; the same for
+    ``KeyboardInterrupt`` raised inside a recompute."""
+    namespace = affected_trainer(layouts)
+    ended = {"dtype": "torch.float32", "pins": 0}
+    assert child_json("recompute_proof:pins_left_by_errors", {"package": namespace}) == {
+        "warning as error": {"errors": ["FSDPShimWarning"], **ended, "after": "torch.float32"},
+        "KeyboardInterrupt": {"raised": "KeyboardInterrupt", **ended},
+    }
+
+
+def test_a_pin_overlapping_another_threads_forward_context_leaves_no_more_than_lightnings_own(
+    layouts: dict[str, Layout],
+) -> None:
+    """Thread A in Lightning's forward context, thread P in a pinned recompute, overlapping in every order, in one
+    dtype and in two: the default dtype left after both is the one the same order leaves with P in a forward
+    context of Lightning's instead, or float32 where that one leaves a dtype behind (docs/how-it-works.md,
+    "Threads"). The default dtype is one global: A can run in float32 inside its section either way."""
+    namespace = affected_trainer(layouts)
+    pairs = [["bfloat16", "bfloat16"], ["bfloat16", "float16"]]
+    result = child_json("recompute_proof:sections_overlapping", {"package": namespace, "pairs": pairs})
+    assert len(result) == 4 * len(pairs), result
+    for case, after in result.items():
+        assert after["pin"] in (after["lightning"], "torch.float32"), (case, after)
+    assert {after["pin"] for after in result.values()} > {"torch.float32"}, "some order must leave A's capture"
 
 
 def test_the_pin_leaves_the_default_dtype_to_whoever_set_it(layouts: dict[str, Layout]) -> None:
@@ -193,3 +270,67 @@ def _importable(name: str) -> bool:
         return importlib.util.find_spec(name) is not None
     except ImportError:
         return False
+
+
+RESTORING = """
+import contextlib
+import torch
+
+
+@contextlib.contextmanager
+def _default_dtype_context(dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+class CheckpointFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, run_function, preserve_rng_state, *args):
+        ctx.default_dtype = torch.get_default_dtype()
+        return run_function(*args)
+
+    @staticmethod
+    def backward(ctx, *args):
+        with _default_dtype_context(ctx.default_dtype):
+            return ctx.run_function(*args)
+
+
+def _checkpoint_without_reentrant_generator_impl(fn, args, kwargs):
+    default_dtype = torch.get_default_dtype()
+
+    def recompute_fn(*inputs):
+        with _default_dtype_context(default_dtype):
+            fn(*inputs)
+
+    yield
+"""
+
+
+def test_whether_torch_restores_the_dtype_is_read_from_its_code(tmp_path: Path) -> None:
+    """``fsdp-shim status`` reads torch's checkpoint.py without importing it: the upstream patch's shape
+    restores every path; the dtype read only in the helper (not captured at the forward) restores none;
+    the session's own torch, none (no release has it). Compiled, never run: the files import nothing."""
+    import importlib.util
+
+    from _fsdp_shim.recompute_check import restored_in_file
+
+    def read(source: str) -> list[str]:
+        (tmp_path / "checkpoint.py").write_text(source)
+        return sorted(restored_in_file(tmp_path / "checkpoint.py"))
+
+    assert read(RESTORING) == ["composable", "non-reentrant", "reentrant"]
+    not_captured = RESTORING.replace("    default_dtype = torch.get_default_dtype()\n", "    default_dtype = None\n")
+    assert read(not_captured) == ["reentrant"]
+    assert read(RESTORING.replace("ctx.default_dtype = torch.get_default_dtype()", "ctx.default_dtype = 0")) == [
+        "composable",
+        "non-reentrant",
+    ]
+    spec = importlib.util.find_spec("torch")  # found, not imported
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("needs torch")
+    own = Path(next(iter(spec.submodule_search_locations)), "utils", "checkpoint.py")
+    assert restored_in_file(own) == frozenset()

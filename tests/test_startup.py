@@ -159,7 +159,7 @@ def test_the_module_every_interpreter_imports_runs_almost_nothing_at_import() ->
     assert not [node for node in body if isinstance(node, ast.ImportFrom)]
     assert "__getattr__" in [node.name for node in body if isinstance(node, ast.FunctionDef)]
     assert startup.FSDPShimWarning is startup.FSDPShimWarning and issubclass(startup.FSDPShimWarning, RuntimeWarning)
-    top_level = [node for node in body if not isinstance(node, ast.FunctionDef | ast.ClassDef)]
+    top_level = [node for node in body if not isinstance(node, (ast.FunctionDef, ast.ClassDef))]
     assert not [node for statement in top_level for node in ast.walk(statement) if isinstance(node, ast.Call)]
     assert ast.unparse(last) == "if __name__ == COPY_NAME:\n    arm('startup file')"
 
@@ -174,6 +174,38 @@ def test_the_bootstraps_fallback_reads_strict_like_the_startup_module_and_the_ta
     assert result["raised"] == result["strict"]
     assert sorted(set(result["raised"].values())) == [False, True]
     assert result["packages_from_source"] == sorted(LIGHTNING_PACKAGES)
+
+
+def test_python_m_fsdp_shim_never_arms_its_own_process_and_another_module_run_with_m_does(tmp_path: Path) -> None:
+    """``python -m fsdp_shim`` imports the package before it runs the command, which must arm nothing, on every
+    Python (3.9 has no ``sys.orig_argv``: there the check asks runpy). A module run with ``-m`` whose package
+    imports fsdp_shim activates, also where that module's own arguments are ``-m fsdp_shim``."""
+    hook = tmp_path / "hook"
+    (hook / "trainer_package").mkdir(parents=True)
+    (hook / "sitecustomize.py").write_text("from children.activation import report_at_exit\n\nreport_at_exit()\n")
+    (hook / "trainer_package" / "__init__.py").write_text("import fsdp_shim  # noqa: F401\n")
+    (hook / "trainer_package" / "__main__.py").write_text("")
+    base = clean_env()
+    paths = [str(hook), str(ROOT / "tests"), *filter(None, [base.get("PYTHONPATH")])]
+    armed = {}
+    for command in (
+        ["-m", "fsdp_shim", "--version"],
+        ["-mfsdp_shim", "--version"],
+        ["-W", "ignore", "-m", "fsdp_shim", "status", "--json"],
+        ["-m", "trainer_package", "-m", "fsdp_shim"],
+        ["-c", "import fsdp_shim"],
+    ):
+        report = tmp_path / "report.json"
+        env = {**base, "PYTHONPATH": os.pathsep.join(paths), "CHILD_REPORT_FILE": str(report)}
+        run_command([sys.executable, *command], env=env, cwd=tmp_path, check=True)
+        armed[" ".join(command)] = json.loads(report.read_text())["armed_by"]
+    assert armed == {
+        "-m fsdp_shim --version": [],
+        "-mfsdp_shim --version": [],
+        "-W ignore -m fsdp_shim status --json": [],
+        "-m trainer_package -m fsdp_shim": ["import fsdp_shim"],
+        "-c import fsdp_shim": ["import fsdp_shim"],
+    }, sys.version
 
 
 # ----------------------------------------------------------------------------- specs and loaders (issue 26, item 3)
@@ -313,11 +345,12 @@ def user_sitecustomize(tmp_path: Path, request: pytest.FixtureRequest) -> tuple[
     extra.mkdir()
     (extra / "site_extra_module.py").write_text("VALUE = 1\n")
     # One line per run: (pid, command line). `fsdp-shim run` execs, so the launcher and the command
-    # share a pid and differ in their command line; a process that ran it twice repeats a line.
+    # share a pid and differ in their command line; a process that ran it twice repeats a line. The
+    # command line from /proc: Python 3.9 has no sys.orig_argv.
     body = (
         "import os, sys\n"
         f"with open({str(counter)!r}, 'a') as f:\n"
-        "    f.write(f'{os.getpid()} {sys.orig_argv!r}\\n')\n"
+        "    f.write(f'{os.getpid()} {open(\"/proc/self/cmdline\").read().split(chr(0))!r}\\n')\n"
         f"sys.path.insert(0, {str(extra)!r})\n"
         "USER_MARKER = 'the user sitecustomize'\n"
     )
@@ -778,6 +811,52 @@ def test_fsdp_shim_1_alone_arms_the_shim_and_nothing_else_does(
     assert unset.stdout.startswith("[] [") and FINDER not in unset.stdout and unset.stderr == ""
     off = pip_probe(pip_venv, *python_args, env=clean_env(FSDP_SHIM="0"), cwd=tmp_path)
     assert off["finder_count"] == 1 and off["loaded"] is False and off["shim_warnings"] == []
+
+
+SWITCH_VALUES = {"unset": None, "blank": "", "spaces": "  ", "off": "0", "on": "1"}
+"""``FSDP_SHIM`` as a job template may leave it (``FSDP_SHIM=${FSDP_SHIM:-}`` gives a blank one), by name."""
+STARTUP_CODE = (
+    "import json, sys; startup = sys.modules.get('_fsdp_shim'); "
+    "print(json.dumps([[getattr(f, '__name__', '') for f in sys.meta_path].count('fsdp_shim_finder'), "
+    "getattr(startup, 'ARMED_BY', None), '_fsdp_shim.activation' in sys.modules]))"
+)
+"""Prints what a start-up file left behind: fsdp-shim's finders, how the start-up module was armed (``None``: it
+was not even imported), and whether the shim itself was loaded."""
+
+
+def test_a_blank_switch_is_unset_for_the_pip_start_up_file_its_pep_829_companion_and_status(
+    pip_venv: PipVenv, tmp_path: Path
+) -> None:
+    """What pip installs arms where ``FSDP_SHIM`` is set and not blank: ``fsdp_shim_env.pth`` as ``site`` reads
+    it, and its PEP 829 companion ``fsdp_shim_env.start`` (Python 3.15+ runs it in place of the ``.pth``'s
+    import line) as ``site`` runs it, each entry resolved with ``pkgutil.resolve_name`` and called, in a fresh
+    interpreter that reads no start-up file (``-S``). Unset, blank or spaces: nothing armed, and the ``.pth``
+    imports nothing of fsdp-shim's; ``0``: the finder is armed and hands nothing over (the switch is read
+    again at Lightning's import); ``1``: armed. ``status`` reads a blank switch as unset too."""
+    start_file = pip_venv.site_packages / "fsdp_shim_env.start"
+    entries = [line.strip() for line in start_file.read_text().splitlines() if line.strip()[:1] not in ("", "#")]
+    assert entries == ["_fsdp_shim:arm_if_switched_on"]
+    pth_code = [line for line in (pip_venv.site_packages / ENVIRONMENT_FILE).read_text().splitlines()]
+    assert [line for line in pth_code if line.startswith("import")] == [pth_code[-1]]
+    run_start = (
+        f"import pkgutil, sys; sys.path.append({str(pip_venv.site_packages)!r}); "
+        f"[pkgutil.resolve_name(entry)() for entry in {entries!r}]; {STARTUP_CODE}"
+    )
+    seen = {}
+    for name, value in SWITCH_VALUES.items():
+        env = clean_env(FSDP_SHIM=value)
+        by_pth = pip_venv.run("-c", STARTUP_CODE, env=env, cwd=tmp_path).stdout
+        by_start = pip_venv.run("-S", "-c", run_start, env=env, cwd=tmp_path).stdout
+        state = json.loads(pip_venv.run("-m", "fsdp_shim", "status", "--json", env=env, cwd=tmp_path).stdout)
+        seen[name] = (json.loads(by_pth), json.loads(by_start), state["armed"]["state"])
+    armed = [1, [startup.ENVIRONMENT_SOURCE], False]
+    assert seen == {
+        "unset": ([0, None, False], [0, [], False], "not armed"),
+        "blank": ([0, None, False], [0, [], False], "not armed"),
+        "spaces": ([0, None, False], [0, [], False], "not armed"),
+        "off": (armed, armed, "off"),
+        "on": (armed, armed, "armed"),
+    }
 
 
 def test_an_unreadable_value_loads_the_shim_only_to_say_it_is_off(

@@ -615,7 +615,11 @@ def test_a_recompute_the_shim_says_is_not_in_effect_is_failed_never_applied(
     args = ("--model", "user_models:Checkpointed", "--init-args", '{"cast": true}', "--activation-checkpointing")
     proc = runs.model("lightning.pytorch", *args, "user_models:Block", "--devices", "1", "--json")
     section = as_section(only_section(proc))
-    reason = "not in effect on torch 2.13.0 (the non-reentrant checkpoint recomputed in float32, not its forward's)"
+    reason = (
+        "not in effect on torch 2.13.0 for the non-reentrant checkpoint (torch recomputed it without the shim's "
+        "pinned function (its checkpoint calls other functions)); in effect for the reentrant and composable "
+        "checkpoints"
+    )
     state = {"fix": RECOMPUTE.name, "affected": True, "patched": False, "reason": reason, "targets": []}
 
     def with_state(results: list[RankResult] | None) -> list[RankResult]:

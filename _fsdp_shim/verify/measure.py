@@ -63,7 +63,7 @@ def parameter_hashes(root: Any) -> dict[str, str]:
 def measuring_callback(pl: Any, count: tuple[type, ...] = ()) -> Any:
     """A ``pl.Callback`` (each namespace has its own) that also counts the modules of the ``count`` classes."""
 
-    class Measure(pl.Callback):  # type: ignore[misc, name-defined]
+    class Measure(pl.Callback):
         def __init__(self) -> None:
             self.grad_bytes, self.checkpointed = 0, 0
             self.losses: list[float | None] = []
@@ -75,7 +75,7 @@ def measuring_callback(pl: Any, count: tuple[type, ...] = ()) -> Any:
             self.grad_bytes = sharded_grad_bytes(trainer.strategy.model)
 
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+            loss: Any = outputs.get("loss") if isinstance(outputs, dict) else outputs
             self.losses.append(float(loss.detach().float().item()) if hasattr(loss, "detach") else None)
 
         def report(self, trainer: Any, baseline_rss: int, units: dict[str, Any], fixes: dict[str, Any]) -> RankResult:

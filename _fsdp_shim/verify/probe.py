@@ -127,7 +127,7 @@ def checked(spec: str, kind: str) -> Any:
 
 
 def check_training_data(spec: str, model: Any, namespace: str) -> None:
-    cls = model if isinstance(model, type) else type(model)
+    cls: Any = model if isinstance(model, type) else type(model)
     if cls.train_dataloader is sys.modules[namespace].LightningModule.train_dataloader:
         raise usage_error(f"{spec} has no train_dataloader; pass --datamodule module:attr")
 
@@ -167,7 +167,8 @@ def gate(options: Options) -> dict[str, Any]:
 
     if not torch.cuda.is_available():
         check_fsdp_on_cpu()
-    namespaces, model_namespaces = {}, []
+    namespaces: dict[str, dict[str, Any]] = {}
+    model_namespaces: list[str] = []
     if options.model is not None:
         target = checked(options.model, "LightningModule")
         own = trainer_namespace_of(target, "LightningModule") if isinstance(target, type) else None
@@ -195,7 +196,8 @@ def train_and_measure(request: ProbeRequest) -> None:
 
     options, namespace, cuda = request.options, request.namespace, torch.cuda.is_available()
     torch.manual_seed(0)  # the runs compared bit for bit start from the same weights
-    loader, datamodule, strategy_options = None, None, {}
+    loader, datamodule = None, None
+    strategy_options: dict[str, Any] = {}
     if options.model is None:
         pl = importlib.import_module(namespace)  # type: ignore[arg-type]
         model, loader, strategy_options = seed.build(pl, options.steps, options.devices)

@@ -57,7 +57,7 @@ def build(pl: Any, steps: int, devices: int) -> tuple[Any, Any, dict[str, Any]]:
     transformer = importlib.import_module(f"{pl.__name__}.demos").Transformer
     make = functools.partial(transformer, vocab_size=VOCAB, nlayers=2, nhid=256, ninp=128, nhead=4, dropout=0.0)
 
-    class SeedModel(pl.LightningModule):  # type: ignore[misc, name-defined]
+    class SeedModel(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             self.model: nn.Module | None = None
@@ -75,7 +75,8 @@ def build(pl: Any, steps: int, devices: int) -> tuple[Any, Any, dict[str, Any]]:
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             (tokens,) = batch
             inputs, target = tokens[:, :-1], tokens[:, 1:]
-            losses = [F.nll_loss(m(inputs, target).float(), target.reshape(-1)) for m in (self.model, self.pretrained)]
+            models = (self.model, self.pretrained)
+            losses = [F.nll_loss(m(inputs, target).float(), target.reshape(-1)) for m in models]  # type: ignore[misc]
             block = F.nll_loss(self.block(inputs).float().reshape(-1, VOCAB), target.reshape(-1))  # type: ignore[misc]
             return losses[0] + losses[1] + block
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from _fsdp_shim.config import CAST, FIXES, RECOMPUTE
+from _fsdp_shim.status import NOT_NEEDED_ON_TORCH
 from _fsdp_shim.verify.measure import finite
 from _fsdp_shim.verify.records import RankResult
 
@@ -33,7 +34,7 @@ class Section:
     shim_off_error: str | None = None  # the traceback of a user's model that raised without the shim
 
 
-def fix_entries(states: dict[str, dict[str, Any]], verdicts: dict[str, tuple[str, str]]) -> list[dict[str, Any]]:
+def fix_entries(states: dict[str, dict[str, Any]], verdicts: dict[str, tuple[str | None, str]]) -> list[dict[str, Any]]:
     """Per fix: its verdict (``None`` where not checked), reason, and ``shim``: its ``FixStatus`` read in a probe.
     A fix the shim says is not in effect on this torch is ``FAILED`` with that reason, checked or not."""
     rows = [(fix.name, *verdicts.get(fix.name, (None, NOT_CHECKED))) for fix in FIXES]
@@ -131,8 +132,12 @@ def judge_recompute(
     count = on_ac[0].checkpointed or off_ac[0].checkpointed
     blocks = f"checkpointing {classes} ({count} module{'' if count == 1 else 's'})"
     state = on_ac[0].fixes[RECOMPUTE.name]
-    problems = [] if state["patched"] else [_not_applied(state, on[0].namespace)]
     changed, unfixed = what_changed(on, on_ac), what_changed(off or [], off_ac)
+    if str(state["reason"]).startswith(NOT_NEEDED_ON_TORCH):  # torch restores the dtype itself: nothing wrapped
+        if changed or unfixed:
+            return "FAILED", f"{state['reason']}, but the checkpointed run {changed or unfixed}"
+        return "not needed", f"{state['reason']}; measured: {blocks} changes nothing, with the shim on and off"
+    problems = [] if state["patched"] else [_not_applied(state, on[0].namespace)]
     problems += [f"with the shim, the checkpointed run {changed}"] if changed else []
     finding = f"with the shim off, the checkpointed run {unfixed}" if unfixed else ""
     if problems:

@@ -582,9 +582,9 @@ def glue_fallback(namespace: str) -> dict[str, Any]:
     confirmed: list[list[str]] = []
     confirm = rank_check.confirm_every_rank
 
-    def counting(where: str, dtype: Any) -> None:
+    def counting(where: str, dtype: Any, joined_here: bool = False) -> None:
         confirmed.append([where, str(dtype)])
-        confirm(where, dtype)
+        confirm(where, dtype, joined_here)
 
     rank_check.confirm_every_rank = counting  # type: ignore[assignment]
 

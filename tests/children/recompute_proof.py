@@ -58,24 +58,29 @@ def _held(module_name: str) -> dict[str, str]:
     return held
 
 
+def _check() -> dict[str, Any]:
+    """The recompute check run again on every path, as found: ``[shown, why, holds]`` per path."""
+    from _fsdp_shim import recompute_check
+
+    return {path: [f.shown, f.why, f.holds] for path, f in recompute_check.prove(frozenset()).items()}
+
+
 def wrapped_and_shown(package: str) -> dict[str, Any]:
     """Activate, import Lightning: what is wrapped, the status, and the check itself run again with the
     shim on and after ``deactivate()`` (so the check is seen to fail where the fix is off)."""
     import fsdp_shim
 
     importlib.import_module(package)
-    from _fsdp_shim import fixes
-
     composable = "torch.distributed._composable.checkpoint_activation"
     result = {
         "status": _recompute_status(),
         "checkpoint": _held("torch.utils.checkpoint"),
         "composable": _held(composable),
         "generators": [name for name in GENERATORS if hasattr(sys.modules["torch.utils.checkpoint"], name)],
-        "check_on": fixes.prove_recompute(),
+        "check_on": _check(),
     }
     fsdp_shim.deactivate()
-    result["check_off"] = fixes.prove_recompute()
+    result["check_off"] = _check()
     result["checkpoint_off"] = _held("torch.utils.checkpoint")
     result["composable_off"] = _held(composable)
     return result
@@ -214,7 +219,7 @@ def pins_in_one_thread(package: str) -> dict[str, str]:
     import fsdp_shim  # noqa: F401
 
     importlib.import_module(package)
-    from _fsdp_shim.fixes import _pins
+    from _fsdp_shim.pins import pins as _pins
 
     seen: dict[str, str] = {}
 
@@ -237,14 +242,333 @@ def pins_in_one_thread(package: str) -> dict[str, str]:
     checkpoint.checkpoint(setter, torch.ones(2, requires_grad=True), use_reentrant=True)
     seen["after_a_function_that_sets_it"] = str(torch.get_default_dtype())
     torch.set_default_dtype(torch.float32)
-    pin = _pins._enter(torch.bfloat16)
+    pin: list[Any] = []
+    _pins._enter(torch.bfloat16, pin)
     torch.set_default_dtype(torch.float16)  # other code, e.g. another thread's forward context
-    _pins._leave(pin)
+    _pins._leave(pin[0])
     seen["after_other_code_changed_it"] = str(torch.get_default_dtype())
     torch.set_default_dtype(torch.float32)
-    first, second = _pins._enter(torch.bfloat16), _pins._enter(torch.float64)
-    _pins._leave(first)
+    first: list[Any] = []
+    second: list[Any] = []
+    _pins._enter(torch.bfloat16, first)
+    _pins._enter(torch.float64, second)
+    _pins._leave(first[0])
     seen["the_first_ended"] = str(torch.get_default_dtype())
-    _pins._leave(second)
+    _pins._leave(second[0])
     seen["both_ended"] = str(torch.get_default_dtype())
     return seen
+
+
+def _lightning_dtype_context(package: str) -> Any:
+    """Lightning's own forward context (``precision.forward_context()`` of the true precisions)."""
+    fabric = "lightning.fabric" if package.startswith("lightning.") else "lightning_fabric"
+    return importlib.import_module(f"{fabric}.plugins.precision.utils")._DtypeContextManager
+
+
+CONTEXTS = ("checkpoint debug mode", "saved-tensor hooks disabled", "a mode that rejects float64", "no_grad")
+
+
+def imported_inside(package: str, context: str, strict: bool) -> dict[str, Any]:
+    """Import Lightning inside a context that the check's own calls would trip over in the importing thread,
+    then leave it: what status says inside and after, what torch holds, and a bfloat16 checkpointed backward
+    run after (its block makes a default-dtype tensor, so it fails where the recompute is not pinned)."""
+    import torch
+    import torch.utils.checkpoint as checkpoint
+    from torch.overrides import TorchFunctionMode
+
+    seen_by_mode: list[str] = []
+
+    class Rejecting(TorchFunctionMode):
+        """A user's mode that rejects float64 and notes every op on a tensor that requires grad."""
+
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            values = [*args, *kwargs.values()]
+            if torch.float64 in values or any(getattr(v, "dtype", None) == torch.float64 for v in values):
+                raise RuntimeError("this user's mode rejects float64")
+            if any(isinstance(v, torch.Tensor) and v.requires_grad for v in values):
+                seen_by_mode.append(getattr(func, "__name__", str(func)))
+            return func(*args, **kwargs)
+
+    if strict:
+        os.environ["FSDP_SHIM_STRICT"] = "1"
+    entered = {
+        "checkpoint debug mode": lambda: checkpoint.set_checkpoint_debug_enabled(True),
+        "saved-tensor hooks disabled": lambda: torch.autograd.graph.disable_saved_tensors_hooks("the user's"),
+        "a mode that rejects float64": Rejecting,
+        "no_grad": torch.no_grad,
+    }[context]()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with entered:
+            import fsdp_shim
+
+            module = importlib.import_module(package)
+            from _fsdp_shim import wrappers
+            from _fsdp_shim.config import RECOMPUTE
+
+            inside = wrappers.status(module.__name__, RECOMPUTE).reason
+    after = fsdp_shim.status().namespace(module.__name__).fix("recompute")
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        return x * torch.ones(4)
+
+    outcomes = {}
+    for reentrant in (False, True):
+        x = torch.ones(4, dtype=torch.bfloat16, requires_grad=True)
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            out = checkpoint.checkpoint(block, x, use_reentrant=reentrant)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        try:
+            out.sum().backward()
+            outcomes["reentrant" if reentrant else "non-reentrant"] = str(x.grad.dtype)
+        except Exception as error:
+            outcomes["reentrant" if reentrant else "non-reentrant"] = f"{type(error).__name__}: {error}"[:300]
+    return {
+        "inside": inside,
+        "after": [after.patched, after.reason],
+        "checkpoint": _held("torch.utils.checkpoint"),
+        "backward": outcomes,
+        "dtype": str(torch.get_default_dtype()),
+        "warnings": [str(w.message) for w in caught if type(w.message).__name__ == "FSDPShimWarning"],
+        "seen_by_mode": seen_by_mode,
+    }
+
+
+def import_watched(package: str) -> dict[str, Any]:
+    """The first Lightning import with the shim, while another thread makes tensors all along: the dtypes it
+    got, and every call of ``torch.set_default_dtype`` made during the import (the check makes none)."""
+    import torch
+
+    switches: list[str] = []
+    original = torch.set_default_dtype
+
+    def counted(dtype: torch.dtype) -> None:
+        switches.append(f"{threading.current_thread().name}: {dtype}")
+        original(dtype)
+
+    torch.set_default_dtype = counted
+    seen: dict[str, int] = {}
+    done = threading.Event()
+
+    def make_tensors() -> None:
+        while not done.is_set():
+            dtype = str(torch.zeros(1).dtype)
+            seen[dtype] = seen.get(dtype, 0) + 1
+
+    maker = threading.Thread(target=make_tensors, name="user thread")
+    maker.start()
+    try:
+        import fsdp_shim
+
+        module = importlib.import_module(package)
+    finally:
+        done.set()
+        maker.join()
+        torch.set_default_dtype = original
+    return {"seen": seen, "switches": switches, "reason": fsdp_shim.status().namespace(module.__name__).reason}
+
+
+def pins_left_by_errors(package: str) -> dict[str, Any]:
+    """Recomputes ended by a warning turned into an error (two threads' pins in two dtypes, under
+    ``simplefilter("error")``) and by ``KeyboardInterrupt`` inside a recompute: the default dtype and the pins
+    still registered after each."""
+    import torch
+    import torch.utils.checkpoint as checkpoint
+
+    import fsdp_shim  # noqa: F401
+
+    importlib.import_module(package)
+    from _fsdp_shim.pins import pins
+
+    found: dict[str, Any] = {}
+    inside, release = threading.Barrier(2), threading.Event()
+    errors: list[str] = []
+
+    def recompute(dtype: torch.dtype, wait: bool) -> None:
+        def block(x: torch.Tensor) -> torch.Tensor:
+            calls[dtype].append("recompute" if calls[dtype] else "forward")
+            if wait and calls[dtype][-1] == "recompute":  # pinned: hold the pin while the other one starts
+                inside.wait(30)
+                release.wait(30)
+            return x * torch.ones(1)
+
+        calls[dtype] = []
+        x = torch.ones(1, dtype=dtype, requires_grad=True)
+        try:  # the forward of the second one clashes already: its pin is entered while the first one runs
+            torch.set_default_dtype(dtype)
+            try:
+                out = checkpoint.checkpoint(block, x, use_reentrant=True)
+            finally:
+                torch.set_default_dtype(torch.float32)
+            out.sum().backward()
+        except BaseException as error:
+            errors.append(type(error).__name__)
+
+    calls: dict[torch.dtype, list[str]] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        first = threading.Thread(target=recompute, args=(torch.bfloat16, True))
+        first.start()
+        inside.wait(30)  # the bfloat16 recompute is pinned and waits; now a float16 one clashes with it
+        second = threading.Thread(target=recompute, args=(torch.float16, False))
+        second.start()
+        second.join(timeout=60)
+        release.set()
+        first.join(timeout=60)
+    found["warning as error"] = {
+        "errors": sorted(errors),
+        "dtype": str(torch.get_default_dtype()),
+        "pins": len(pins._running),
+        "after": str(torch.zeros(1).dtype),
+    }
+
+    def interrupted(x: torch.Tensor) -> torch.Tensor:
+        if torch.get_default_dtype() == torch.bfloat16 and torch.is_grad_enabled():  # the reentrant recompute
+            raise KeyboardInterrupt
+        return x * 2
+
+    x = torch.ones(1, dtype=torch.bfloat16, requires_grad=True)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        out = checkpoint.checkpoint(interrupted, x, use_reentrant=True)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    try:
+        out.sum().backward()
+        raised = "nothing"
+    except KeyboardInterrupt:
+        raised = "KeyboardInterrupt"
+    found["KeyboardInterrupt"] = {"raised": raised, "dtype": str(torch.get_default_dtype()), "pins": len(pins._running)}
+    return found
+
+
+ORDERS = ("AePeAxPx", "AePePxAx", "PeAePxAx", "PeAeAxPx")
+"""How a thread's Lightning forward context (A) and another thread's section (P) overlap: e(nter), (e)x(it)."""
+
+
+def sections_overlapping(package: str, pairs: list[list[str]]) -> dict[str, dict[str, str]]:
+    """``_sections_overlapping`` for every order, pair of dtypes, and P pinned or Lightning's, from float32."""
+    import torch
+
+    import fsdp_shim  # noqa: F401
+
+    importlib.import_module(package)
+    found: dict[str, dict[str, str]] = {}
+    for order in ORDERS:
+        for pair in pairs:
+            for pin in (True, False):
+                torch.set_default_dtype(torch.float32)
+                after = _sections_overlapping(package, order, pair, pin)
+                found.setdefault(f"{order} {'/'.join(pair)}", {})["pin" if pin else "lightning"] = after
+    return found
+
+
+def _sections_overlapping(package: str, order: str, dtypes: list[str], pin: bool) -> str:
+    """Thread A runs Lightning's forward context in ``dtypes[0]``; thread P runs, in ``dtypes[1]``, a pinned
+    recompute (``pin``) or Lightning's forward context too; each steps when ``order`` says. The default dtype
+    after both: what the process is left with."""
+    import torch
+
+    from _fsdp_shim.pins import pins
+
+    context = _lightning_dtype_context(package)
+    steps = [order[i : i + 2] for i in range(0, len(order), 2)]
+    turn = {step: threading.Event() for step in steps}
+    done = {step: threading.Event() for step in steps}
+
+    def step(name: str) -> None:
+        turn[name].wait(30)
+
+    def finish(name: str) -> None:
+        done[name].set()
+
+    def lightning(name: str, dtype: torch.dtype) -> None:
+        step(f"{name}e")
+        manager = context(dtype)
+        manager.__enter__()
+        finish(f"{name}e")
+        step(f"{name}x")
+        manager.__exit__(None, None, None)
+        finish(f"{name}x")
+
+    def pinned(dtype: torch.dtype) -> None:
+        step("Pe")
+
+        def recomputing() -> None:
+            finish("Pe")
+            step("Px")
+
+        pins.call(dtype, recomputing)
+        finish("Px")
+
+    a = threading.Thread(target=lightning, args=("A", getattr(torch, dtypes[0])))
+    p = threading.Thread(
+        target=pinned if pin else lightning,
+        args=(getattr(torch, dtypes[1]),) if pin else ("P", getattr(torch, dtypes[1])),
+    )
+    a.start()
+    p.start()
+    for name in steps:
+        turn[name].set()
+        done[name].wait(30)
+    a.join(30)
+    p.join(30)
+    return str(torch.get_default_dtype())
+
+
+def stepped_aside(packages: list[str]) -> dict[str, Any]:
+    """On a torch whose checkpoint restores the default dtype itself: what status and the rank check say, what
+    torch holds, what torch's file reads as, and every ``torch.set_default_dtype`` call the shim's own code
+    makes during a bfloat16 checkpointed backward, reentrant and not (none: it wraps nothing)."""
+    import torch
+    import torch.utils.checkpoint as checkpoint
+
+    import fsdp_shim
+
+    for package in packages:
+        importlib.import_module(package)
+    from pathlib import Path
+
+    from _fsdp_shim import rank_check, recompute_check
+
+    by_shim: list[str] = []
+    original = torch.set_default_dtype
+    shim_code = str(Path(fsdp_shim.__file__).resolve().parent.parent / "_fsdp_shim")
+
+    def watched(dtype: torch.dtype) -> None:
+        caller = sys._getframe(1).f_code.co_filename
+        if caller.startswith(shim_code):
+            by_shim.append(f"{caller}: {dtype}")
+        original(dtype)
+
+    torch.set_default_dtype = watched
+    grads = {}
+    try:
+        for reentrant in (False, True):
+            x = torch.ones(4, dtype=torch.bfloat16, requires_grad=True)
+            torch.set_default_dtype(torch.bfloat16)
+            try:
+                out = checkpoint.checkpoint(lambda t: t * torch.ones(4), x, use_reentrant=reentrant)
+            finally:
+                torch.set_default_dtype(torch.float32)
+            out.sum().backward()
+            grads["reentrant" if reentrant else "non-reentrant"] = str(x.grad.dtype)
+    finally:
+        torch.set_default_dtype = original
+    status = fsdp_shim.status()
+    imported = [ns for ns in status.namespaces if ns.imported]
+    return {
+        "recompute": {ns.namespace: [ns.fix("recompute").affected, ns.fix("recompute").reason] for ns in imported},
+        "rank_check": {
+            ns.namespace: rank_check._summary(rank_check._decision(ns.namespace, torch.bfloat16)) for ns in imported
+        },
+        "checkpoint": _held("torch.utils.checkpoint"),
+        "composable": _held("torch.distributed._composable.checkpoint_activation"),
+        "read_from_file": sorted(recompute_check.restored_in_file(Path(checkpoint.__file__))),
+        "set_by_the_shim": by_shim,
+        "grads": grads,
+        "torch": torch.__version__,
+    }

@@ -1,0 +1,150 @@
+"""The recompute fix's runtime: a checkpointed function pinned to the default dtype its forward had.
+
+torch's default dtype is one global for the whole process, so this module is about who may change it and
+what is put back. A pinned call whose dtype is already the default while no pin runs changes nothing (a
+forward, any run whose dtype never changes). Otherwise each pin notes the dtype it replaced, and the newest
+pin's end puts that back, unless other code changed the dtype meanwhile (then theirs stays); a pin that ends
+under a newer one hands its note up, so the dtype the first one replaced is the one restored, whatever order
+they end in. Every exit (an exception, a warning raised as an error, ``KeyboardInterrupt`` while the function
+runs) goes through the same end. What two threads get is in docs/how-it-works.md ("Threads"): the same as
+two of Lightning's own forward contexts in those threads, never the pin's dtype left behind by the pin.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from _fsdp_shim import failures
+
+if TYPE_CHECKING:
+    import torch
+
+checking: ContextVar[bool] = ContextVar("fsdp_shim_checking_recompute", default=False)
+"""True while the recompute check runs (``_fsdp_shim.recompute_check``): its calls are the shim's own."""
+through_pin: ContextVar[bool] = ContextVar("fsdp_shim_through_pin", default=False)
+"""Set, during the check only, while a pinned function runs: how the check sees torch call it."""
+
+
+@dataclass
+class _Pin:
+    thread: int
+    dtype: torch.dtype
+    before: torch.dtype | None = None
+    """The default dtype when it started (``None`` until it changed it): what its end puts back, handed to
+    the pin above it if that one is still running when this one ends."""
+
+
+class _Pins:
+    """The pinned calls running now, in the whole process (autograd's per-device threads, two models
+    trained in two threads): a lock guards the list and every change of the dtype it makes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._running: list[_Pin] = []
+
+    def reset(self) -> None:
+        """In a forked child: the parent's other threads and their pins are not there."""
+        self.__init__()  # type: ignore[misc]
+
+    def call(self, dtype: torch.dtype, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        held: list[_Pin] = []  # filled inside _enter before anything changes: a pin is never lost
+        try:
+            clash = self._enter(dtype, held)
+            if clash:
+                failures.warn_once(
+                    "fsdp-shim: two activation-checkpointed recomputes ran at once in different default dtypes "
+                    "(two threads' backwards); torch's default dtype is one for the whole process, so one of them "
+                    "ran in the other's dtype. The default dtype is put back when both end. See "
+                    "docs/how-it-works.md ('Threads').",
+                    key="recompute:threads",
+                )
+            if held and held[0].before is not None and held[0].before != dtype and not checking.get():
+                failures.confirm(
+                    f"recompute acted (a checkpointed block recomputed in {_name(dtype)}, its forward's dtype, "
+                    f"not {_name(held[0].before)})"
+                )
+            return function(*args, **kwargs)
+        finally:
+            if held:
+                self._leave(held[0])
+
+    def _enter(self, dtype: torch.dtype, held: list[_Pin]) -> bool:
+        """Register a pin in ``held`` and in the list, then switch the dtype; whether another thread's pin
+        runs in another dtype. Nothing here warns or can raise after the switch."""
+        import torch
+
+        with self._lock:
+            current = torch.get_default_dtype()
+            if current == dtype and not self._running:
+                return False
+            pin = _Pin(threading.get_ident(), dtype)
+            held.append(pin)
+            clash = any(other.dtype != dtype and other.thread != pin.thread for other in self._running)
+            self._running.append(pin)
+            pin.before = current
+            if current != dtype:
+                torch.set_default_dtype(dtype)
+        return clash
+
+    def _leave(self, pin: _Pin) -> None:
+        import torch
+
+        with self._lock:
+            index = next((i for i, other in enumerate(self._running) if other is pin), None)
+            if index is None or pin.before is None:  # interrupted before it was registered or changed anything
+                if index is not None:
+                    del self._running[index]
+                return
+            del self._running[index]
+            if index < len(self._running):  # a newer pin runs on: it puts back what this one replaced
+                self._running[index].before = pin.before
+            elif torch.get_default_dtype() == pin.dtype and pin.before != pin.dtype:
+                torch.set_default_dtype(pin.before)
+
+
+pins = _Pins()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=pins.reset)
+
+
+def in_forward_dtype(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function``, to be run later in the default dtype current now (the checkpointed forward's, for its
+    recompute). Code that ``torch.compile`` traces (dynamo, or a proxy-tracing mode such as compiled
+    autograd's) is left as torch makes it: a dtype switch there would be traced."""
+    import torch  # imported already by Lightning; not at the top, so importing this module does not
+
+    dtype = torch.get_default_dtype()
+
+    def run_in_forward_dtype(*args: Any, **kwargs: Any) -> Any:
+        if checking.get():  # the recompute check: mark the call as having come through the pin
+            token = through_pin.set(True)
+            try:
+                return pins.call(dtype, function, *args, **kwargs)
+            finally:
+                through_pin.reset(token)
+        if tracing(torch):
+            return function(*args, **kwargs)
+        return pins.call(dtype, function, *args, **kwargs)
+
+    return run_in_forward_dtype
+
+
+def tracing(torch: Any) -> bool:
+    """Whether this thread's code is being traced: ``is_dynamo_compiling`` is true only inside code dynamo
+    traces (``is_compiling`` is set for the whole process while any thread compiles), and a proxy dispatch
+    mode is on while FX traces (compiled autograd). Where torch has neither, nothing is traced here."""
+    dynamo = getattr(getattr(torch, "compiler", None), "is_dynamo_compiling", None)
+    if dynamo is not None and dynamo():
+        return True
+    key = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "PROXY", None)
+    get_mode = getattr(torch._C, "_get_dispatch_mode", None)
+    return key is not None and get_mode is not None and get_mode(key) is not None
+
+
+def _name(dtype: Any) -> str:
+    return str(dtype).removeprefix("torch.")

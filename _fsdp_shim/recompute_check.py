@@ -1,0 +1,216 @@
+"""The recompute fix's two readings of the running torch, neither of which another thread can observe.
+
+**Does torch restore the default dtype itself?** Read from its code, not tried: trying means switching the
+process-wide default dtype. The change offered upstream (docs/upstream.md) captures the forward's dtype with
+``torch.get_default_dtype()`` in the body that runs the forward (the non-reentrant generator,
+``CheckpointFunction.forward``) and puts it back with ``torch.set_default_dtype`` in the recompute (the
+generator's nested ``recompute_fn``, ``CheckpointFunction.backward``), directly or through a helper of the
+same module. A path whose code does both needs no pin; a torch that restores it some other way keeps the
+shim's pin, which then finds the dtype already right and changes nothing.
+
+**Does torch's recompute run through the shim's wrapper?** The wrappers sit on private names, a guess about
+torch's call path, so the fix says "in effect" for a path only once this check has seen torch's recompute of
+that path call the pinned function (``pins.through_pin``). It checkpoints ``x * x`` of a one-element float32
+tensor in a thread of its own, so the caller's thread-local state (grad mode, inference mode, autocast,
+saved-tensor hooks, torch function and dispatch modes) cannot fail it, and no dtype is switched. It runs no
+backward: reading a saved tensor of the non-reentrant checkpoint recomputes it, and the reentrant backward is
+stopped inside its recompute, so the autograd engine never starts (an engine started before a fork breaks
+autograd in the forked children). A check that raises (a module-wide setting such as checkpoint debug mode,
+or a warning filter set to "error") has shown nothing either way: it is tried again later.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import threading
+from pathlib import Path
+from types import CodeType, ModuleType
+from typing import Any
+
+from _fsdp_shim.pins import checking, through_pin
+from _fsdp_shim.wrappers import Finding
+
+CHECKPOINT_MODULE = "torch.utils.checkpoint"
+COMPOSABLE_MODULE = "torch.distributed._composable.checkpoint_activation"
+GENERATORS = ("_checkpoint_without_reentrant_generator_impl", "_checkpoint_without_reentrant_generator")
+"""The non-reentrant generator's names, newest first: torch 2.14 calls the first and keeps the second
+as an alias that calls it; torch 2.1-2.13 have the second only."""
+REENTRANT, NON_REENTRANT, COMPOSABLE = "reentrant", "non-reentrant", "composable"
+TORCHS_OWN = "torch's own (its checkpoint restores the forward's default dtype itself)"
+CHECK_SECONDS = 30.0
+"""How long the check's thread may take (a few milliseconds here): past it, nothing was shown."""
+
+
+def generator_name(checkpoint: ModuleType) -> str:
+    """The newest generator name this torch defines (the one its ``checkpoint()`` calls)."""
+    return next((name for name in GENERATORS if hasattr(checkpoint, name)), GENERATORS[-1])
+
+
+def composable_module() -> ModuleType | None:
+    """The composable checkpoint's module, where this torch has one (``torch.distributed.fsdp``, which
+    Lightning imports, imports it already)."""
+    import torch
+
+    if not torch.distributed.is_available():
+        return None
+    try:
+        return importlib.import_module(COMPOSABLE_MODULE)
+    except ImportError:
+        return None
+
+
+def paths() -> tuple[str, ...]:
+    """The checkpoint paths this torch has."""
+    return (REENTRANT, NON_REENTRANT) + ((COMPOSABLE,) if hasattr(composable_module(), "checkpoint") else ())
+
+
+# ----------------------------------------------------------------------------- torch's own restore
+def restored_by_torch() -> frozenset[str]:
+    """The paths whose recompute torch itself puts in the forward's default dtype (read from its code)."""
+    import torch.utils.checkpoint as checkpoint
+
+    helpers = {}  # the module's own functions, by name (a helper the recompute calls)
+    for name, value in vars(checkpoint).items():
+        code = _code(value)
+        if code is not None and getattr(inspect.unwrap(value), "__module__", None) == checkpoint.__name__:
+            helpers[name] = code
+    klass = vars(checkpoint).get("CheckpointFunction")
+    methods = (
+        {name: _code(vars(klass).get(name)) for name in ("forward", "backward")} if isinstance(klass, type) else {}
+    )
+    found = set()
+    if restores(_code(getattr(checkpoint, generator_name(checkpoint), None)), None, helpers):
+        found.add(NON_REENTRANT)
+        composable = composable_module()
+        held = vars(composable).get(generator_name(checkpoint)) if composable is not None else None
+        if held is None or restores(_code(held), None, helpers):  # none of its own: it calls the module's
+            found.add(COMPOSABLE)
+    if restores(methods.get("forward"), methods.get("backward"), helpers):
+        found.add(REENTRANT)
+    return frozenset(found)
+
+
+def restored_in_file(path: Path) -> frozenset[str]:
+    """``restored_by_torch`` for a torch that is not imported (``fsdp-shim status``): its checkpoint.py compiled,
+    not run. The composable checkpoint imports the module's generator by name: it goes with the non-reentrant."""
+    module = compile(path.read_text(encoding="utf-8"), str(path), "exec")
+    functions: dict[str, CodeType] = {}
+    for code in (const for const in module.co_consts if isinstance(const, CodeType)):
+        functions.setdefault(code.co_name, code)
+        functions.update({f"{code.co_name}.{c.co_name}": c for c in code.co_consts if isinstance(c, CodeType)})
+    generator = next((name for name in GENERATORS if name in functions), "")
+    found = {NON_REENTRANT, COMPOSABLE} if restores(functions.get(generator), None, functions) else set()
+    forward, backward = functions.get("CheckpointFunction.forward"), functions.get("CheckpointFunction.backward")
+    return frozenset(found | ({REENTRANT} if restores(forward, backward, functions) else set()))
+
+
+def restores(forward: CodeType | None, recompute: CodeType | None, helpers: dict[str, CodeType]) -> bool:
+    """Whether ``forward``'s own code reads the default dtype and the recompute's sets it: ``recompute`` (the
+    reentrant backward), else the code ``forward`` nests (the generator's ``recompute_fn``), with the module's
+    functions it calls (``helpers``, by name)."""
+    if forward is None or "get_default_dtype" not in forward.co_names:
+        return False
+    nested = [const for const in forward.co_consts if isinstance(const, CodeType)]
+    return any("set_default_dtype" in _names(code, helpers, set()) for code in ([recompute] if recompute else nested))
+
+
+def _names(code: CodeType | None, helpers: dict[str, CodeType], seen: set[CodeType]) -> set[str]:
+    """The names ``code`` uses, with those of the code it nests and of the module functions it names."""
+    if code is None or code in seen:
+        return set()
+    seen.add(code)
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, CodeType):
+            names |= _names(const, helpers, seen)
+    for name in list(names):
+        names |= _names(helpers.get(name), helpers, seen)
+    return names
+
+
+def _code(value: Any) -> CodeType | None:
+    """The code of a function, a static method or a decorated function (``contextmanager``), else ``None``."""
+    function = value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
+    with contextlib.suppress(Exception):  # an object whose __wrapped__ chain misbehaves is no function here
+        function = inspect.unwrap(function)
+    code = getattr(function, "__code__", None)
+    return code if isinstance(code, CodeType) else None
+
+
+# ----------------------------------------------------------------------------- torch's call path
+class _StopRecompute(Exception):
+    """Ends the reentrant check inside its recompute, before torch's backward would run the autograd engine."""
+
+
+def prove(settled: frozenset[str]) -> dict[str, Finding]:
+    """The recompute fix's ``Proof``: for every path of this torch but those ``settled``, torch's own where its
+    code restores the dtype, else whether its recompute ran the pinned function (checked in a thread of its own)."""
+    import torch
+    import torch.utils.checkpoint as checkpoint
+
+    own = restored_by_torch()
+    todo = [path for path in paths() if path not in settled]
+    wanted = [path for path in todo if path not in own]
+    composable = composable_module()
+    findings: dict[str, Finding] = {path: Finding(True, TORCHS_OWN) for path in todo if path in own}
+
+    def check_each() -> None:
+        for path in wanted:
+            findings[path] = _check(path, torch, checkpoint, composable)
+
+    if not wanted:
+        return findings
+    thread = threading.Thread(target=check_each, name="fsdp-shim recompute check", daemon=True)
+    thread.start()
+    thread.join(CHECK_SECONDS)
+    late = Finding(False, f"its check did not finish within {CHECK_SECONDS:g} s")
+    return {path: findings.get(path, late) for path in todo}
+
+
+def _check(path: str, torch: Any, checkpoint: ModuleType, composable: ModuleType | None) -> Finding:
+    """Checkpoint ``x * x``, recompute it, and see whether the recompute came through the pinned function."""
+    reentrant = path == REENTRANT
+    through: list[bool] = []
+
+    def block(x: Any) -> Any:
+        through.append(through_pin.get())
+        if reentrant and len(through) > 1:
+            raise _StopRecompute
+        return x * x
+
+    token = checking.set(True)
+    try:
+        x = torch.ones(1, dtype=torch.float32, device="cpu", requires_grad=True)
+        if path == COMPOSABLE:
+            out = _composable_forward(torch, composable, block, x)
+        else:
+            out = checkpoint.checkpoint(block, x, use_reentrant=reentrant, preserve_rng_state=False)
+        if reentrant:
+            with contextlib.suppress(_StopRecompute):
+                out.grad_fn.apply(torch.ones_like(out))
+        else:
+            out.grad_fn._saved_self  # noqa: B018 (reading it recomputes)
+    except Exception as error:
+        return Finding(False, f"its check could not run here ({type(error).__name__}: {error})")
+    finally:
+        checking.reset(token)
+    if len(through) < 2:
+        return Finding(False, "its check saw no recompute")
+    if not through[-1]:
+        why = "torch recomputed it without the shim's pinned function (its checkpoint calls other functions)"
+        return Finding(False, why, holds=True)
+    return Finding(True)
+
+
+def _composable_forward(torch: Any, composable: Any, block: Any, x: Any) -> Any:
+    class Block(torch.nn.Module):
+        def forward(self, x: Any) -> Any:
+            return block(x)
+
+    try:  # no RNG state forked: the RNG is the whole process's (torch before 2.4 has no such option)
+        module = composable.checkpoint(Block(), preserve_rng_state=False)
+    except TypeError:  # a module it was applied to, even in vain, refuses a second time: a new one
+        module = composable.checkpoint(Block())
+    return module(x)
