@@ -242,7 +242,8 @@ def verify(options: Options, workdir: Path) -> tuple[list[Section], list[selecti
     if failed or not out.exists():
         return [Section("Lightning", None, "FAILED", f"{GATE_STEP} {failed or 'wrote nothing'}")], []
     gate = json.loads(out.read_text())
-    chosen, skipped = list(gate["namespaces"]), []
+    chosen: list[str] = list(gate["namespaces"])
+    skipped: list[selection.Skipped] = []
     if options.model is None:
         try:
             installed = {ns: info["version"] for ns, info in gate["namespaces"].items()}
