@@ -145,8 +145,14 @@ verify measure beyond that does not depend on wrapt's version (the 2.1.4 session
 SESSION_TESTS = {
     "lightning-2.1.0-wrapt1": WRAPT_DEPENDENT_TESTS,
     # The project's own checks (import graph, matrix scripts, the benchmark, which brings its own Lightning
-    # folders) do not depend on the session's Lightning: they run in the default session.
-    "no-lightning": ["--ignore=tests/test_project.py"],
+    # folders) do not depend on the session's Lightning: they run in the default session. The start-up, command
+    # and install tests run without torch and Lightning in the Python sessions (3.9, sdist) and with both in the
+    # default session; what depends on torch alone (per_torch) runs on this torch in the default session.
+    "no-lightning": [
+        *(f"--ignore=tests/test_{name}.py" for name in ("project", "startup", "cli", "install")),
+        "-m",
+        "not per_torch",
+    ],
 }
 
 DEFAULT_SESSION = "mixed-2.4.0"
@@ -214,7 +220,9 @@ def run_matrix_session(
     target = install_target(session, name, python)
     env = {
         "PYTHONPATH": os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH", "")])),
-        "FSDP_SHIM_TEST_SCOPE": {DEFAULT_SESSION: "common", "no-lightning": "all"}.get(name, "release"),
+        "FSDP_SHIM_TEST_SCOPE": {DEFAULT_SESSION: "common", "no-lightning": "all"}.get(
+            name, "torch" if name in OTHER_TORCH else "release"
+        ),
     }
     if name == DEFAULT_SESSION:
         env["FSDP_SHIM_TEST_TRANSFORMERS"] = str(install_target(session, "transformers", python, TRANSFORMERS, True))

@@ -194,8 +194,9 @@ def last_json(proc: subprocess.CompletedProcess[str]) -> Any:
 
 
 MATRIX_SCOPE = os.environ.get("FSDP_SHIM_TEST_SCOPE", "all")
-"""``all`` (every test), ``release`` (the ``per_release`` tests only) or ``common`` (every other test: the
-matrix's default session, whose releases' ``per_release`` tests run in another session; noxfile.py)."""
+"""``all`` (every test), ``release`` (the ``per_release`` tests only), ``torch`` (the ``per_release`` and
+``per_torch`` ones: a session on another torch than the matrix's) or ``common`` (every other test: the matrix's
+default session, whose releases' ``per_release`` tests run in another session; noxfile.py)."""
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -205,19 +206,30 @@ def pytest_configure(config: pytest.Config) -> None:
         "per_release: what it checks differs between Lightning releases; the matrix runs it in every "
         "release session (every other test runs once, in the default session)",
     )
+    config.addinivalue_line(
+        "markers",
+        "per_torch: what it checks differs between torch releases, not Lightning's; the matrix runs it in the "
+        "default session and in the sessions of another torch",
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if MATRIX_SCOPE not in ("release", "common"):
+    if MATRIX_SCOPE not in ("release", "torch", "common"):
         return
-    release = MATRIX_SCOPE == "release"
-    reason = "the same on every release; runs in the matrix's default session"
-    if not release:
-        reason = "differs between releases; runs in the matrix session of this release (noxfile.py: DEFAULT_SESSION)"
-    skip = pytest.mark.skip(reason=reason)
+    skip_common = pytest.mark.skip(reason="the same on every release; runs in the matrix's default session")
+    skip_release = pytest.mark.skip(
+        reason="differs between releases; runs in the matrix session of this release (noxfile.py: DEFAULT_SESSION)"
+    )
+    skip_torch = pytest.mark.skip(reason="the same on every release of one torch; runs in the default session")
     for item in items:
-        if bool(item.get_closest_marker("per_release")) != release:
-            item.add_marker(skip)
+        per_release = bool(item.get_closest_marker("per_release"))
+        per_torch = bool(item.get_closest_marker("per_torch"))
+        if MATRIX_SCOPE == "common" and per_release:
+            item.add_marker(skip_release)
+        elif MATRIX_SCOPE == "release" and not per_release:
+            item.add_marker(skip_torch if per_torch else skip_common)
+        elif MATRIX_SCOPE == "torch" and not (per_release or per_torch):
+            item.add_marker(skip_common)
 
 
 @dataclass(frozen=True)

@@ -335,7 +335,7 @@ def cuda_devices() -> int:
     return listed.count("GPU ")
 
 
-@pytest.mark.per_release  # torch's own key names: the torch sessions run it on 2.3 and the newest
+@pytest.mark.per_torch  # torch's own key names: the default session and the torch sessions (2.3, the newest)
 @pytest.mark.parametrize("backend", ["gloo", "lazy gloo", "nccl"])
 def test_the_early_end_waits_for_every_rank_to_join_the_process_group(backend: str) -> None:
     """Two ranks of a real process group under torchrun, no Lightning: rank 0 reports and waits (the rank
@@ -964,23 +964,6 @@ def test_slurm_half_patched_job_stops_naming_the_ranks_without_the_shim(
     wall = time.monotonic() - started
     check_half_patched(f"{name} ({wall:.0f} s)", [command], outputs, 2 * per_node, wait)
     assert wall < 120, wall
-
-
-@cluster
-def test_slurm_a_rank_that_starts_late_trains(jobs: Jobs) -> None:
-    """2x1 at the shim's default settings, ``srun fsdp-shim run python``; rank 0's task (node n1, the
-    one that hosts the process group's store) starts ``GRACE_SECONDS`` + 10 s late. Rank 1 waits for it
-    in ``init_process_group`` (gloo joins eagerly), so no rank checks before every rank has joined: the
-    job trains in bfloat16 on both ranks, confirmed once."""
-    late = GRACE_SECONDS + 10
-    name = f"slurm 2x1 rank 0 starts {late:g} s late"
-    command = on_one_node_slurm_command(1, jobs.out(name), "n1", f"sleep {late:g}")
-    ranks = jobs.run(name, [command], slurm_env(), 2)
-    assert_placement(ranks, 2, 1)
-    assert_patched(ranks, slurm_baseline(jobs, 1))
-    output = jobs.outputs[name]
-    assert output.count("fsdp-shim: patched on all") == 1, output[-6000:]
-    assert output.count(confirmation(2, ranks[0]["lightning"])) == 1, output[-6000:]
 
 
 @cluster

@@ -3,6 +3,7 @@ checkpoint no longer calls what it wrapped (``hide_checkpoint_internals``: a tor
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import inspect
 import os
@@ -265,7 +266,9 @@ def _lightning_dtype_context(package: str) -> Any:
     return importlib.import_module(f"{fabric}.plugins.precision.utils")._DtypeContextManager
 
 
-CONTEXTS = ("checkpoint debug mode", "saved-tensor hooks disabled", "a mode that rejects float64", "no_grad")
+CONTEXTS = ("checkpoint debug mode", "the importing thread's state")
+"""Module-wide (the check sees it too), and thread-local: saved-tensor hooks disabled, no_grad and a mode of the
+user's that rejects float64, all at once (the check runs in a thread of its own)."""
 
 
 def imported_inside(package: str, context: str, strict: bool) -> dict[str, Any]:
@@ -292,12 +295,13 @@ def imported_inside(package: str, context: str, strict: bool) -> dict[str, Any]:
 
     if strict:
         os.environ["FSDP_SHIM_STRICT"] = "1"
-    entered = {
-        "checkpoint debug mode": lambda: checkpoint.set_checkpoint_debug_enabled(True),
-        "saved-tensor hooks disabled": lambda: torch.autograd.graph.disable_saved_tensors_hooks("the user's"),
-        "a mode that rejects float64": Rejecting,
-        "no_grad": torch.no_grad,
-    }[context]()
+    entered = contextlib.ExitStack()
+    if context == "checkpoint debug mode":
+        entered.enter_context(checkpoint.set_checkpoint_debug_enabled(True))
+    else:
+        entered.enter_context(torch.autograd.graph.disable_saved_tensors_hooks("the user's"))
+        entered.enter_context(torch.no_grad())
+        entered.enter_context(Rejecting())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with entered:
