@@ -239,7 +239,7 @@ def run_matrix_session(
             "-m",
             "pytest",
             "-n",
-            "2",
+            "3" if name == DEFAULT_SESSION else "2",  # the default session's rank checks wait more than they work
             "--dist",
             "worksteal",  # a worker that finishes early takes tests the other has not started
             "-q",
