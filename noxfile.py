@@ -147,7 +147,7 @@ SESSION_TESTS = {
     # The project's own checks (import graph, matrix scripts, the benchmark, which brings its own Lightning
     # folders) do not depend on the session's Lightning: they run in the default session. The start-up, command
     # and install tests run without torch and Lightning in the Python sessions (3.9, sdist) and with both in the
-    # default session; what depends on torch alone (per_torch) runs on this torch in the default session.
+    # default session; what depends on torch alone (per_torch), in the sessions of another torch.
     "no-lightning": [
         *(f"--ignore=tests/test_{name}.py" for name in ("project", "startup", "cli", "install")),
         "-m",

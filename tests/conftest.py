@@ -196,7 +196,8 @@ def last_json(proc: subprocess.CompletedProcess[str]) -> Any:
 MATRIX_SCOPE = os.environ.get("FSDP_SHIM_TEST_SCOPE", "all")
 """``all`` (every test), ``release`` (the ``per_release`` tests only), ``torch`` (the ``per_release`` and
 ``per_torch`` ones: a session on another torch than the matrix's) or ``common`` (every other test: the matrix's
-default session, whose releases' ``per_release`` tests run in another session; noxfile.py)."""
+default session, whose releases' ``per_release`` tests run in other sessions, as the ``per_torch`` and
+``per_python`` ones do in the sessions of another torch or Python; noxfile.py)."""
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -209,7 +210,12 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers",
         "per_torch: what it checks differs between torch releases, not Lightning's; the matrix runs it in the "
-        "default session and in the sessions of another torch",
+        "sessions of another torch (on its own torch, the default session's end-to-end tests show the same)",
+    )
+    config.addinivalue_line(
+        "markers",
+        "per_python: needs neither torch nor Lightning (start-up files, the command, installs); the sessions of "
+        "another Python run it without either (3.9, the sdist's 3.13), the matrix's sessions do not",
     )
 
 
@@ -220,12 +226,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip_release = pytest.mark.skip(
         reason="differs between releases; runs in the matrix session of this release (noxfile.py: DEFAULT_SESSION)"
     )
-    skip_torch = pytest.mark.skip(reason="the same on every release of one torch; runs in the default session")
+    skip_torch = pytest.mark.skip(reason="differs between torch releases; runs in the sessions of another torch")
+    skip_python = pytest.mark.skip(reason="needs neither torch nor Lightning; runs in the sessions of another Python")
     for item in items:
         per_release = bool(item.get_closest_marker("per_release"))
         per_torch = bool(item.get_closest_marker("per_torch"))
-        if MATRIX_SCOPE == "common" and per_release:
-            item.add_marker(skip_release)
+        if MATRIX_SCOPE == "common" and item.get_closest_marker("per_python"):
+            item.add_marker(skip_python)
+        elif MATRIX_SCOPE == "common" and (per_release or per_torch):
+            item.add_marker(skip_release if per_release else skip_torch)
         elif MATRIX_SCOPE == "release" and not per_release:
             item.add_marker(skip_torch if per_torch else skip_common)
         elif MATRIX_SCOPE == "torch" and not (per_release or per_torch):

@@ -36,6 +36,7 @@ def test_status_python_check_runs_no_code_from_the_current_folder(planted: Path)
 
 
 # ----------------------------------------------------------------------------- crashes and messages
+@pytest.mark.per_python
 def test_status_python_check_survives_a_sitecustomize_that_prints_at_exit(tmp_path: Path) -> None:
     folder = tmp_path / "site-hooks"
     folder.mkdir()
@@ -48,6 +49,7 @@ def test_status_python_check_survives_a_sitecustomize_that_prints_at_exit(tmp_pa
     assert proc.returncode == 0, proc.stdout
 
 
+@pytest.mark.per_python
 def test_an_ascii_terminal_gets_help_and_the_setuptools_hint_without_a_crash() -> None:
     from _fsdp_shim.distributions import describe_import_failure
 
@@ -68,6 +70,7 @@ NO_TEMPORARY_FOLDER = (
 )
 
 
+@pytest.mark.per_python
 @pytest.mark.parametrize("command", [["verify"], ["status", "--python-check"]])
 def test_no_usable_temporary_folder_is_one_line_and_exit_2(
     command: list[str], tmp_path: Path, request: pytest.FixtureRequest
@@ -88,6 +91,7 @@ def test_no_usable_temporary_folder_is_one_line_and_exit_2(
     assert len(lines) == 1 and "no usable temporary folder" in lines[0] and missing in lines[0], proc.stderr
 
 
+@pytest.mark.per_python
 def test_a_reader_that_goes_away_ends_status_quietly() -> None:
     """``fsdp-shim status | head -1``: the pipe's reader is gone before the report is written."""
     read, write = os.pipe()
@@ -113,6 +117,7 @@ print(json.dumps({"armed": "_fsdp_shim" in sys.modules, "chained": sys.modules["
 """
 
 
+@pytest.mark.per_python
 def test_the_bootstrap_is_silent_and_chains_under_a_python_the_shim_does_not_support(tmp_path: Path) -> None:
     (tmp_path / "sitecustomize.py").write_text("CHAINED = True\n")
     proc = subprocess.run(
@@ -126,6 +131,7 @@ def test_the_bootstrap_is_silent_and_chains_under_a_python_the_shim_does_not_sup
     assert json.loads(proc.stdout) == {"armed": False, "chained": True}
 
 
+@pytest.mark.per_python
 def test_the_bootstrap_parses_under_old_pythons() -> None:
     """No syntax newer than Python 2.7 / 3.0: an old interpreter must not print "'import sitecustomize' failed"."""
     import ast
@@ -190,6 +196,7 @@ def test_status_says_whether_the_shim_is_armed_and_what_would_arm_it() -> None:
         )
 
 
+@pytest.mark.per_python
 @pytest.mark.parametrize("launcher", [[FSDP_SHIM], [sys.executable, "-m", "fsdp_shim"]], ids=["script", "module"])
 def test_status_with_an_unreadable_switch_prints_no_python_warning(launcher: list[str]) -> None:
     proc = subprocess.run(
@@ -201,6 +208,7 @@ def test_status_with_an_unreadable_switch_prints_no_python_warning(launcher: lis
 
 
 # ----------------------------------------------------------------------------- the command's help
+@pytest.mark.per_python
 def test_a_bare_command_lists_the_commands_and_exits_0() -> None:
     proc = cli()
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
@@ -208,6 +216,7 @@ def test_a_bare_command_lists_the_commands_and_exits_0() -> None:
         assert f"\n    {command}" in proc.stdout, command
 
 
+@pytest.mark.per_python
 @pytest.mark.parametrize("command", ["run", "install", "uninstall", "status", "verify"])
 def test_every_command_help_has_a_description_its_defaults_and_an_example(command: str) -> None:
     from _fsdp_shim.cli import DESCRIPTIONS
@@ -305,17 +314,20 @@ def _id(command: list[str], environ: dict[str, str]) -> str:
     return " ".join([*(f"{name}={value}" for name, value in environ.items()), *command])
 
 
+@pytest.mark.per_python
 @pytest.mark.parametrize(("launcher", "command", "environ"), WARNED, ids=[_id(c, e) for _, c, e in WARNED])
 def test_a_launcher_that_loses_the_shim_is_named(launcher: str, command: list[str], environ: dict) -> None:
     warnings = environment_warnings(command, environ)
     assert len(warnings) == 1 and warnings[0].startswith(f"`{launcher}"), warnings
 
 
+@pytest.mark.per_python
 @pytest.mark.parametrize(("command", "environ"), QUIET, ids=[_id(c, e) for c, e in QUIET])
 def test_a_chain_that_passes_the_shim_on_is_not_warned_about(command: list[str], environ: dict) -> None:
     assert environment_warnings(command, environ) == []
 
 
+@pytest.mark.per_python
 @pytest.mark.parametrize("command", [["sudo", "python"], ["sudo", "-E", "python"], ["sudo", "-uE", "python"]])
 def test_sudo_advice_keeps_pythonpath_and_never_offers_bare_dash_e(command: list[str]) -> None:
     """sudo deletes PYTHONPATH even with -E, and finds a bare name on secure_path: `sudo -E` is no fix."""
@@ -324,6 +336,7 @@ def test_sudo_advice_keeps_pythonpath_and_never_offers_bare_dash_e(command: list
     assert "Use `sudo -E`" not in warning and "`sudo -E ...`" not in warning
 
 
+@pytest.mark.per_python
 def test_the_slurm_export_variable_counts_like_the_option() -> None:
     assert len(environment_warnings(["srun", "python"], {"SLURM_EXPORT_ENV": "NONE"})) == 1
     assert environment_warnings(["srun", "python"], {"SLURM_EXPORT_ENV": "ALL"}) == []
@@ -331,6 +344,7 @@ def test_the_slurm_export_variable_counts_like_the_option() -> None:
     assert "SBATCH_EXPORT=NONE" in warning  # says where the setting came from
 
 
+@pytest.mark.per_python
 def test_run_prints_the_warning_once_before_the_command_starts(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "fsdp_shim", "run", "env", "-i", sys.executable, "-c", "print('ran')"],
@@ -345,6 +359,7 @@ def test_run_prints_the_warning_once_before_the_command_starts(tmp_path: Path) -
     assert len(lines) == 1 and "`env -i` starts its command without FSDP_SHIM" in lines[0], proc.stderr
 
 
+@pytest.mark.per_python
 def test_status_names_each_fix_its_releases_what_it_changes_and_the_switch() -> None:
     """Issue 25, item 3: ``status`` (text and ``--json``) names every fix, from the package's own table."""
     from _fsdp_shim.config import FIXES

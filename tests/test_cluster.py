@@ -300,7 +300,7 @@ def test_a_rank_that_starts_late_is_waited_for_past_the_grace(tmp_path, layouts)
     late. gloo connects lazily here (``TORCH_GLOO_LAZY_INIT=1``, as NCCL does), so rank 0 joins the group
     and reaches the check at once, long before rank 1 has joined: without the evidence that every rank has
     joined, the grace does not start, and rank 0 waits (by torch's default, eager gloo, that wait is in
-    ``init_process_group`` instead: the cluster session's late SLURM rank). The job trains, both ranks in
+    ``init_process_group`` instead, measured under SLURM in docs/cluster.md). The job trains, both ranks in
     bfloat16, and rank zero's line says it waited longer than the grace."""
     layout = affected_layout(layouts)
     proc, out = torchrun_job(
@@ -335,7 +335,7 @@ def cuda_devices() -> int:
     return listed.count("GPU ")
 
 
-@pytest.mark.per_torch  # torch's own key names: the default session and the torch sessions (2.3, the newest)
+@pytest.mark.per_torch  # torch's own key names: the torch sessions (2.3, the newest); on 2.13 the end-to-end tests
 @pytest.mark.parametrize("backend", ["gloo", "lazy gloo", "nccl"])
 def test_the_early_end_waits_for_every_rank_to_join_the_process_group(backend: str) -> None:
     """Two ranks of a real process group under torchrun, no Lightning: rank 0 reports and waits (the rank
@@ -884,9 +884,12 @@ SLURM_MODES = (
 
 
 @cluster
-@pytest.mark.parametrize("topology", SLURM_TOPOLOGIES)
-@pytest.mark.parametrize("mode", SLURM_MODES)
+@pytest.mark.parametrize(
+    ("mode", "topology"), [*((mode, "2x2") for mode in SLURM_MODES), ("srun fsdp-shim run python", "2x1")]
+)
 def test_slurm_every_rank_trains_bfloat16(jobs: Jobs, startup_python: str, mode: str, topology: str) -> None:
+    """Every activation on two nodes of two tasks each; one task per node with the first (CI time: what a mode
+    does per task does not change with the number of tasks on a node)."""
     per_node = SLURM_TOPOLOGIES[topology]
     ranks = slurm_job(jobs, mode, per_node, startup_python)
     assert_placement(ranks, 2, per_node)

@@ -102,6 +102,7 @@ def uv_venv(root: Path) -> Venv:
 
 
 # ----------------------------------------------------------------------------- where install refuses or fails
+@pytest.mark.per_python
 def test_a_target_this_python_does_not_read_is_refused_and_not_created(tmp_path: Path) -> None:
     typo = tmp_path / "site-pakages"
     proc = shim("install", "--target", str(typo))
@@ -114,6 +115,7 @@ def test_a_target_this_python_does_not_read_is_refused_and_not_created(tmp_path:
     assert files_in(typo) == []  # the copy's .pyc and its __pycache__ went too
 
 
+@pytest.mark.per_python
 def test_user_site_inside_a_virtual_environment_is_refused(tmp_path: Path) -> None:
     assert sys.prefix != sys.base_prefix, "the test suite runs in a virtual environment"
     env = clean_env(PYTHONUSERBASE=str(tmp_path / "userbase"))
@@ -127,6 +129,7 @@ def test_user_site_inside_a_virtual_environment_is_refused(tmp_path: Path) -> No
     assert list((tmp_path / "userbase").rglob("*fsdp_shim*")) == []
 
 
+@pytest.mark.per_python
 def test_a_target_that_is_a_file(tmp_path: Path) -> None:
     target = tmp_path / "a-file"
     target.write_text("not a folder\n")
@@ -135,6 +138,7 @@ def test_a_target_that_is_a_file(tmp_path: Path) -> None:
     assert target.read_text() == "not a folder\n"
 
 
+@pytest.mark.per_python
 def test_an_unusable_home_for_the_user_site(tmp_path: Path) -> None:
     """Outside a virtual environment (the base interpreter, which reads the user site) with HOME
     pointing at a file: the user site cannot be created."""
@@ -165,6 +169,7 @@ def readonly_folder() -> Iterator[tuple[Path, tuple[str, ...]]]:
         shutil.rmtree(folder)
 
 
+@pytest.mark.per_python
 def test_a_read_only_folder(readonly_folder: tuple[Path, tuple[str, ...]]) -> None:
     folder, prefix = readonly_folder
     proc = shim("install", "--target", str(folder), "--force", prefix=prefix)
@@ -172,6 +177,7 @@ def test_a_read_only_folder(readonly_folder: tuple[Path, tuple[str, ...]]) -> No
     assert files_in(folder) == []  # no temporary file either
 
 
+@pytest.mark.per_python
 def test_a_read_only_site_packages(readonly_folder: tuple[Path, tuple[str, ...]], venv: Venv) -> None:
     """A virtual environment whose site-packages the user running the command cannot write."""
     _, prefix = readonly_folder
@@ -185,6 +191,7 @@ def test_a_read_only_site_packages(readonly_folder: tuple[Path, tuple[str, ...]]
     assert files_in(venv.site_packages) == before
 
 
+@pytest.mark.per_python
 def test_a_directory_at_one_of_the_names_writes_no_file(tmp_path: Path) -> None:
     """Every file or none, and no temporary file left behind."""
     folder = tmp_path / "site-packages"
@@ -194,6 +201,7 @@ def test_a_directory_at_one_of_the_names_writes_no_file(tmp_path: Path) -> None:
     assert files_in(folder) == [START_NAME]
 
 
+@pytest.mark.per_python
 def test_an_install_without_the_startup_modules_source_says_so_and_every_other_command_works(
     tmp_path: Path,
 ) -> None:
@@ -222,6 +230,7 @@ def test_an_install_without_the_startup_modules_source_says_so_and_every_other_c
 
 
 # ----------------------------------------------------------------------------- links and files that are not ours
+@pytest.mark.per_python
 def test_a_link_planted_at_the_old_temporary_name_or_the_final_name_is_never_written_through(
     venv: Venv, tmp_path: Path
 ) -> None:
@@ -252,6 +261,7 @@ def test_a_link_planted_at_the_old_temporary_name_or_the_final_name_is_never_wri
     assert not (folder / PTH_NAME).is_symlink() and (folder / PTH_NAME).read_text() == FILES[PTH_NAME]
 
 
+@pytest.mark.per_python
 @pytest.mark.parametrize("name", list(FILES))
 def test_a_file_that_is_not_fsdp_shims_is_not_replaced_and_makes_uninstall_remove_nothing(
     name: str, venv: Venv
@@ -281,6 +291,7 @@ def test_a_file_that_is_not_fsdp_shims_is_not_replaced_and_makes_uninstall_remov
         assert quiet.stdout == "" and quiet.stderr == ""
 
 
+@pytest.mark.per_python
 def test_a_startup_file_saved_with_windows_line_endings_is_current(tmp_path: Path) -> None:
     """An editor that saves the files with CRLF line endings leaves files that still arm (site and the
     import system read them in universal-newline mode): they are this version's, not "edited"."""
@@ -292,6 +303,7 @@ def test_a_startup_file_saved_with_windows_line_endings_is_current(tmp_path: Pat
         assert startup_files.inspect(path, text).kind == "ours", name
 
 
+@pytest.mark.per_python
 @pytest.mark.parametrize("kind", ["venv", "uv venv"])
 def test_an_edited_startup_file_is_still_fsdp_shims_and_uninstall_removes_every_file(kind: str, tmp_path: Path) -> None:
     """Configuration management appends a comment to ``fsdp_shim.pth``. Its first line is still the
@@ -362,6 +374,7 @@ def earlier_files(version: str) -> dict[str, str]:
     return {name: (ROOT / "tests" / "data" / data).read_text() for name, data in EARLIER_FILES[version].items()}
 
 
+@pytest.mark.per_python
 @pytest.mark.parametrize("version", list(EARLIER_FILES))
 def test_a_file_from_an_earlier_version_is_upgraded_and_removed_without_force(version: str, venv: Venv) -> None:
     """Start-up files an earlier fsdp-shim wrote start with the marker line: they are ours to replace
@@ -414,6 +427,7 @@ def test_the_files_of_0_2_0_still_patch_lightning_until_install_replaces_them(
     assert sorted(namespaces) == sorted([name, True, False] for name in names)
 
 
+@pytest.mark.per_python
 def test_status_names_a_module_the_startup_file_imports_in_place_of_its_copy(venv: Venv, tmp_path: Path) -> None:
     """``fsdp_shim.pth`` imports its copy by name: an earlier copy first on ``sys.path`` runs instead
     and arms nothing. No interpreter says so at start-up; ``fsdp-shim status`` names the file."""
@@ -439,6 +453,7 @@ def test_status_names_a_module_the_startup_file_imports_in_place_of_its_copy(ven
     assert f"imports {startup.COPY_NAME}, which is missing ({folder / COPY_FILE})" in proc.stdout
 
 
+@pytest.mark.per_python
 def test_concurrent_installs_into_one_folder_all_succeed(tmp_path: Path) -> None:
     """`srun fsdp-shim install` runs one install per task, all at once."""
     folder = tmp_path / "site-packages"
@@ -462,6 +477,7 @@ def test_concurrent_installs_into_one_folder_all_succeed(tmp_path: Path) -> None
     assert {name: (folder / name).read_text() for name in FILES} == FILES
 
 
+@pytest.mark.per_python
 def test_a_user_site_install_is_not_read_under_python_s_or_i_as_the_docs_say(tmp_path: Path) -> None:
     """`install --user`, then `python -s`, PYTHONNOUSERSITE=1 or `python -I` (which implies -s): not
     armed, so the "cannot reach" table in docs/activation.md lists it, with what to do instead."""
@@ -491,6 +507,7 @@ def test_a_user_site_install_is_not_read_under_python_s_or_i_as_the_docs_say(tmp
 
 
 # ----------------------------------------------------------------------------- what pip and uv install and remove
+@pytest.mark.per_python
 def test_the_wheel_ships_the_start_up_file_and_pip_uninstall_removes_everything(tmp_path: Path, wheel: Path) -> None:
     installed = PipVenv(tmp_path / "venv", wheel)
     text = (installed.site_packages / ENVIRONMENT_FILE).read_text()

@@ -110,6 +110,7 @@ def every_namespace_patched(probe: dict[str, Any], layouts: dict[str, Layout]) -
 
 
 # ----------------------------------------------------------------------------- the start-up module
+@pytest.mark.per_python
 def test_the_startup_file_imports_a_verbatim_copy_of_the_startup_module() -> None:
     """What ``fsdp-shim install``'s ``.pth`` runs is ``_fsdp_shim/__init__.py`` as linted and tested:
     the copy it imports holds that module's source after comment lines that start with the marker,
@@ -127,6 +128,7 @@ def test_the_startup_file_imports_a_verbatim_copy_of_the_startup_module() -> Non
     assert [line for line in texts[START_NAME].splitlines() if not line.startswith("#")] == [f"{startup.COPY_NAME}:arm"]
 
 
+@pytest.mark.per_python
 def test_the_copy_arms_itself_only_under_its_own_name(tmp_path: Path) -> None:
     """Imported as ``install``'s copy, the start-up module puts its finder first on ``sys.meta_path``;
     imported under any other name (as ``_fsdp_shim``, by ``fsdp_shim_env.pth`` where ``FSDP_SHIM`` is
@@ -147,6 +149,7 @@ def test_the_copy_arms_itself_only_under_its_own_name(tmp_path: Path) -> None:
     assert outputs == {startup.COPY_NAME: ["1", "True", "['startup file']\n"], "_fsdp_shim": ["0", "False", "[]\n"]}
 
 
+@pytest.mark.per_python
 def test_the_module_every_interpreter_imports_runs_almost_nothing_at_import() -> None:
     """``_fsdp_shim/__init__.py`` is imported at every start where a start-up activation arms the
     shim: at import it imports only ``sys``, defines functions and no class (``FSDPShimWarning`` is
@@ -164,6 +167,7 @@ def test_the_module_every_interpreter_imports_runs_almost_nothing_at_import() ->
     assert ast.unparse(last) == "if __name__ == COPY_NAME:\n    arm('startup file')"
 
 
+@pytest.mark.per_python
 def test_the_bootstraps_fallback_reads_strict_like_the_startup_module_and_the_table_from_its_source() -> None:
     """Where ``fsdp-shim run``'s bootstrap cannot arm the shim, its finder raises at a Lightning import
     exactly where the start-up module's parser calls ``FSDP_SHIM_STRICT`` on (or unreadable), and it
@@ -176,6 +180,7 @@ def test_the_bootstraps_fallback_reads_strict_like_the_startup_module_and_the_ta
     assert result["packages_from_source"] == sorted(LIGHTNING_PACKAGES)
 
 
+@pytest.mark.per_python
 def test_python_m_fsdp_shim_never_arms_its_own_process_and_another_module_run_with_m_does(tmp_path: Path) -> None:
     """``python -m fsdp_shim`` imports the package before it runs the command, which must arm nothing, on every
     Python (3.9 has no ``sys.orig_argv``: there the check asks runpy). A module run with ``-m`` whose package
@@ -271,6 +276,7 @@ def test_find_spec_and_the_loaders_are_lightnings_own_under_every_startup_activa
 
 
 # ----------------------------------------------------------------------------- fsdp-shim install's files
+@pytest.mark.per_python
 def test_install_is_idempotent_and_uninstall_leaves_a_clean_interpreter(venv: Venv) -> None:
     """Install writes its three files (and compiles the copy), a second install changes nothing and
     still leaves one finder; the start-up files print nothing; uninstall removes every file and the
@@ -298,6 +304,7 @@ def test_install_is_idempotent_and_uninstall_leaves_a_clean_interpreter(venv: Ve
     assert "nothing to remove" in venv.run("-m", "fsdp_shim", "uninstall").stdout
 
 
+@pytest.mark.per_python
 def test_the_startup_file_imports_one_small_module_and_puts_one_finder_first(venv: Venv) -> None:
     """What every interpreter pays for the start-up file: one module (the copy, from its ``.pyc``;
     it imports only ``sys``) and one finder in front of the others, even though site reads a venv's
@@ -372,6 +379,7 @@ def assert_each_process_ran_it_once(counter: Path, expected_processes: int) -> N
     assert sum(argv[1].endswith("child.py") for argv in argvs) == 1
 
 
+@pytest.mark.per_python
 @pytest.mark.parametrize("user_sitecustomize", ["module", "package"], indirect=True)
 @pytest.mark.parametrize("nested", [False, True], ids=["run", "run-run"])
 def test_run_arms_and_chains_the_users_sitecustomize_once_keeping_its_sys_path_and_name(
@@ -413,6 +421,7 @@ def test_run_with_a_users_sitecustomize_patches_lightning_once(
     assert_each_process_ran_it_once(counter, expected_processes=3)
 
 
+@pytest.mark.per_python
 def test_under_run_an_empty_pythonpath_entry_still_means_the_current_directory(tmp_path: Path) -> None:
     """`export PYTHONPATH=$PYTHONPATH:/x` with PYTHONPATH unset makes ':/x'."""
     workdir = tmp_path / "work"
@@ -441,6 +450,7 @@ def test_under_run_an_empty_pythonpath_entry_still_means_the_current_directory(t
     ],
     ids=["-I other", "-E other", "-IB other", "-S this", "-I this", "-B other", "plain this"],
 )
+@pytest.mark.per_python
 def test_run_warns_before_starting_a_python_that_cannot_see_the_bootstrap(
     flags: tuple[str, ...], other_python: bool, warned: bool, venv: Venv
 ) -> None:
@@ -475,6 +485,7 @@ def test_run_with_import_and_startup_file_arms_once(
 OFF_VALUES = ["0", "no", "disabled", " OFF "]
 
 
+@pytest.mark.per_python
 def test_every_off_value_is_off_for_the_startup_code() -> None:
     """The start-up code reads ``FSDP_SHIM`` with the one parser (``_fsdp_shim.switch_state``, which
     the finder's hand-over calls): every value the next test uses, and more, means off there."""
@@ -535,6 +546,7 @@ def test_isolated_and_no_site_modes(venv: Venv, layouts: dict[str, Layout]) -> N
     assert under_s["fsdp_modules"] == [] and FINDER not in under_s["finders"]
 
 
+@pytest.mark.per_python
 def test_run_passes_exit_codes_and_signals_through() -> None:
     assert run_command([*shim_cli("run"), sys.executable, "-c", "import sys; sys.exit(7)"]).returncode == 7
     kill = "import os, signal; os.kill(os.getpid(), signal.SIGTERM)"
@@ -824,6 +836,7 @@ STARTUP_CODE = (
 was not even imported), and whether the shim itself was loaded."""
 
 
+@pytest.mark.per_python
 def test_a_blank_switch_is_unset_for_the_pip_start_up_file_its_pep_829_companion_and_status(
     pip_venv: PipVenv, tmp_path: Path
 ) -> None:
@@ -887,6 +900,7 @@ def test_run_reaches_a_job_script_that_overwrites_pythonpath(
     assert result["patched"]["lightning.pytorch"] is True
 
 
+@pytest.mark.per_python
 def test_run_sets_fsdp_shim_1_unless_it_is_set(tmp_path: Path) -> None:
     code = "import os; print(os.environ.get('FSDP_SHIM'))"
     for env, expected in ((clean_env(), "1"), (clean_env(FSDP_SHIM="0"), "0"), (clean_env(FSDP_SHIM="on"), "on")):
@@ -894,6 +908,7 @@ def test_run_sets_fsdp_shim_1_unless_it_is_set(tmp_path: Path) -> None:
         assert proc.stdout.strip() == expected, proc.stderr
 
 
+@pytest.mark.per_python
 def test_status_names_the_environment_file_in_a_pip_install(pip_venv: PipVenv, tmp_path: Path) -> None:
     """Where pip installed fsdp-shim, ``status`` says that ``FSDP_SHIM=1`` arms every interpreter, and
     through which file (issue 26, item 5)."""
@@ -908,6 +923,7 @@ def test_status_names_the_environment_file_in_a_pip_install(pip_venv: PipVenv, t
     assert report["environment_file"] == {"path": str(expected), "exists": True, "read": True}
 
 
+@pytest.mark.per_python
 def test_status_says_fsdp_shim_1_arms_nothing_with_a_clone_on_the_path(venv: Venv) -> None:
     """A checkout imported through a path entry holds ``fsdp_shim_env.pth`` at its root as source, which
     no ``site`` reads: ``status`` says that ``FSDP_SHIM=1`` arms nothing, and that this fsdp-shim was not
@@ -925,6 +941,7 @@ def test_status_says_fsdp_shim_1_arms_nothing_with_a_clone_on_the_path(venv: Ven
     assert report["environment_file"] == {"path": str(ROOT / ENVIRONMENT_FILE), "exists": False, "read": False}
 
 
+@pytest.mark.per_python
 def test_status_says_fsdp_shim_1_arms_nothing_in_a_target_install(tmp_path: Path, wheel: Path) -> None:
     """``pip install --target DIR`` and ``PYTHONPATH=DIR``: Python imports fsdp-shim from DIR but reads
     no start-up file there, so ``FSDP_SHIM=1`` arms nothing, and no interpreter would say so.
