@@ -34,6 +34,7 @@ from conftest import (
     needs_patched_checkpoint,
     patched_checkpoint_env,
     run_command,
+    verify,
 )
 from test_recompute import BLOCKS, assert_like_the_run_without_checkpointing, run_with_output, trainer_layout
 
@@ -218,3 +219,21 @@ def _importable(name: str) -> bool:
         return importlib.util.find_spec(name) is not None
     except ImportError:
         return False
+
+
+@pytest.mark.per_release
+@needs_patched_checkpoint
+def test_verify_says_the_recompute_is_not_needed_on_a_torch_that_has_it(layouts: dict[str, Layout]) -> None:
+    """``fsdp-shim verify`` with the patched copy: the seed model's checkpointed runs, shim off and on, equal
+    the runs without checkpointing, and the recompute's verdict is "not needed", with the shim's reason."""
+    import json
+
+    layout = trainer_layout(layouts)
+    package = "lightning" if layout.package == "lightning" else "pytorch_lightning"
+    proc = verify("--package", package, "--steps", "1", "--json", env=patched_checkpoint_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    (section,) = json.loads(proc.stdout)["sections"]
+    recompute = next(entry for entry in section["fixes"] if entry["fix"] == "recompute")
+    assert recompute["verdict"] == "not needed", recompute
+    assert recompute["reason"].startswith("not needed on torch "), recompute
+    assert "with the shim on and off" in recompute["reason"], recompute
