@@ -21,7 +21,7 @@ import pytest
 from children.recompute_proof import CONTEXTS
 from conftest import ROOT, Layout, an_affected_namespace, child_json, clean_env, fsdp_shim
 
-from _fsdp_shim.config import RECOMPUTE, base_release
+from _fsdp_shim.config import CAST, RECOMPUTE, base_release
 
 HIDE = "from children.recompute_proof import hide_checkpoint_internals; hide_checkpoint_internals()\n"
 MOVED = "torch recomputed it without the shim's pinned function (its checkpoint calls other functions)"
@@ -126,8 +126,8 @@ def test_status_python_check_and_json_say_not_in_effect(layouts: dict[str, Layou
 
 def test_switching_a_fix_off_in_a_running_process_takes_it_off(layouts: dict[str, Layout]) -> None:
     """``FSDP_SHIM_DISABLED_FIXES`` then ``activate()``: torch and Lightning hold their own functions, as
-    status says; unset and ``activate()`` again: both fixes back."""
-    namespace = affected_trainer(layouts)
+    status says; unset and ``activate()`` again: both fixes back (a Trainer that lacks both)."""
+    namespace = an_affected_namespace(layouts, "trainer", fix=CAST.name)[0]
     result = child_json("recompute_proof:switched_off_in_process", {"package": namespace})
     wrapped = {"CheckpointFunction.forward": "ShimWrapper"}
     assert result["before"]["status"] == {"cast": "patched", "recompute": "patched"}
