@@ -36,7 +36,10 @@ The unified ``lightning`` package and the standalone ``lightning_fabric`` / ``py
 are generated from one source but hold different class objects, and one environment can hold an
 affected ``lightning`` next to a fixed ``pytorch_lightning``: each is gated and patched on its own."""
 
-ENVIRONMENT_SOURCE = "FSDP_SHIM=1 (start-up file installed with the package)"
+ENVIRONMENT_SOURCE = "FSDP_SHIM={} (start-up file installed with the package)"
+"""How the start-up file pip installs records that it armed, with the value of ``FSDP_SHIM`` it read."""
+INSTALLED_SOURCE = "startup file"
+"""How the copy of this module that ``fsdp-shim install`` writes records that it armed."""
 COPY_NAME = "_fsdp_shim_startup_file"
 """The module name of the copy of this file that ``fsdp-shim install`` writes next to its ``.pth``."""
 HAND_OVER = "_fsdp_shim.activation"
@@ -86,9 +89,17 @@ def switch_state(raw):
     return "invalid"
 
 
-def arm(source=ENVIRONMENT_SOURCE):
+def arm(source=None):
     """Put the finder first on ``sys.meta_path`` (once, whichever copy of this module armed first),
-    record ``source``, and hand over the namespaces that are already imported."""
+    record ``source``, and hand over the namespaces that are already imported. Without ``source``, the
+    start-up file that calls it is recorded: ``fsdp-shim install``'s copy of this module (whose PEP 829
+    entry point calls this), or the file pip installs, with the value of ``FSDP_SHIM`` it armed on, so that
+    status never says ``FSDP_SHIM=1`` where it is ``0``."""
+    if source is None:
+        import os
+
+        value = os.environ.get(SHIM_VARIABLE, "").strip()
+        source = INSTALLED_SOURCE if __name__ == COPY_NAME else ENVIRONMENT_SOURCE.format(value)
     if source not in ARMED_BY:
         ARMED_BY.append(source)
     if not [finder for finder in sys.meta_path if getattr(finder, "__name__", None) == "fsdp_shim_finder"]:
@@ -214,4 +225,4 @@ def _could_not_load(error):
 
 
 if __name__ == COPY_NAME:
-    arm("startup file")
+    arm(INSTALLED_SOURCE)

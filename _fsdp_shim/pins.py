@@ -48,8 +48,15 @@ class _Pins:
         self._running: list[_Pin] = []
 
     def reset(self) -> None:
-        """In a forked child: the parent's other threads and their pins are not there."""
+        """In a forked child: the parent's other threads and their pins are not there, and would never put
+        back what they replaced; the dtype the oldest of them replaced is put back here instead (where the
+        forking thread runs no pin of its own, whose end does that)."""
+        running, me = self._running, threading.get_ident()
         self.__init__()  # type: ignore[misc]
+        if running and running[0].before is not None and all(pin.thread != me for pin in running):
+            import torch
+
+            torch.set_default_dtype(running[0].before)
 
     def call(self, dtype: torch.dtype, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         held: list[_Pin] = []  # filled inside _enter before anything changes: a pin is never lost
@@ -70,8 +77,21 @@ class _Pins:
                 )
             return function(*args, **kwargs)
         finally:
-            if held:
-                self._leave(held[0])
+            # Ctrl-C while torch's last operation of the recompute ran in C++ is raised by Python at the next
+            # call of a Python function: ``_leave``'s first line, or inside it. So it is caught here, ``_leave``
+            # (which can run again from where it was stopped) runs to its end, and the exception is raised
+            # after. No call stands between this and ``_leave``: any could raise it outside this ``try``.
+            raised: BaseException | None = None
+            tries = 0
+            while held and tries < 3:
+                tries += 1
+                try:
+                    self._leave(held[0])
+                    break
+                except BaseException as error:  # a signal's exception: raised once the pin has ended
+                    raised = raised or error
+            if raised is not None:
+                raise raised
 
     def _enter(self, dtype: torch.dtype, held: list[_Pin]) -> bool:
         """Register a pin in ``held`` and in the list, then switch the dtype; whether another thread's pin
@@ -92,19 +112,22 @@ class _Pins:
         return clash
 
     def _leave(self, pin: _Pin) -> None:
+        """Take the pin off and put back what it replaced. It may be stopped part-way by a signal's exception
+        and run again (``call``): each step is decided from what is left undone, on the pin and in the list,
+        so no step is done twice or skipped (``pin.before`` is cleared once it is handed up or put back)."""
         import torch
 
         with self._lock:
             index = next((i for i, other in enumerate(self._running) if other is pin), None)
-            if index is None or pin.before is None:  # interrupted before it was registered or changed anything
-                if index is not None:
-                    del self._running[index]
-                return
-            del self._running[index]
-            if index < len(self._running):  # a newer pin runs on: it puts back what this one replaced
-                self._running[index].before = pin.before
-            elif torch.get_default_dtype() == pin.dtype and pin.before != pin.dtype:
+            if index is not None:
+                if pin.before is not None and index + 1 < len(self._running):
+                    # a newer pin runs on: it puts back what this one replaced
+                    self._running[index + 1].before = pin.before
+                    pin.before = None
+                del self._running[index]
+            if pin.before is not None and pin.before != pin.dtype and torch.get_default_dtype() == pin.dtype:
                 torch.set_default_dtype(pin.before)
+            pin.before = None
 
 
 pins = _Pins()

@@ -186,7 +186,7 @@ def _check(path: str, torch: Any, checkpoint: ModuleType, composable: ModuleType
         if path == COMPOSABLE:
             out = _composable_forward(torch, composable, block, x)
         else:
-            out = checkpoint.checkpoint(block, x, use_reentrant=reentrant, preserve_rng_state=False)
+            out = torchs_checkpoint(checkpoint)(block, x, use_reentrant=reentrant, preserve_rng_state=False)
         if reentrant:
             with contextlib.suppress(_StopRecompute):
                 out.grad_fn.apply(torch.ones_like(out))
@@ -202,6 +202,24 @@ def _check(path: str, torch: Any, checkpoint: ModuleType, composable: ModuleType
         why = "torch recomputed it without the shim's pinned function (its checkpoint calls other functions)"
         return Finding(False, why, holds=True)
     return Finding(True)
+
+
+def torchs_checkpoint(checkpoint: ModuleType) -> Any:
+    """``torch.utils.checkpoint.checkpoint`` as torch defines it: what the check must call. A library may have
+    put its own function at that name (Megatron and DeepSpeed style); checking that one would blame torch for
+    the library's code, and take the fix off code that still calls torch's own (``checkpoint_wrapper``, a
+    model file's import). Found through ``__wrapped__`` where the replacement wraps torch's function; where
+    it does not, the check cannot run here, which shows nothing about torch (the path keeps its wrapper)."""
+    found = inspect.unwrap(checkpoint.checkpoint, stop=lambda function: _defined_in(function, checkpoint))
+    if not _defined_in(found, checkpoint):
+        name = f"{getattr(found, '__module__', '?')}.{getattr(found, '__qualname__', repr(found))}"
+        raise LookupError(f"torch.utils.checkpoint.checkpoint is {name}, not torch's own")
+    return found
+
+
+def _defined_in(function: Any, module: ModuleType) -> bool:
+    code = getattr(function, "__code__", None)
+    return code is not None and Path(code.co_filename).resolve() == Path(module.__file__ or "").resolve()
 
 
 def _composable_forward(torch: Any, composable: Any, block: Any, x: Any) -> Any:

@@ -160,6 +160,10 @@ def test_a_context_lightning_is_imported_in_switches_nothing_off(context: str, l
     mode sees none of the check's calls, torch keeps every wrapper, status blames no torch, and once outside
     the context status says "patched" and a bfloat16 checkpointed backward recomputes in bfloat16."""
     import torch
+    import torch.utils.checkpoint
+
+    if context == "checkpoint debug mode" and not hasattr(torch.utils.checkpoint, "set_checkpoint_debug_enabled"):
+        pytest.skip("torch before 2.2 has no checkpoint debug mode")
 
     namespace = affected_trainer(layouts)
     result = child_json("recompute_proof:imported_inside", {"package": namespace, "context": context, "strict": True})
@@ -179,6 +183,22 @@ def test_a_context_lightning_is_imported_in_switches_nothing_off(context: str, l
     assert (result["dtype"], result["warnings"], result["seen_by_mode"]) == ("torch.float32", [], [])
 
 
+def test_a_checkpoint_replaced_by_a_library_is_not_blamed_on_torch(layouts: dict[str, Layout]) -> None:
+    """A library's function at ``torch.utils.checkpoint.checkpoint`` at Lightning's import: the check runs
+    torch's own (found through ``__wrapped__``) or, where the replacement does not wrap it, cannot run: "not
+    shown yet", the wrappers stay on torch's functions, which code that imported them still calls; with
+    torch's put back, the next status shows the fix."""
+    import torch
+
+    namespace = affected_trainer(layouts)
+    result = child_json("recompute_proof:checkpoint_replaced_by_a_library", {"package": namespace})
+    replaced = result.pop("replaced")
+    where = "for the reentrant and non-reentrant checkpoints"
+    assert replaced.startswith(f"not shown yet on torch {torch.__version__} {where} "), replaced
+    assert "checkpoint_replaced_by_a_library.<locals>.own, not torch's own); checked again at " in replaced
+    assert result == {"wrapping torch's": "patched", "put back": "patched", "backward": "torch.bfloat16"}
+
+
 def test_a_thread_making_tensors_during_the_first_lightning_import_gets_only_float32(
     layouts: dict[str, Layout],
 ) -> None:
@@ -193,12 +213,30 @@ def test_a_thread_making_tensors_during_the_first_lightning_import_gets_only_flo
 def test_a_pin_ended_by_an_error_leaves_neither_its_dtype_nor_itself(layouts: dict[str, Layout]) -> None:
     """Two threads' pins in bfloat16 and float16 under ``simplefilter("error")``: the float16 one raises the
     shim's warning as an error, and afterwards the default dtype is float32 and no pin is left; the same for
-    ``KeyboardInterrupt`` raised inside a recompute."""
+    ``KeyboardInterrupt`` raised inside a recompute, and raised where the pin ends (Ctrl-C during the recompute's
+    last torch operation: Python raises it at the next call, the pin's end or its ``torch.set_default_dtype``)."""
     namespace = affected_trainer(layouts)
     ended = {"dtype": "torch.float32", "pins": 0}
     assert child_json("recompute_proof:pins_left_by_errors", {"package": namespace}) == {
         "warning as error": {"errors": ["FSDPShimWarning"], **ended, "after": "torch.float32"},
         "KeyboardInterrupt": {"raised": "KeyboardInterrupt", **ended},
+        "KeyboardInterrupt at _leave": {"raised": "KeyboardInterrupt", **ended},
+        "KeyboardInterrupt at _leave:set_default_dtype": {"raised": "KeyboardInterrupt", **ended},
+        "KeyboardInterrupt at _enter:set_default_dtype": {"raised": "KeyboardInterrupt", **ended},
+    }
+
+
+def test_a_process_forked_during_another_threads_recompute_starts_in_the_dtype_before_it(
+    layouts: dict[str, Layout],
+) -> None:
+    """The child of a fork has none of the parent's other threads, so their pins would never end there: it
+    starts with the dtype they replaced, and no pin; the parent's recompute ends as usual."""
+    namespace = affected_trainer(layouts)
+    float32 = {"dtype": "torch.float32", "pins": 0}
+    assert child_json("recompute_proof:forked_during_a_recompute", {"package": namespace}) == {
+        "parent during": "torch.bfloat16",
+        "child": {**float32, "tensor": "torch.float32"},
+        "parent after": float32,
     }
 
 

@@ -60,7 +60,7 @@ from _fsdp_shim.startup_files import (
 CHILD = str(ROOT / "tests" / "child.py")
 FINDER = "fsdp_shim_finder"
 HAS_ENVIRONMENT_FILE = any((d / ENVIRONMENT_FILE).is_file() for d in site_directories())
-RUN_SOURCES = [startup.ENVIRONMENT_SOURCE, "fsdp-shim run"] if HAS_ENVIRONMENT_FILE else ["fsdp-shim run"]
+RUN_SOURCES = [startup.ENVIRONMENT_SOURCE.format("1"), "fsdp-shim run"] if HAS_ENVIRONMENT_FILE else ["fsdp-shim run"]
 """How `fsdp-shim run` arms this interpreter: FSDP_SHIM=1 through the start-up file pip installed with
 the package (read first, at site-packages time), then the bootstrap sitecustomize."""
 
@@ -130,9 +130,10 @@ def test_the_startup_file_imports_a_verbatim_copy_of_the_startup_module() -> Non
 
 @pytest.mark.per_python
 def test_the_copy_arms_itself_only_under_its_own_name(tmp_path: Path) -> None:
-    """Imported as ``install``'s copy, the start-up module puts its finder first on ``sys.meta_path``;
-    imported under any other name (as ``_fsdp_shim``, by ``fsdp_shim_env.pth`` where ``FSDP_SHIM`` is
-    unset, by the CLI, by the shim) it arms nothing by itself."""
+    """Imported as ``install``'s copy (or through its PEP 829 entry point), the start-up module puts its
+    finder first on ``sys.meta_path`` and records the start-up file once; imported under any other name
+    (as ``_fsdp_shim``, by ``fsdp_shim_env.pth`` where ``FSDP_SHIM`` is unset, by the CLI, by the shim) it
+    arms nothing by itself."""
     copy = file_texts()[COPY_FILE]
     (tmp_path / COPY_FILE).write_text(copy, encoding="utf-8")
     (tmp_path / "_fsdp_shim").mkdir()
@@ -142,11 +143,20 @@ def test_the_copy_arms_itself_only_under_its_own_name(tmp_path: Path) -> None:
         "import importlib; module = importlib.import_module(sys.argv[2]); "
         "print(len(sys.meta_path) - before, sys.meta_path[0] is module.fsdp_shim_finder, module.ARMED_BY)"
     )
+    probe_armed = f"print(sys.modules[{startup.COPY_NAME!r}].ARMED_BY)"
     outputs = {}
     for name in (startup.COPY_NAME, "_fsdp_shim"):
         command = [sys.executable, "-S", "-c", probe, str(tmp_path), name]
         outputs[name] = subprocess.run(command, capture_output=True, text=True, check=True).stdout.split(None, 2)
     assert outputs == {startup.COPY_NAME: ["1", "True", "['startup file']\n"], "_fsdp_shim": ["0", "False", "[]\n"]}
+    # Python 3.15+ runs install's PEP 829 entry point instead (site: pkgutil.resolve_name, then the call),
+    # which imports the copy and calls its arm(): still the one start-up file on record, FSDP_SHIM unset.
+    entry = f"{startup.COPY_NAME}:arm"
+    run_entry = f"import pkgutil, sys; sys.path.insert(0, sys.argv[1]); pkgutil.resolve_name({entry!r})()"
+    run_entry += f"; {probe_armed}"
+    env = {key: value for key, value in os.environ.items() if key != startup.SHIM_VARIABLE}
+    command = [sys.executable, "-S", "-c", run_entry, str(tmp_path)]
+    assert subprocess.run(command, capture_output=True, text=True, check=True, env=env).stdout == "['startup file']\n"
 
 
 @pytest.mark.per_python
@@ -164,7 +174,7 @@ def test_the_module_every_interpreter_imports_runs_almost_nothing_at_import() ->
     assert startup.FSDPShimWarning is startup.FSDPShimWarning and issubclass(startup.FSDPShimWarning, RuntimeWarning)
     top_level = [node for node in body if not isinstance(node, (ast.FunctionDef, ast.ClassDef))]
     assert not [node for statement in top_level for node in ast.walk(statement) if isinstance(node, ast.Call)]
-    assert ast.unparse(last) == "if __name__ == COPY_NAME:\n    arm('startup file')"
+    assert ast.unparse(last) == "if __name__ == COPY_NAME:\n    arm(INSTALLED_SOURCE)"
 
 
 @pytest.mark.per_python
@@ -246,7 +256,7 @@ def test_find_spec_and_the_loaders_are_lightnings_own_under_every_startup_activa
     affected_layout(layouts, "lightning")
     if activation == "FSDP_SHIM=1":  # through the fsdp_shim_env.pth pip installed
         python, launcher, env = pip_venv.python, [], clean_env(FSDP_SHIM="1")
-        sources = [startup.ENVIRONMENT_SOURCE]
+        sources = [startup.ENVIRONMENT_SOURCE.format("1")]
     elif activation == "fsdp-shim install":
         venv = make_venv(tmp_path / "venv")
         venv.run("-m", "fsdp_shim", "install")
@@ -816,7 +826,7 @@ def test_fsdp_shim_1_alone_arms_the_shim_and_nothing_else_does(
     affected_layout(layouts, "lightning")
     if python_args:
         on = pip_probe(pip_venv, *python_args, env=clean_env(FSDP_SHIM="1"), cwd=tmp_path)
-        assert on["loaded"] and on["sources"] == [startup.ENVIRONMENT_SOURCE]
+        assert on["loaded"] and on["sources"] == [startup.ENVIRONMENT_SOURCE.format("1")]
         assert on["patched"]["lightning.pytorch"] is True and on["shim_layers"] == 1
     code = "import sys; print(sorted(m for m in sys.modules if 'fsdp' in m), [repr(f) for f in sys.meta_path])"
     unset = pip_venv.run(*python_args, "-c", code, env=clean_env(), cwd=tmp_path)
@@ -862,13 +872,16 @@ def test_a_blank_switch_is_unset_for_the_pip_start_up_file_its_pep_829_companion
         by_start = pip_venv.run("-S", "-c", run_start, env=env, cwd=tmp_path).stdout
         state = json.loads(pip_venv.run("-m", "fsdp_shim", "status", "--json", env=env, cwd=tmp_path).stdout)
         seen[name] = (json.loads(by_pth), json.loads(by_start), state["armed"]["state"])
-    armed = [1, [startup.ENVIRONMENT_SOURCE], False]
+
+    def armed(value: str) -> list[Any]:
+        return [1, [startup.ENVIRONMENT_SOURCE.format(value)], False]
+
     assert seen == {
         "unset": ([0, None, False], [0, [], False], "not armed"),
         "blank": ([0, None, False], [0, [], False], "not armed"),
         "spaces": ([0, None, False], [0, [], False], "not armed"),
-        "off": (armed, armed, "off"),
-        "on": (armed, armed, "armed"),
+        "off": (armed("0"), armed("0"), "off"),
+        "on": (armed("1"), armed("1"), "armed"),
     }
 
 
@@ -896,7 +909,7 @@ def test_run_reaches_a_job_script_that_overwrites_pythonpath(
     fsdp_shim = str(Path(pip_venv.python).parent / "fsdp-shim")
     proc = run_command([fsdp_shim, "run", str(job)], cwd=tmp_path, check=True)
     result = last_json(proc)
-    assert result["sources"] == [startup.ENVIRONMENT_SOURCE]
+    assert result["sources"] == [startup.ENVIRONMENT_SOURCE.format("1")]
     assert result["patched"]["lightning.pytorch"] is True
 
 

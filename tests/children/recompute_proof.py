@@ -446,6 +446,41 @@ def pins_left_by_errors(package: str) -> dict[str, Any]:
     except KeyboardInterrupt:
         raised = "KeyboardInterrupt"
     found["KeyboardInterrupt"] = {"raised": raised, "dtype": str(torch.get_default_dtype()), "pins": len(pins._running)}
+
+    # Ctrl-C while a torch operation runs in C++ is raised at the next call of a Python function. A profile
+    # function raises it there, once, as the signal's handler would: as the pin's end starts (the recompute's
+    # last operation was interrupted), inside the end as it calls torch.set_default_dtype to put the dtype
+    # back, and as the pin's start switches the dtype.
+    for where in ("_leave", "_leave:set_default_dtype", "_enter:set_default_dtype"):
+        delivered: list[str] = []
+
+        def deliver(frame: Any, event: str, arg: Any, where: str = where, delivered: list[str] = delivered) -> None:
+            caller, _, name = where.rpartition(":")
+            if event != "call" or frame.f_code.co_name != name or delivered:
+                return
+            if not caller or frame.f_back.f_code.co_name == caller:
+                delivered.append(where)
+                raise KeyboardInterrupt
+
+        x = torch.ones(1, dtype=torch.bfloat16, requires_grad=True)
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            out = checkpoint.checkpoint(lambda x: x * torch.ones(1), x, use_reentrant=True)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        sys.setprofile(deliver)
+        try:
+            out.sum().backward()
+            raised = "nothing"
+        except KeyboardInterrupt:
+            raised = "KeyboardInterrupt"
+        finally:
+            sys.setprofile(None)
+        found[f"KeyboardInterrupt at {where}"] = {
+            "raised": raised if delivered else "not delivered",
+            "dtype": str(torch.get_default_dtype()),
+            "pins": len(pins._running),
+        }
     return found
 
 
@@ -576,3 +611,97 @@ def stepped_aside(packages: list[str]) -> dict[str, Any]:
         "grads": grads,
         "torch": torch.__version__,
     }
+
+
+def forked_during_a_recompute(package: str) -> dict[str, Any]:
+    """A process forked while another thread's recompute holds its pin (a DataLoader worker started beside an
+    evaluation thread's backward): the child's default dtype and pins, and the parent's after the recompute."""
+    import torch
+    import torch.utils.checkpoint as checkpoint
+
+    import fsdp_shim  # noqa: F401
+
+    importlib.import_module(package)
+    from _fsdp_shim.pins import pins
+
+    pinned, done = threading.Event(), threading.Event()
+    calls: list[str] = []
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        calls.append("recompute" if calls else "forward")
+        if calls[-1] == "recompute":  # pinned, in bfloat16: the fork happens now
+            pinned.set()
+            done.wait(30)
+        return x * torch.ones(1)
+
+    def backward() -> None:
+        x = torch.ones(1, dtype=torch.bfloat16, requires_grad=True)
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            out = checkpoint.checkpoint(block, x, use_reentrant=True)
+        finally:
+            torch.set_default_dtype(torch.float32)
+        out.sum().backward()
+
+    thread = threading.Thread(target=backward)
+    thread.start()
+    pinned.wait(30)
+    during = str(torch.get_default_dtype())
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: only this thread, none of the parent's pins
+        os.write(write, f"{torch.get_default_dtype()} {len(pins._running)} {torch.zeros(1).dtype}".encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as child:
+        dtype, count, made = child.read().split()
+    os.waitpid(pid, 0)
+    done.set()
+    thread.join(60)
+    return {
+        "parent during": during,
+        "child": {"dtype": dtype, "pins": int(count), "tensor": made},
+        "parent after": {"dtype": str(torch.get_default_dtype()), "pins": len(pins._running)},
+    }
+
+
+def checkpoint_replaced_by_a_library(package: str) -> dict[str, Any]:
+    """A library's own function put at ``torch.utils.checkpoint.checkpoint`` before Lightning's import (one that
+    calls torch's through ``functools.wraps``, one that does not): the recompute's status while it is there,
+    after torch's is put back, and a bfloat16 reentrant backward through torch's own function."""
+    import functools
+
+    import torch
+    import torch.utils.checkpoint as checkpoint
+
+    torchs = checkpoint.checkpoint
+
+    @functools.wraps(torchs)
+    def wrapping(*args: Any, **kwargs: Any) -> Any:
+        return torchs(*args, **kwargs)
+
+    def own(function: Any, *args: Any, use_reentrant: bool | None = None, **kwargs: Any) -> Any:
+        return function(*args)  # no checkpointing at all: stands for a library's own implementation
+
+    import fsdp_shim
+
+    checkpoint.checkpoint = own
+    importlib.import_module(package)
+
+    def reason() -> str:
+        return fsdp_shim.status().namespace(package).fix("recompute").reason
+
+    found = {"replaced": reason()}
+    checkpoint.checkpoint = wrapping
+    found["wrapping torch's"] = reason()
+    checkpoint.checkpoint = torchs
+    found["put back"] = reason()
+    x = torch.ones(2, dtype=torch.bfloat16, requires_grad=True)
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        out = torchs(lambda h: h @ torch.ones(2, 2), x, use_reentrant=True)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    out.sum().backward()
+    found["backward"] = str(x.grad.dtype)
+    return found
