@@ -12,12 +12,28 @@ import threading
 import time
 import types
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from children.classes import GENERATORS
 
 HIDE_VARIABLE = "FSDP_SHIM_TEST_HIDE_CHECKPOINT_INTERNALS"
 """Set to 1, ``tests/scenarios/fsdp_train.py`` hides them on that rank before the shim is imported."""
+
+
+def checkpointed_forward(
+    checkpoint: Callable[..., Any], function: Callable[..., Any], dtype: Any, reentrant: bool, size: int = 1
+) -> tuple[Any, Any]:
+    """``function`` checkpointed on ones of ``dtype``, its forward under that default dtype as a "true"
+    precision runs it, float32 put back after: the input, and the output to run the backward from."""
+    import torch
+
+    x = torch.ones(size, dtype=dtype, requires_grad=True)
+    torch.set_default_dtype(dtype)
+    try:
+        return x, checkpoint(function, x, use_reentrant=reentrant)
+    finally:
+        torch.set_default_dtype(torch.float32)
 
 
 def hide_checkpoint_internals() -> None:
@@ -319,12 +335,7 @@ def imported_inside(package: str, context: str, strict: bool) -> dict[str, Any]:
 
     outcomes = {}
     for reentrant in (False, True):
-        x = torch.ones(4, dtype=torch.bfloat16, requires_grad=True)
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            out = checkpoint.checkpoint(block, x, use_reentrant=reentrant)
-        finally:
-            torch.set_default_dtype(torch.float32)
+        x, out = checkpointed_forward(checkpoint.checkpoint, block, torch.bfloat16, reentrant, size=4)
         try:
             out.sum().backward()
             outcomes["reentrant" if reentrant else "non-reentrant"] = str(x.grad.dtype)
@@ -400,13 +411,8 @@ def pins_left_by_errors(package: str) -> dict[str, Any]:
             return x * torch.ones(1)
 
         calls[dtype] = []
-        x = torch.ones(1, dtype=dtype, requires_grad=True)
         try:  # the forward of the second one clashes already: its pin is entered while the first one runs
-            torch.set_default_dtype(dtype)
-            try:
-                out = checkpoint.checkpoint(block, x, use_reentrant=True)
-            finally:
-                torch.set_default_dtype(torch.float32)
+            _, out = checkpointed_forward(checkpoint.checkpoint, block, dtype, reentrant=True)
             out.sum().backward()
         except BaseException as error:
             errors.append(type(error).__name__)
@@ -434,12 +440,7 @@ def pins_left_by_errors(package: str) -> dict[str, Any]:
             raise KeyboardInterrupt
         return x * 2
 
-    x = torch.ones(1, dtype=torch.bfloat16, requires_grad=True)
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        out = checkpoint.checkpoint(interrupted, x, use_reentrant=True)
-    finally:
-        torch.set_default_dtype(torch.float32)
+    _, out = checkpointed_forward(checkpoint.checkpoint, interrupted, torch.bfloat16, reentrant=True)
     try:
         out.sum().backward()
         raised = "nothing"
@@ -462,12 +463,7 @@ def pins_left_by_errors(package: str) -> dict[str, Any]:
                 delivered.append(where)
                 raise KeyboardInterrupt
 
-        x = torch.ones(1, dtype=torch.bfloat16, requires_grad=True)
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            out = checkpoint.checkpoint(lambda x: x * torch.ones(1), x, use_reentrant=True)
-        finally:
-            torch.set_default_dtype(torch.float32)
+        _, out = checkpointed_forward(checkpoint.checkpoint, lambda x: x * torch.ones(1), torch.bfloat16, True)
         sys.setprofile(deliver)
         try:
             out.sum().backward()
@@ -587,12 +583,9 @@ def stepped_aside(packages: list[str]) -> dict[str, Any]:
     grads = {}
     try:
         for reentrant in (False, True):
-            x = torch.ones(4, dtype=torch.bfloat16, requires_grad=True)
-            torch.set_default_dtype(torch.bfloat16)
-            try:
-                out = checkpoint.checkpoint(lambda t: t * torch.ones(4), x, use_reentrant=reentrant)
-            finally:
-                torch.set_default_dtype(torch.float32)
+            x, out = checkpointed_forward(
+                checkpoint.checkpoint, lambda t: t * torch.ones(4), torch.bfloat16, reentrant, size=4
+            )
             out.sum().backward()
             grads["reentrant" if reentrant else "non-reentrant"] = str(x.grad.dtype)
     finally:
@@ -635,12 +628,7 @@ def forked_during_a_recompute(package: str) -> dict[str, Any]:
         return x * torch.ones(1)
 
     def backward() -> None:
-        x = torch.ones(1, dtype=torch.bfloat16, requires_grad=True)
-        torch.set_default_dtype(torch.bfloat16)
-        try:
-            out = checkpoint.checkpoint(block, x, use_reentrant=True)
-        finally:
-            torch.set_default_dtype(torch.float32)
+        _, out = checkpointed_forward(checkpoint.checkpoint, block, torch.bfloat16, reentrant=True)
         out.sum().backward()
 
     thread = threading.Thread(target=backward)
@@ -696,12 +684,7 @@ def checkpoint_replaced_by_a_library(package: str) -> dict[str, Any]:
     found["wrapping torch's"] = reason()
     checkpoint.checkpoint = torchs
     found["put back"] = reason()
-    x = torch.ones(2, dtype=torch.bfloat16, requires_grad=True)
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        out = torchs(lambda h: h @ torch.ones(2, 2), x, use_reentrant=True)
-    finally:
-        torch.set_default_dtype(torch.float32)
+    x, out = checkpointed_forward(torchs, lambda h: h @ torch.ones(2, 2), torch.bfloat16, reentrant=True, size=2)
     out.sum().backward()
     found["backward"] = str(x.grad.dtype)
     return found
