@@ -36,6 +36,7 @@ from _fsdp_shim.config import (
 )
 from _fsdp_shim.distributions import describe_import_failure, distribution_of, installed_packages, namespaces_of
 from _fsdp_shim.run import BOOTSTRAP_DIRECTORY, bootstrap_on_pythonpath
+from _fsdp_shim.wrappers import joined, the_checkpoints
 
 PYTHON_CHECK = Path(__file__).resolve().parent / "children" / "python_check.py"  # run by its path
 OWN_ENVIRONMENT_FILE = Path(_fsdp_shim.__file__).resolve().parent.parent / startup_files.ENVIRONMENT_FILE
@@ -99,9 +100,9 @@ def _still_needed(lightning: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     answers = {}
     if lacking[CAST.name]:
         later = "it can go once every environment runs Lightning 2.5.0 or later"
-        answers[CAST.name] = {"needed": True, "why": f"{_and(lacking[CAST.name])} lack it; {later}"}
+        answers[CAST.name] = {"needed": True, "why": f"{joined(lacking[CAST.name])} lack it; {later}"}
     else:
-        answers[CAST.name] = {"needed": False, "why": f"every Lightning here has it or needs none ({_and(releases)})"}
+        answers[CAST.name] = {"needed": False, "why": f"every Lightning here has it or needs none ({joined(releases)})"}
     if lacking[RECOMPUTE.name]:
         answers[RECOMPUTE.name] = _recompute_needed()
     else:
@@ -124,17 +125,13 @@ def _recompute_needed() -> dict[str, Any]:
     left = [path for path in paths if path not in own]
     if not left:
         return {"needed": False, "why": f"torch {version}'s checkpoint restores the default dtype itself (in {file})"}
-    which = f"the {_and(left)} checkpoint{'s' if len(left) > 1 else ''}"
+    which = the_checkpoints(left)
     return {
         "needed": True,
         "why": f"with activation checkpointing: no Lightning release restores the default dtype for a recompute, nor "
         f"does torch {version}'s checkpoint for {which}; it can go once torch's does, or where you train without "
         "activation checkpointing",
     }
-
-
-def _and(names: list[str]) -> str:
-    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
 
 
 def _nothing_to_patch() -> bool:

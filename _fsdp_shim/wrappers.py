@@ -409,7 +409,7 @@ def _take_off_failed(check: _Check) -> None:
                 remove(wrapper)
                 record.wrappers.remove(wrapper)
     failures.report(
-        f"fsdp-shim: the {check.fix} fix is not in effect on torch {_torch_version()} for {_the(failed)} "
+        f"fsdp-shim: the {check.fix} fix is not in effect on torch {_torch_version()} for {the_checkpoints(failed)} "
         f"({_whys(failed, check.findings)})",
         "torch was left as it was there, so this fix is off for that checkpoint in this process",
         key=f"proof:{check.fix}:{','.join(failed)}",
@@ -437,11 +437,14 @@ def _torch_version() -> str:
     return str(getattr(sys.modules.get("torch"), "__version__", "?"))
 
 
-def _the(paths: list[str]) -> str:
+def joined(names: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def the_checkpoints(paths: list[str]) -> str:
     """``the reentrant checkpoint``, ``the reentrant and composable checkpoints``."""
-    if len(paths) == 1:
-        return f"the {paths[0]} checkpoint"
-    return f"the {', '.join(paths[:-1])} and {paths[-1]} checkpoints"
+    return f"the {joined(paths)} checkpoint{'s' if len(paths) > 1 else ''}"
 
 
 def _whys(paths: list[str], findings: dict[str, Finding]) -> str:
@@ -593,13 +596,13 @@ def _check_reasons(check: _Check | None) -> tuple[list[str], list[str]]:
     unchecked = [path for path, f in found.items() if not f.shown and not f.holds]
     shown = [path for path, f in found.items() if f.shown]
     by_others = {f.why: [p for p in shown if found[p].why == f.why] for f in found.values() if f.shown and f.why}
-    notes = [f"{_the(paths)}: {why}" for why, paths in by_others.items()]
+    notes = [f"{the_checkpoints(paths)}: {why}" for why, paths in by_others.items()]
     reasons = []
     if failed:
-        reasons.append(f"not in effect {where} for {_the(failed)} ({_whys(failed, found)})")
+        reasons.append(f"not in effect {where} for {the_checkpoints(failed)} ({_whys(failed, found)})")
     if unchecked:
         again = "checked again at a later checkpoint call, fsdp_shim.activate() or status()"
-        reasons.append(f"not shown yet {where} for {_the(unchecked)} ({_whys(unchecked, found)}; {again})")
+        reasons.append(f"not shown yet {where} for {the_checkpoints(unchecked)} ({_whys(unchecked, found)}; {again})")
     if reasons and shown:
-        reasons.append(f"in effect for {_the(shown)}")
+        reasons.append(f"in effect for {the_checkpoints(shown)}")
     return reasons, ([] if reasons else notes)
