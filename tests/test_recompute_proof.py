@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from children.recompute_proof import CONTEXTS
-from conftest import ROOT, Layout, an_affected_namespace, child_json, clean_env, fsdp_shim
+from conftest import ROOT, Layout, an_affected_namespace, child_json, clean_env, fsdp_shim, installed_versions
 
 from _fsdp_shim.config import CAST, RECOMPUTE, base_release
 
@@ -122,6 +122,31 @@ def test_status_python_check_and_json_say_not_in_effect(layouts: dict[str, Layou
     assert problems, report["problems"]
     fixes = [f for ns in report["child"]["status"]["namespaces"] if ns["imported"] for f in ns["fixes"]]
     assert any(f["fix"] == "recompute" and f["reason"].startswith("not in effect on torch") for f in fixes)
+
+
+def test_status_says_per_fix_whether_this_environment_still_needs_it(layouts: dict[str, Layout]) -> None:
+    """``fsdp-shim status --json``'s ``still_needed``: the cast from the Lightning releases installed (needed where
+    one lacks it), the recompute from torch's checkpoint file, which restores the dtype for none of its paths
+    (torch as released: the patched copy is read by ``restored_in_file``'s own test)."""
+    import torch
+
+    affected_trainer(layouts)
+    proc = fsdp_shim("status", "--json")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    answers = json.loads(proc.stdout)["still_needed"]
+    lacking = [f"{ns} {v}" for ns, v in sorted(installed_versions(layouts).items()) if CAST.affects(v)]
+    named = lacking[0] if len(lacking) == 1 else f"{', '.join(lacking[:-1])} and {lacking[-1]}"
+    assert answers["cast"] == {
+        "needed": True,
+        "why": f"{named} lack it; it can go once every environment runs Lightning 2.5.0 or later",
+    }
+    paths = "the reentrant, non-reentrant and composable checkpoints"
+    assert answers["recompute"] == {
+        "needed": True,
+        "why": "with activation checkpointing: no Lightning release restores the default dtype for a recompute, nor "
+        f"does torch {torch.__version__}'s checkpoint for {paths}; it can go once torch's does, or where you train "
+        "without activation checkpointing",
+    }
 
 
 def test_switching_a_fix_off_in_a_running_process_takes_it_off(layouts: dict[str, Layout]) -> None:
