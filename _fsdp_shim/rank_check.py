@@ -128,7 +128,7 @@ def _decision(namespace: str, dtype: Any) -> dict[str, Any]:
             fixes[fix.name] = "torch"
         elif wrappers.acting(namespace, fix):  # not "patched": a path still to check acts, whatever the context
             passed_by = wrappers.passed_by(namespace, fix)
-            fixes[fix.name] = "fsdp-shim" + (f" except the {', '.join(passed_by)} checkpoint" if passed_by else "")
+            fixes[fix.name] = "fsdp-shim" + (f" except {wrappers.the_checkpoints(passed_by)}" if passed_by else "")
         else:
             fixes[fix.name] = "off"
     where = {"host": socket.gethostname(), "pid": os.getpid(), "namespace": namespace, "lightning": version}
