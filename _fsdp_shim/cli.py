@@ -5,15 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import site
 import sys
 from pathlib import Path
 from typing import Any
 
-from _fsdp_shim import startup_files
 from _fsdp_shim._version import __version__
-from _fsdp_shim.verify.records import PROBE_TIMEOUT, Options  # standard library only: install runs in bare envs
-from _fsdp_shim.verify.selection import CHOICES as PACKAGE_CHOICES  # standard library only
+from _fsdp_shim.verify.records import PROBE_TIMEOUT, Options
+from _fsdp_shim.verify.selection import CHOICES as PACKAGE_CHOICES
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
@@ -32,18 +30,6 @@ DESCRIPTIONS = {
         "first on PYTHONPATH, which torchrun workers, Lightning's launcher and spawned processes inherit.\n"
         "The command replaces fsdp-shim (exec): its exit code and signals are its own.",
         "fsdp-shim run torchrun --nproc-per-node 8 train.py",
-    ),
-    "install": (
-        "Write the environment-wide start-up file (fsdp_shim.pth, the module it imports, and fsdp_shim.start\n"
-        "for Python 3.15+), so every Python process of this environment has the shim. It imports nothing\n"
-        "until a process imports Lightning. A file at those names that is not fsdp-shim's is left alone\n"
-        "unless --force.",
-        "fsdp-shim install",
-    ),
-    "uninstall": (
-        "Remove fsdp-shim's start-up files (recognised by their first line, edited or not), all of them or\n"
-        "none: where a file at those names is not fsdp-shim's, nothing is removed and it is named (exit 1).",
-        "fsdp-shim uninstall --user",
     ),
     "status": (
         "What is installed and active (start-up file, fsdp-shim run, FSDP_SHIM), which Lightning releases\n"
@@ -83,19 +69,6 @@ def _parser() -> argparse.ArgumentParser:
 
     run = _command(commands, "run", "run CMD with the shim active in every Python process it starts")
     run.add_argument("cmd", nargs=argparse.REMAINDER, help="the command and its arguments")
-
-    for name, text in (("install", "write"), ("uninstall", "remove")):
-        sub = _command(commands, name, f"{text} the environment-wide start-up file")
-        add = sub.add_mutually_exclusive_group().add_argument
-        add("--user", action="store_true", help="the user site-packages instead of this environment's site-packages")
-        add("--target", type=Path, metavar="DIR", help="this directory instead (default: this environment's)")
-        if name == "install":
-            sub.add_argument(
-                "--force",
-                action="store_true",
-                help="write even where this Python does not read start-up files, and replace files there that "
-                "fsdp-shim did not write",
-            )
 
     add = _command(commands, "status", "what is installed and active, and whether it agrees").add_argument
     add("--json", action="store_true", help="machine-readable output")
@@ -198,77 +171,6 @@ def _error(message: str, code: int = 1) -> int:
     return code
 
 
-def _directory(args: argparse.Namespace) -> Path:
-    return args.target if args.target is not None else startup_files.default_directory(user=args.user)
-
-
-def _where_to_instead(args: argparse.Namespace) -> str:
-    if args.user:
-        return "Run `fsdp-shim install` for this environment's site-packages, or use --target DIR"
-    if site.ENABLE_USER_SITE:
-        return "Use --user, or --target DIR for a folder this Python reads at start-up"
-    return "Use --target DIR for a folder this Python reads at start-up"
-
-
-def _not_read_here(args: argparse.Namespace, directory: Path) -> str | None:
-    """Why writing to ``directory`` would change nothing for this interpreter, if it would not."""
-    if startup_files.read_by_this_interpreter(directory):
-        return None
-    if args.user:
-        return (
-            f"this Python ({sys.executable}) does not read the user site-packages ({directory}): "
-            "it runs in a virtual environment or with the user site disabled. "
-            "Run `fsdp-shim install` without --user for this environment"
-        )
-    reads = ", ".join(str(d) for d in startup_files.site_directories())
-    return (
-        f"this Python ({sys.executable}) does not read start-up files from {directory} (it reads {reads}). "
-        "Use one of those, or no --target for this environment's site-packages"
-    )
-
-
-def _install(args: argparse.Namespace) -> int:
-    directory = _directory(args)
-    refusal = _not_read_here(args, directory)
-    if refusal is not None and not args.force:
-        return _error(f"fsdp-shim install: refusing: {refusal}; --force writes there anyway.")
-    try:
-        result = startup_files.write_files(directory, create=args.force or args.user, replace_foreign=args.force)
-    except startup_files.ForeignFileError as error:
-        return _error(f"fsdp-shim install: refusing: {error}; nothing was written. --force replaces it.")
-    except startup_files.StartupFileError as error:
-        return _error(f"fsdp-shim install: {error}; nothing was written. {_where_to_instead(args)}.")
-    for existing in result.replaced_foreign:
-        print(
-            f"fsdp-shim install: replaced {existing.path}, which fsdp-shim did not write "
-            f"({existing.why_not_ours()}), because of --force",
-            file=sys.stderr,
-        )
-    for path in result.written:
-        print(f"wrote {path}")
-    for path in result.unchanged:
-        print(f"already installed: {path}")
-    return 0
-
-
-def _uninstall(args: argparse.Namespace) -> int:
-    directory = _directory(args)
-    try:
-        removed, left = startup_files.remove_files(directory)
-    except startup_files.StartupFileError as error:
-        return _error(f"fsdp-shim uninstall: {error}.")
-    for path in removed:
-        print(f"removed {path}")
-    for existing in left:
-        print(
-            f"fsdp-shim uninstall: left {existing.path}: {existing.why_not_ours()}; delete it yourself if it should go",
-            file=sys.stderr,
-        )
-    if not removed and not left:
-        print(f"nothing to remove in {directory}")
-    return 1 if left else 0
-
-
 def _status(args: argparse.Namespace) -> int:
     from _fsdp_shim import environment
 
@@ -320,5 +222,5 @@ def _main(argv: list[str] | None) -> int:
         from _fsdp_shim.run import run
 
         return run(args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd)
-    handlers = {"install": _install, "uninstall": _uninstall, "status": _status, "verify": _verify}
+    handlers = {"status": _status, "verify": _verify}
     return handlers[args.command](args)

@@ -1,7 +1,4 @@
-"""Everything fsdp-shim can be told or knows in advance: its environment variables, the Lightning
-namespaces, and the fixes with the releases each one applies to. It says what a value means and what
-is wrong with it, but warns about nothing (``_fsdp_shim.failures`` does). The switch parser and the
-namespace table live in the start-up module, which must work before anything else is imported."""
+"""What fsdp-shim knows in advance: its environment variables, its fixes as data, and the states a fix can be in."""
 
 from __future__ import annotations
 
@@ -9,135 +6,133 @@ import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from enum import Enum
 
 from _fsdp_shim import NAMESPACES, OFF_VALUES, ON_VALUES, SHIM_VARIABLE, STRICT_VARIABLE, switch_state
 
-RANK_CHECK_TIMEOUT_VARIABLE = "FSDP_SHIM_RANK_CHECK_TIMEOUT"
 DISABLED_FIXES_VARIABLE = "FSDP_SHIM_DISABLED_FIXES"
 LOG_VARIABLE = "FSDP_SHIM_LOG"
+RANK_CHECK_TIMEOUT_VARIABLE = "FSDP_SHIM_RANK_CHECK_TIMEOUT"
+VARIABLES = (SHIM_VARIABLE, STRICT_VARIABLE, DISABLED_FIXES_VARIABLE, RANK_CHECK_TIMEOUT_VARIABLE, LOG_VARIABLE)
 TRAINER_NAMESPACES = tuple(name for name, kind in NAMESPACES.items() if kind == "trainer")
 LIGHTNING_PACKAGES = tuple(dict.fromkeys(name.partition(".")[0] for name in NAMESPACES))
-"""The top-level packages that hold the namespaces, in the order of the table."""
-
-Release = tuple[int, int, int]
+DOCS = "https://fsdp-shim.github.io/fsdp-shim/"
 
 
 @dataclass(frozen=True)
 class Fix:
-    """One of the shim's fixes: which releases lack it, and what it changes."""
+    """One fix: the Lightning releases that lack it (``since`` up to ``fixed_in``, exclusive) and what it changes."""
 
     name: str
-    """What ``FSDP_SHIM_DISABLED_FIXES`` calls it."""
+    since: str
+    fixed_in: str | None
     changes: str
-    """What it changes, in one sentence (status, docs)."""
-    first_affected: Release
-    first_fixed: Release | None
-    """The first release that ships it; ``None`` while no release does."""
     upstream: str
-    unfixed: str
-    """What a namespace left without this fix keeps doing (for messages)."""
 
     def affects(self, version: str) -> bool:
-        """Whether a Lightning version lacks this fix (the release half of the gate; the classes are the other)."""
+        """Whether a Lightning version lacks this fix (``2.5.0rc0`` counts as 2.5.0)."""
         release = base_release(version)
-        return release is not None and self.first_affected <= release and not self.built_in(version)
+        return release is not None and _release(self.since) <= release and not self.built_in(version)
 
     def built_in(self, version: str) -> bool:
-        """Whether the release ships this fix itself."""
+        """Whether the Lightning release ships this fix itself."""
         release = base_release(version)
-        return release is not None and self.first_fixed is not None and release >= self.first_fixed
+        return release is not None and self.fixed_in is not None and release >= _release(self.fixed_in)
 
     def releases(self) -> str:
-        first = ".".join(map(str, self.first_affected))
-        if self.first_fixed is None:
-            return f"{first} and later (no release has it yet)"
-        return f"{first} up to {'.'.join(map(str, self.first_fixed))} (exclusive)"
-
-    def unaffected_reason(self, version: str) -> str:
-        """Why a release this fix does not apply to needs nothing."""
-        if self.built_in(version):
-            return f"Lightning {version} already contains it ({self.upstream}); left untouched"
-        return f"Lightning {version} has no 'true' precisions for FSDP; nothing to fix"
+        if self.fixed_in is None:
+            return f"{self.since} and later (no release has it yet)"
+        return f"{self.since} up to {self.fixed_in} (exclusive)"
 
 
 CAST = Fix(
     name="cast",
+    since="2.1.0",  # the "true" precisions for FSDP
+    fixed_in="2.5.0",
     changes="casts the model to the precision's dtype before FSDP wraps it, as Lightning 2.5.0 does",
-    first_affected=(2, 1, 0),  # 2.1.0 added the "true" precisions to FSDP
-    first_fixed=(2, 5, 0),  # Lightning PR #20323, first in 2.5.0rc0
     upstream="Lightning #20323, 2.5.0",
-    unfixed="FSDP 'true' precisions keep the memory bug",
 )
 RECOMPUTE = Fix(
     name="recompute",
+    since="2.1.0",
+    fixed_in=None,
     changes="recomputes every activation-checkpointed block in the default dtype its forward had",
-    first_affected=(2, 1, 0),
-    first_fixed=None,  # no Lightning release has it; the newest release's session proves the bug
-    upstream="not fixed in any Lightning release",
-    unfixed="activation checkpointing recomputes blocks in float32 under 'true' precisions",
+    upstream="no Lightning release",
 )
 FIXES = (CAST, RECOMPUTE)
 FIX_NAMES = tuple(fix.name for fix in FIXES)
 RANK_CHECK = Fix(
     name="rank-check",
+    since="2.1.0",
+    fixed_in=None,
     changes="checks, before FSDP wraps a model, that every rank of the job runs the same fixes",
-    first_affected=(2, 1, 0),
-    first_fixed=None,
-    upstream="not a Lightning fix: fsdp-shim's own check",
-    unfixed="the ranks of an FSDP job are not checked for running the same fixes",
+    upstream="fsdp-shim's own check",
 )
-"""Not a fix (not in ``FIXES``, not switched off by name): ``_fsdp_shim.rank_check``'s hook, patched
-like one wherever the shim is active, so that a rank whose fixes are all off or built in still reports."""
+"""Patched like a fix wherever the shim is active, but never switched off by name."""
 
 
-def base_release(version: str) -> Release | None:
-    """``(major, minor, micro)`` of a version string, or ``None`` if it is not PEP 440: ``2.5.0rc0``
-    counts as 2.5.0 (a PEP 440 comparison would put it before 2.5.0 and call it affected, though the
-    fix is in it), ``2.4.0.post1`` and ``2.4.0+cu121`` as 2.4.0."""
-    from packaging.version import InvalidVersion, Version  # here: `import fsdp_shim` alone loads no packaging
+class State(str, Enum):
+    """Where one fix stands in one namespace; the sentence for people is made where it is shown."""
+
+    NOT_IMPORTED = "not imported"
+    NOT_CHECKED = "not checked"
+    PATCHED = "patched"
+    NOT_SHOWN = "not shown yet"  # wrapped and acting; its check could not run here yet
+    NOT_IN_EFFECT = "not in effect"  # torch's call path passes its wrappers by, on some paths
+    NOT_AFFECTED = "not affected"  # 2.0.x: no "true" precisions for FSDP
+    BUILT_IN = "built in"  # the Lightning release has it
+    TORCH_HAS_IT = "torch has it"  # torch's checkpoint restores the default dtype itself
+    DISABLED = "disabled"  # FSDP_SHIM_DISABLED_FIXES
+    SWITCHED_OFF = "switched off"  # FSDP_SHIM=0
+    DEACTIVATED = "deactivated"
+    FAILED = "failed"  # could not be patched, or other code or a fallback took it off; ``detail`` says how
+
+
+NEEDS_NOTHING = (State.NOT_AFFECTED, State.BUILT_IN, State.TORCH_HAS_IT)
+
+
+def _release(text: str) -> tuple[int, int, int]:
+    major, minor, micro = (int(part) for part in text.split("."))
+    return major, minor, micro
+
+
+def base_release(version: str) -> tuple[int, int, int] | None:
+    """``(major, minor, micro)`` of a PEP 440 version (``2.5.0rc0`` and ``2.4.0+cu121`` alike), else ``None``."""
+    from packaging.version import InvalidVersion, Version
 
     try:
-        release = Version(version).release
+        release = (*Version(version).release, 0, 0)
     except (InvalidVersion, TypeError):
         return None
-    padded = (*release, 0, 0)[:3]
-    return (padded[0], padded[1], padded[2])
+    return release[0], release[1], release[2]
 
 
 def valid_switch_values() -> str:
-    """The recognised values of ``FSDP_SHIM`` and ``FSDP_SHIM_STRICT``, for messages."""
     return ", ".join((*ON_VALUES, *OFF_VALUES))
 
 
 def shim_state(environ: Mapping[str, str] = os.environ) -> str:
-    """``switch_state`` of ``FSDP_SHIM``: "unset" and "on" leave the shim on; "invalid" is off."""
     return switch_state(environ.get(SHIM_VARIABLE))
 
 
 def strict_state(environ: Mapping[str, str] = os.environ) -> str:
-    """``switch_state`` of ``FSDP_SHIM_STRICT``: "on" and "invalid" are on."""
     return switch_state(environ.get(STRICT_VARIABLE))
 
 
 def disabled_fixes(environ: Mapping[str, str] = os.environ) -> tuple[frozenset[str], list[str]]:
-    """The fixes ``FSDP_SHIM_DISABLED_FIXES`` names (comma-separated, case and spaces ignored; ``*``
-    or ``all`` names every fix), and the names it holds that are no fix (to warn about)."""
-    raw = environ.get(DISABLED_FIXES_VARIABLE, "")
-    names = [name.strip().lower() for name in raw.split(",") if name.strip()]
+    """The fixes ``FSDP_SHIM_DISABLED_FIXES`` names (``*`` or ``all``: every fix), and its names that are no fix."""
+    names = [name.strip().lower() for name in environ.get(DISABLED_FIXES_VARIABLE, "").split(",") if name.strip()]
+    unknown = [name for name in names if name not in (*FIX_NAMES, "*", "all")]
     if any(name in ("*", "all") for name in names):
-        return frozenset(FIX_NAMES), [name for name in names if name not in (*FIX_NAMES, "*", "all")]
-    return frozenset(name for name in names if name in FIX_NAMES), [name for name in names if name not in FIX_NAMES]
+        return frozenset(FIX_NAMES), unknown
+    return frozenset(name for name in names if name in FIX_NAMES), unknown
 
 
-MAX_RANK_CHECK_SECONDS = 365 * 24 * 3600.0
-"""The longest wait the rank check asks the store for: larger values (``inf`` included) mean "as long
-as it takes" and are clamped to this, which every store accepts (``1e20`` s overflowed it)."""
+MAX_RANK_CHECK_SECONDS = 365 * 24 * 3600.0  # what every store accepts (1e20 s overflowed it)
 
 
 def rank_check_timeout(environ: Mapping[str, str] = os.environ) -> tuple[float | None, str | None]:
-    """The rank check's wait in seconds from ``FSDP_SHIM_RANK_CHECK_TIMEOUT`` (``None``: unset, the
-    process group's own timeout; ``0``: off), and what is wrong with the value. An unreadable or
-    negative one keeps the default: a check against silent corruption must not be lost to a typo."""
+    """``FSDP_SHIM_RANK_CHECK_TIMEOUT`` in seconds (``None``: unset or unreadable, the group's own), and its problem."""
     raw = environ.get(RANK_CHECK_TIMEOUT_VARIABLE, "").strip()
     if not raw:
         return None, None
@@ -151,15 +146,16 @@ def rank_check_timeout(environ: Mapping[str, str] = os.environ) -> tuple[float |
 
 
 def log_setting(environ: Mapping[str, str] = os.environ) -> tuple[str, str | None]:
-    """``FSDP_SHIM_LOG``: ``"on"`` (unset or an on value: the confirmation lines on rank zero), ``"off"``
-    (an off value: none), ``"debug"`` (every record of the ``fsdp_shim`` logger, DEBUG and up); and what
-    is wrong with the value. An unreadable one keeps the default: the lines say what a job runs."""
+    """``FSDP_SHIM_LOG``: ``"on"`` (the default), ``"off"`` or ``"debug"``, and what is wrong with its value."""
     raw = environ.get(LOG_VARIABLE)
     if raw is not None and raw.strip().lower() == "debug":
         return "debug", None
     state = switch_state(raw)
     if state == "invalid":
         valid = f"{valid_switch_values()}, debug"
-        problem = f"{LOG_VARIABLE}={raw!r} is not a valid value (valid, case-insensitive: {valid})"
-        return "on", f"{problem}; the confirmation lines stay on"
+        return (
+            "on",
+            f"{LOG_VARIABLE}={raw!r} is not a valid value (valid, case-insensitive: {valid}); "
+            "the confirmation lines stay on",
+        )
     return ("off" if state == "off" else "on"), None

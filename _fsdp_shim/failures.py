@@ -1,6 +1,4 @@
-"""The one failure policy: ``report`` raises ``FSDPShimError`` in strict mode (saying nothing about
-falling back, since nothing does), else warns once and says what happened instead; and the rank-zero
-log. Everything said "once" is said once per process and key."""
+"""The failure policy (strict mode raises; otherwise one warning at the user's line) and the rank-zero log lines."""
 
 from __future__ import annotations
 
@@ -9,24 +7,17 @@ import os
 import sys
 import threading
 import warnings
-from typing import TYPE_CHECKING
+from types import FrameType
 
-from _fsdp_shim import COPY_NAME, FSDPShimWarning
+from _fsdp_shim import FSDPShimWarning
 from _fsdp_shim.config import LIGHTNING_PACKAGES, STRICT_VARIABLE, log_setting, switch_state, valid_switch_values
-
-if TYPE_CHECKING:
-    import logging
-    from collections.abc import Mapping
-    from types import FrameType
 
 
 class FSDPShimError(RuntimeError):
-    """Raised in strict mode (``FSDP_SHIM_STRICT``) where the shim could not apply a fix, and by the
-    rank check in every mode: the message says what is missing or changed. Outside strict mode the
-    same problem is one ``FSDPShimWarning`` and Lightning stays exactly as shipped."""
+    """A problem of the shim in strict mode (``FSDP_SHIM_STRICT``), or ranks of one job that run different fixes."""
 
 
-FSDPShimError.__module__ = "fsdp_shim.errors"  # where users import it from, and what tracebacks print
+FSDPShimError.__module__ = "fsdp_shim.errors"  # where users import it from
 
 _said: set[str] = set()
 _said_lock = threading.Lock()
@@ -40,10 +31,9 @@ def first_time(key: str) -> bool:
         return new
 
 
-def read_switch(name: str, environ: Mapping[str, str] | None, meaning: str) -> str:
-    """``switch_state`` of the variable ``name``, warning once per unrecognised value (``meaning``
-    says what that value does: both switches fail closed, in opposite directions)."""
-    raw = (os.environ if environ is None else environ).get(name)
+def read_switch(name: str, meaning: str) -> str:
+    """``switch_state`` of the variable ``name``, warning once per unreadable value (``meaning``: what it does)."""
+    raw = os.environ.get(name)
     state = switch_state(raw)
     if state == "invalid":
         warn_once(
@@ -54,86 +44,58 @@ def read_switch(name: str, environ: Mapping[str, str] | None, meaning: str) -> s
     return state
 
 
-def strict_mode(environ: Mapping[str, str] | None = None) -> bool:
-    """Whether ``FSDP_SHIM_STRICT`` turns the shim's problems into errors. An unrecognised value is on."""
-    return read_switch(STRICT_VARIABLE, environ, "turned strict mode ON (failures raise)") in ("on", "invalid")
+def strict_mode() -> bool:
+    return read_switch(STRICT_VARIABLE, "turned strict mode ON (failures raise)") in ("on", "invalid")
 
 
-def report(problem: str, consequence: str, *, key: str | None = None, cause: BaseException | None = None) -> None:
-    """Raise in strict mode; otherwise warn ``problem; consequence`` (what the shim did instead) once per ``key``."""
+def report(problem: str, consequence: str, *, key: str, cause: BaseException | None = None) -> None:
+    """Raise in strict mode; otherwise warn ``problem; consequence`` once per ``key``."""
     if strict_mode():
         raise FSDPShimError(f"{problem} ({STRICT_VARIABLE} is on)") from cause
-    warn_once(f"{problem}; {consequence}", key=key or problem)
+    warn_once(f"{problem}; {consequence}", key=key)
 
 
 def warn_once(message: str, *, key: str) -> None:
-    """One ``FSDPShimWarning`` per ``key`` per process, at the user's line."""
+    """One ``FSDPShimWarning`` per ``key`` per process, pointing at the user's line."""
     if not first_time(key):
         return
     frame = user_frame()
     if frame is None:
-        warnings.warn(message, FSDPShimWarning, stacklevel=1)  # no frame outside the shim: this line
+        warnings.warn(message, FSDPShimWarning, stacklevel=1)
         return
     found = frame.f_globals
-    module, registry = found.get("__name__", "<unknown>"), found.setdefault("__warningregistry__", {})
-    # The globals only of a module with a file: linecache asks their loader for the source otherwise, and
-    # the loader of `python -c`'s __main__ raises ImportError instead of answering None.
-    source = found if found.get("__file__") else None
-    warnings.warn_explicit(message, FSDPShimWarning, frame.f_code.co_filename, frame.f_lineno, module, registry, source)
+    registry = found.setdefault("__warningregistry__", {})
+    source = found if found.get("__file__") else None  # `python -c`'s loader raises when asked for source
+    warnings.warn_explicit(
+        message, FSDPShimWarning, frame.f_code.co_filename, frame.f_lineno, found.get("__name__"), registry, source
+    )
 
 
-_PACKAGE_DIRECTORY = os.path.dirname(os.path.abspath(__file__)) + os.sep
-_INTERNAL_DIRECTORIES = (
-    _PACKAGE_DIRECTORY,
-    os.path.join(os.path.dirname(_PACKAGE_DIRECTORY[:-1]), "fsdp_shim") + os.sep,
-    os.path.join(os.path.dirname(os.path.abspath(warnings.__file__)), "importlib") + os.sep,
+_OWN = (
+    os.path.dirname(os.path.abspath(__file__)),
+    os.path.join(os.path.dirname(os.path.abspath(warnings.__file__)), "importlib"),
 )
 
 
 def user_frame() -> FrameType | None:
-    """The innermost frame outside fsdp-shim, the import machinery, wrapt and Lightning (the user's
-    ``import lightning``, ``trainer.fit(...)`` or ``fsdp_shim.activate()``), where warnings point: no
-    fixed ``stacklevel`` can, because the same code runs under imports of different depths."""
-    internal = ["<frozen importlib", *_INTERNAL_DIRECTORIES]
-    for name in (COPY_NAME, "wrapt", *LIGHTNING_PACKAGES):
+    """The innermost frame outside fsdp-shim, the import machinery, wrapt and Lightning, where warnings point."""
+    internal = ["<frozen importlib", *(os.path.join(path, "") for path in _OWN)]
+    internal.append(os.path.join(os.path.dirname(_OWN[0]), "fsdp_shim", ""))
+    for name in ("wrapt", *LIGHTNING_PACKAGES):
         path = getattr(sys.modules.get(name), "__file__", None)
         if path:
-            path = os.path.abspath(path)
-            internal.append(os.path.dirname(path) + os.sep if os.path.basename(path) == "__init__.py" else path)
+            internal.append(os.path.join(os.path.dirname(os.path.abspath(path)), ""))
     frame: FrameType | None = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename.startswith(tuple(internal)):
         frame = frame.f_back
     return frame
 
 
-# ----------------------------------------------------------------------------- the rank-zero log
-INFO, DEBUG = 20, 10
-"""``logging``'s levels, without importing ``logging`` at start-up."""
-
-
-def _logger() -> logging.Logger:
-    """Imports ``logging`` at the first record, not at start-up (it costs milliseconds): by then Lightning has."""
-    import logging
-
-    return logging.getLogger("fsdp_shim")
-
-
-def _emit(level: int, shown_anyway: bool, message: str, *args: object) -> None:
-    """A record of the ``fsdp_shim`` logger where the logging configuration shows it; else, if ``shown_anyway``,
-    the line on stderr (Python drops INFO and DEBUG records where nobody configured logging). Nothing is
-    added to the configuration: no handler, no level."""
-    logger = _logger()
-    if logger.isEnabledFor(level) and logger.hasHandlers():
-        logger.log(level, message, *args)
-    elif shown_anyway:
-        sys.stderr.write((message % args) + "\n")
-        sys.stderr.flush()
+INFO, DEBUG = 20, 10  # logging's levels, without importing logging at start-up
 
 
 def process_rank() -> int:
-    """This process's global rank: the process group's where one exists (Lightning sets the rank in code, and
-    under mpirun, or its own launcher across nodes, no variable holds it); else from the variables Lightning's
-    ``rank_zero_only`` reads, in its order, so the shim's messages appear where Lightning prints its own."""
+    """The process group's rank where one exists, else what Lightning's ``rank_zero_only`` reads, in its order."""
     dist = sys.modules.get("torch.distributed")
     with contextlib.suppress(Exception):
         if dist is not None and dist.is_available() and dist.is_initialized():
@@ -144,51 +106,48 @@ def process_rank() -> int:
     return 0
 
 
-def debug_on_rank_zero(message: str, *args: object) -> None:
-    """A DEBUG record on rank zero only. DEBUG, not INFO: a logging setup at INFO (Ray Train's workers,
-    ``logging.basicConfig(level=logging.INFO)``) would otherwise show these next to the one confirmation line."""
-    if process_rank() == 0:
-        _emit(DEBUG, log_setting()[0] == "debug", message, *args)
+def log(level: int, message: str, *args: object, shown_anyway: bool = False) -> None:
+    """A record of the ``fsdp_shim`` logger where logging shows it, else (``shown_anyway``) the line on stderr."""
+    import logging
 
-
-def announce(message: str, *args: object) -> None:
-    """A confirmation line: INFO, seen even where nobody configured logging, since a cluster operator confirms
-    a job from it; ``FSDP_SHIM_LOG=0`` drops it."""
-    if log_setting()[0] != "off":
-        _emit(INFO, True, message, *args)
-
-
-def announce_once_on_rank_zero(key: str, message: str, *args: object) -> None:
-    """``announce``, once per process and key, on rank zero only. It runs inside the user's training (a
-    backward), so it never raises: a log that cannot be written must not end the run."""
-    if process_rank() != 0 or not first_time(f"announce:{key}"):
-        return
-    with contextlib.suppress(Exception):
-        announce(message, *args)
-
-
-_confirmed = False
-"""Whether this process has said its confirmation line (read first: a pin asks on every recompute)."""
-
-
-def confirm(what: str) -> None:
-    """The confirmation line (docs/configuration.md, "Logging"): one line on rank zero, once per process, the
-    first time a fix changes something; what the job's own log shows of the shim. A run where nothing
-    applies (float32) says nothing."""
-    global _confirmed
-    if _confirmed:
-        return
-    from _fsdp_shim._version import __version__
-
-    _confirmed = True
-    announce_once_on_rank_zero("active", "fsdp-shim %s: active; %s", __version__, what)
-
-
-def warn_once_on_rank_zero(key: str, message: str, *args: object) -> None:
-    """A WARNING record (on stderr even with no logging configured), once per key, on rank zero only."""
-    if first_time(f"log:{key}") and process_rank() == 0:
-        _logger().warning(message, *args)
+    logger = logging.getLogger("fsdp_shim")
+    if logger.isEnabledFor(level) and logger.hasHandlers():
+        logger.log(level, message, *args)
+    elif shown_anyway:
+        sys.stderr.write((message % args) + "\n")
+        sys.stderr.flush()
 
 
 def debug(message: str, *args: object) -> None:
-    _emit(DEBUG, log_setting()[0] == "debug", message, *args)
+    """A DEBUG record; on stderr too with ``FSDP_SHIM_LOG=debug``."""
+    log(DEBUG, message, *args, shown_anyway=log_setting()[0] == "debug")
+
+
+def announce(message: str, *args: object) -> None:
+    """A confirmation line at INFO, shown where logging is not configured too; ``FSDP_SHIM_LOG=0`` drops it."""
+    if log_setting()[0] != "off":
+        log(INFO, message, *args, shown_anyway=True)
+
+
+_confirmed = False
+
+
+def confirm(what: str) -> None:
+    """The one confirmation line, on rank zero, the first time a fix changes something; it never raises."""
+    global _confirmed
+    if _confirmed:
+        return
+    _confirmed = True
+    if process_rank() == 0:
+        from _fsdp_shim._version import __version__
+
+        with contextlib.suppress(Exception):  # inside the user's backward: a log line must not end the run
+            announce("fsdp-shim %s: active; %s", __version__, what)
+
+
+def warn_once_on_rank_zero(key: str, message: str, *args: object) -> None:
+    """A WARNING record once per key, on rank zero only."""
+    if first_time(f"log:{key}") and process_rank() == 0:
+        import logging
+
+        logging.getLogger("fsdp_shim").warning(message, *args)

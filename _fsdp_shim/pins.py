@@ -1,13 +1,7 @@
 """The recompute fix's runtime: a checkpointed function pinned to the default dtype its forward had.
 
-torch's default dtype is one global for the whole process, so this module is about who may change it and
-what is put back. A pinned call whose dtype is already the default while no pin runs changes nothing (a
-forward, any run whose dtype never changes). Otherwise each pin notes the dtype it replaced, and the newest
-pin's end puts that back, unless other code changed the dtype meanwhile (then theirs stays); a pin that ends
-under a newer one hands its note up, so the dtype the first one replaced is the one restored, whatever order
-they end in. Every exit (an exception, a warning raised as an error, ``KeyboardInterrupt`` while the function
-runs) goes through the same end. What two threads get is in docs/how-it-works.md ("Threads"): the same as
-two of Lightning's own forward contexts in those threads, never the pin's dtype left behind by the pin.
+torch's default dtype is one for the whole process: each pin notes the dtype it replaced, and the newest pin's end
+puts it back unless other code changed it meanwhile (docs/how-it-works.md, "Threads").
 """
 
 from __future__ import annotations
@@ -24,33 +18,26 @@ from _fsdp_shim import failures
 if TYPE_CHECKING:
     import torch
 
-checking: ContextVar[bool] = ContextVar("fsdp_shim_checking_recompute", default=False)
-"""True while the recompute check runs (``_fsdp_shim.recompute_check``): its calls are the shim's own."""
-through_pin: ContextVar[bool] = ContextVar("fsdp_shim_through_pin", default=False)
-"""Set, during the check only, while a pinned function runs: how the check sees torch call it."""
+checking: ContextVar[bool] = ContextVar("fsdp_shim_checking_recompute", default=False)  # the check's own calls
+through_pin: ContextVar[bool] = ContextVar("fsdp_shim_through_pin", default=False)  # how the check sees the pin
 
 
 @dataclass
 class _Pin:
     thread: int
     dtype: torch.dtype
-    before: torch.dtype | None = None
-    """The default dtype when it started (``None`` until it changed it): what its end puts back, handed to
-    the pin above it if that one is still running when this one ends."""
+    before: torch.dtype | None = None  # what its end puts back; handed up to a newer pin still running
 
 
 class _Pins:
-    """The pinned calls running now, in the whole process (autograd's per-device threads, two models
-    trained in two threads): a lock guards the list and every change of the dtype it makes."""
+    """The pinned calls running now in the whole process; a lock guards the list and every dtype change."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._running: list[_Pin] = []
 
     def reset(self) -> None:
-        """In a forked child: the parent's other threads and their pins are not there, and would never put
-        back what they replaced; the dtype the oldest of them replaced is put back here instead (where the
-        forking thread runs no pin of its own, whose end does that)."""
+        """In a forked child: put back what the parent's other threads' pins replaced; they are not here to."""
         running, me = self._running, threading.get_ident()
         self.__init__()  # type: ignore[misc]
         if running and running[0].before is not None and all(pin.thread != me for pin in running):
@@ -67,7 +54,7 @@ class _Pins:
                     "fsdp-shim: two activation-checkpointed recomputes ran at once in different default dtypes "
                     "(two threads' backwards); torch's default dtype is one for the whole process, so one of them "
                     "ran in the other's dtype. The default dtype is put back when both end. See "
-                    "docs/how-it-works.md ('Threads').",
+                    "https://fsdp-shim.github.io/fsdp-shim/how-it-works.html#threads",
                     key="recompute:threads",
                 )
             if held and held[0].before is not None and held[0].before != dtype and not checking.get():
@@ -77,10 +64,7 @@ class _Pins:
                 )
             return function(*args, **kwargs)
         finally:
-            # Ctrl-C while torch's last operation of the recompute ran in C++ is raised by Python at the next
-            # call of a Python function: ``_leave``'s first line, or inside it. So it is caught here, ``_leave``
-            # (which can run again from where it was stopped) runs to its end, and the exception is raised
-            # after. No call stands between this and ``_leave``: any could raise it outside this ``try``.
+            # Ctrl-C raised at ``_leave``'s first call: caught, ``_leave`` runs again to its end, then it is raised.
             raised: BaseException | None = None
             tries = 0
             while held and tries < 3:
@@ -94,8 +78,7 @@ class _Pins:
                 raise raised
 
     def _enter(self, dtype: torch.dtype, held: list[_Pin]) -> bool:
-        """Register a pin in ``held`` and in the list, then switch the dtype; whether another thread's pin
-        runs in another dtype. Nothing here warns or can raise after the switch."""
+        """Register the pin in ``held`` and the list, then switch; whether another thread pins another dtype."""
         import torch
 
         with self._lock:
@@ -112,9 +95,7 @@ class _Pins:
         return clash
 
     def _leave(self, pin: _Pin) -> None:
-        """Take the pin off and put back what it replaced. It may be stopped part-way by a signal's exception
-        and run again (``call``): each step is decided from what is left undone, on the pin and in the list,
-        so no step is done twice or skipped (``pin.before`` is cleared once it is handed up or put back)."""
+        """Take the pin off and put back what it replaced; run again after a signal, it does no step twice."""
         import torch
 
         with self._lock:
@@ -136,9 +117,7 @@ if hasattr(os, "register_at_fork"):
 
 
 def in_forward_dtype(function: Callable[..., Any]) -> Callable[..., Any]:
-    """``function``, to be run later in the default dtype current now (the checkpointed forward's, for its
-    recompute). Code that ``torch.compile`` traces (dynamo, or a proxy-tracing mode such as compiled
-    autograd's) is left as torch makes it: a dtype switch there would be traced."""
+    """``function``, to run later in the default dtype current now; code being traced is left as torch makes it."""
     import torch  # imported already by Lightning; not at the top, so importing this module does not
 
     dtype = torch.get_default_dtype()
@@ -158,9 +137,7 @@ def in_forward_dtype(function: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def tracing(torch: Any) -> bool:
-    """Whether this thread's code is being traced: ``is_dynamo_compiling`` is true only inside code dynamo
-    traces (``is_compiling`` is set for the whole process while any thread compiles), and a proxy dispatch
-    mode is on while FX traces (compiled autograd). Where torch has neither, nothing is traced here."""
+    """Whether this thread's code is being traced: by dynamo, or by FX under a proxy mode (compiled autograd)."""
     dynamo = getattr(getattr(torch, "compiler", None), "is_dynamo_compiling", None)
     if dynamo is not None and dynamo():
         return True

@@ -1,22 +1,8 @@
 """The recompute fix's two readings of the running torch, neither of which another thread can observe.
 
-**Does torch restore the default dtype itself?** Read from its code, not tried: trying means switching the
-process-wide default dtype. The change offered upstream (docs/upstream.md) captures the forward's dtype with
-``torch.get_default_dtype()`` in the body that runs the forward (the non-reentrant generator,
-``CheckpointFunction.forward``) and puts it back with ``torch.set_default_dtype`` in the recompute (the
-generator's nested ``recompute_fn``, ``CheckpointFunction.backward``), directly or through a helper of the
-same module. A path whose code does both needs no pin; a torch that restores it some other way keeps the
-shim's pin, which then finds the dtype already right and changes nothing.
-
-**Does torch's recompute run through the shim's wrapper?** The wrappers sit on private names, a guess about
-torch's call path, so the fix says "in effect" for a path only once this check has seen torch's recompute of
-that path call the pinned function (``pins.through_pin``). It checkpoints ``x * x`` of a one-element float32
-tensor in a thread of its own, so the caller's thread-local state (grad mode, inference mode, autocast,
-saved-tensor hooks, torch function and dispatch modes) cannot fail it, and no dtype is switched. It runs no
-backward: reading a saved tensor of the non-reentrant checkpoint recomputes it, and the reentrant backward is
-stopped inside its recompute, so the autograd engine never starts (an engine started before a fork breaks
-autograd in the forked children). A check that raises (a module-wide setting such as checkpoint debug mode,
-or a warning filter set to "error") has shown nothing either way: it is tried again later.
+Whether torch restores the default dtype itself is read from its code (trying would switch the process-wide
+dtype). Whether torch's recompute runs through the shim's wrapper is seen, in a thread of its own, by
+checkpointing ``x * x`` and recomputing it without running the autograd engine (docs/how-it-works.md).
 """
 
 from __future__ import annotations
@@ -35,12 +21,10 @@ from _fsdp_shim.wrappers import Finding
 CHECKPOINT_MODULE = "torch.utils.checkpoint"
 COMPOSABLE_MODULE = "torch.distributed._composable.checkpoint_activation"
 GENERATORS = ("_checkpoint_without_reentrant_generator_impl", "_checkpoint_without_reentrant_generator")
-"""The non-reentrant generator's names, newest first: torch 2.14 calls the first and keeps the second
-as an alias that calls it; torch 2.1-2.13 have the second only."""
+"""The non-reentrant generator's names, newest first: torch 2.14 calls the first; 2.1-2.13 have the second only."""
 REENTRANT, NON_REENTRANT, COMPOSABLE = "reentrant", "non-reentrant", "composable"
 TORCHS_OWN = "torch's own (its checkpoint restores the forward's default dtype itself)"
-CHECK_SECONDS = 30.0
-"""How long the check's thread may take (a few milliseconds here): past it, nothing was shown."""
+CHECK_SECONDS = 30.0  # how long the check's thread may take (milliseconds here): past it, nothing was shown
 
 
 def generator_name(checkpoint: ModuleType) -> str:
@@ -49,8 +33,7 @@ def generator_name(checkpoint: ModuleType) -> str:
 
 
 def composable_module() -> ModuleType | None:
-    """The composable checkpoint's module, where this torch has one (``torch.distributed.fsdp``, which
-    Lightning imports, imports it already)."""
+    """The composable checkpoint's module, where this torch has one (``torch.distributed.fsdp`` imported it)."""
     import torch
 
     if not torch.distributed.is_available():
@@ -92,24 +75,9 @@ def restored_by_torch() -> frozenset[str]:
     return frozenset(found)
 
 
-def restored_in_file(path: Path) -> frozenset[str]:
-    """``restored_by_torch`` for a torch that is not imported (``fsdp-shim status``): its checkpoint.py compiled,
-    not run. The composable checkpoint imports the module's generator by name: it goes with the non-reentrant."""
-    module = compile(path.read_text(encoding="utf-8"), str(path), "exec")
-    functions: dict[str, CodeType] = {}
-    for code in (const for const in module.co_consts if isinstance(const, CodeType)):
-        functions.setdefault(code.co_name, code)
-        functions.update({f"{code.co_name}.{c.co_name}": c for c in code.co_consts if isinstance(c, CodeType)})
-    generator = next((name for name in GENERATORS if name in functions), "")
-    found = {NON_REENTRANT, COMPOSABLE} if restores(functions.get(generator), None, functions) else set()
-    forward, backward = functions.get("CheckpointFunction.forward"), functions.get("CheckpointFunction.backward")
-    return frozenset(found | ({REENTRANT} if restores(forward, backward, functions) else set()))
-
-
 def restores(forward: CodeType | None, recompute: CodeType | None, helpers: dict[str, CodeType]) -> bool:
-    """Whether ``forward``'s own code reads the default dtype and the recompute's sets it: ``recompute`` (the
-    reentrant backward), else the code ``forward`` nests (the generator's ``recompute_fn``), with the module's
-    functions it calls (``helpers``, by name)."""
+    """Whether ``forward`` reads the default dtype and the recompute (``recompute``, else the code ``forward``
+    nests) sets it, directly or through the module's functions it names (``helpers``)."""
     if forward is None or "get_default_dtype" not in forward.co_names:
         return False
     nested = [const for const in forward.co_consts if isinstance(const, CodeType)]
@@ -145,8 +113,7 @@ class _StopRecompute(Exception):
 
 
 def prove(settled: frozenset[str]) -> dict[str, Finding]:
-    """The recompute fix's ``Proof``: for every path of this torch but those ``settled``, torch's own where its
-    code restores the dtype, else whether its recompute ran the pinned function (checked in a thread of its own)."""
+    """The recompute fix's proof: per path of this torch but those ``settled``, torch's own or what its check saw."""
     import torch
     import torch.utils.checkpoint as checkpoint
 
@@ -205,11 +172,8 @@ def _check(path: str, torch: Any, checkpoint: ModuleType, composable: ModuleType
 
 
 def torchs_checkpoint(checkpoint: ModuleType) -> Any:
-    """``torch.utils.checkpoint.checkpoint`` as torch defines it: what the check must call. A library may have
-    put its own function at that name (Megatron and DeepSpeed style); checking that one would blame torch for
-    the library's code, and take the fix off code that still calls torch's own (``checkpoint_wrapper``, a
-    model file's import). Found through ``__wrapped__`` where the replacement wraps torch's function; where
-    it does not, the check cannot run here, which shows nothing about torch (the path keeps its wrapper)."""
+    """``torch.utils.checkpoint.checkpoint`` as torch defines it, not a library's function put at its name
+    (checking that would blame torch); through ``__wrapped__``, else ``LookupError``: nothing shown here."""
     found = inspect.unwrap(checkpoint.checkpoint, stop=lambda function: _defined_in(function, checkpoint))
     if not _defined_in(found, checkpoint):
         name = f"{getattr(found, '__module__', '?')}.{getattr(found, '__qualname__', repr(found))}"
@@ -218,8 +182,10 @@ def torchs_checkpoint(checkpoint: ModuleType) -> Any:
 
 
 def _defined_in(function: Any, module: ModuleType) -> bool:
+    """Whether ``function``'s code comes from ``module``'s file, ``.py`` or bytecode only (``.pyc``)."""
     code = getattr(function, "__code__", None)
-    return code is not None and Path(code.co_filename).resolve() == Path(module.__file__ or "").resolve()
+    source, compiled = Path(getattr(code, "co_filename", "")), Path(module.__file__ or "")
+    return code is not None and source.resolve().with_suffix("") == compiled.resolve().with_suffix("")
 
 
 def _composable_forward(torch: Any, composable: Any, block: Any, x: Any) -> Any:

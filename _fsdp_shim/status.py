@@ -1,106 +1,139 @@
-"""The records ``fsdp_shim.status()`` returns: what the shim did in this process, per Lightning
-namespace and per fix, for people (``str()``) and for JSON (``as_dict()``). Records only: the code
-that fills them and the code that reads them depend on this module, never on each other."""
+"""``fsdp_shim.status()``: what the shim did in this process, read from the classes now, and the sentences that
+say it (``reason``, ``str()``). Loaded only when asked: a training process needs none of it."""
 
 from __future__ import annotations
 
+import os
+import sys
 from dataclasses import asdict, dataclass
 from typing import Any
 
-NOT_IMPORTED = "not imported yet; it is checked when it is imported"
-NOT_NEEDED_ON_TORCH = "not needed on torch "
-"""How a fix's reason starts where the running torch has the fix itself (``recompute_check.restored_by_torch``)."""
+import _fsdp_shim as startup
+from _fsdp_shim import NAMESPACES, activation, failures
+from _fsdp_shim.config import (
+    DISABLED_FIXES_VARIABLE,
+    FIX_NAMES,
+    FIXES,
+    SHIM_VARIABLE,
+    VARIABLES,
+    Fix,
+    State,
+    disabled_fixes,
+)
+
+_SAID = {
+    State.NOT_IMPORTED: "not imported yet; it is checked when it is imported",
+    State.NOT_CHECKED: "imported; not checked yet",
+    State.PATCHED: "patched",
+    State.NOT_SHOWN: "not shown yet",
+    State.NOT_IN_EFFECT: "not in effect",
+    State.NOT_AFFECTED: "no 'true' precisions for FSDP in this release; nothing to fix",
+    State.BUILT_IN: "left untouched: this release contains it",
+    State.TORCH_HAS_IT: "not needed: torch left untouched",
+    State.DISABLED: f"switched off by {DISABLED_FIXES_VARIABLE}",
+    State.SWITCHED_OFF: "switched off",
+    State.DEACTIVATED: "deactivated",
+    State.FAILED: "not patched",
+}
 
 
 @dataclass(frozen=True)
 class FixStatus:
-    """What the shim decided for one fix in one namespace, and why."""
+    """One fix in one namespace: its ``state``, the ``detail`` beside it, and the functions wrapped for it."""
 
     fix: str
-    """``cast`` or ``recompute`` (docs/configuration.md: ``FSDP_SHIM_DISABLED_FIXES``)."""
-    affected: bool | None = None
-    """Whether the release lacks this fix; ``None`` when it cannot be told (or not imported)."""
-    patched: bool = False
-    """Whether the shim's fix is in effect now, read from the classes."""
-    reason: str = NOT_IMPORTED
-    """``patched`` (with notes about other wrappers), ``not patched: ...``, ``deactivated``,
-    ``switched off by ...``, or why the release needs nothing."""
+    state: State = State.NOT_IMPORTED
+    affected: bool | None = None  # whether the release lacks this fix; None where it cannot be told
+    detail: str = ""
     targets: tuple[str, ...] = ()
-    """The functions the shim wrapped for it, as ``module.Class.method`` (or ``module.function``)."""
+
+    @property
+    def patched(self) -> bool:
+        return self.state is State.PATCHED
+
+    @property
+    def reason(self) -> str:
+        """The state in words, with its detail."""
+        said = _SAID[self.state]
+        if not self.detail:
+            return said
+        return f"{said} ({self.detail})" if self.state in (State.PATCHED, State.BUILT_IN) else f"{said}: {self.detail}"
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "state": self.state.value, "patched": self.patched, "reason": self.reason}
 
 
 @dataclass(frozen=True)
 class NamespaceStatus:
-    """What the shim decided for one Lightning namespace, and why: one ``FixStatus`` per fix, and their summary."""
+    """One Lightning namespace: a ``FixStatus`` per fix, and whether every fix its release lacks is in effect."""
 
     namespace: str
-    """``lightning.pytorch``, ``lightning.fabric``, ``pytorch_lightning`` or ``lightning_fabric``."""
     imported: bool = False
-    """Whether this process has imported it (a namespace is checked when it is imported)."""
     version: str | None = None
-    """Its ``__version__``, read from the imported module."""
-    affected: bool | None = None
-    """Whether the release lacks any of the shim's fixes; ``None`` when it cannot be told."""
-    patched: bool = False
-    """Whether every fix the release lacks, except those ``FSDP_SHIM_DISABLED_FIXES`` switches off, is
-    in effect now (and at least one is), read from the classes: ``False`` after ``deactivate()``, when
-    every fix the release lacks is switched off, when another library replaced the shim's wrapper, or
-    when a call had to fall back."""
-    reason: str = NOT_IMPORTED
-    """The decision in words: ``patched`` or, per fix, what keeps it from being patched."""
-    targets: tuple[str, ...] = ()
-    """The methods the shim wrapped, as ``module.Class.method``."""
-    activated_after_import: bool = False
-    """Whether the shim arrived after this namespace was imported (models already wrapped keep their dtype)."""
+    activated_after_import: bool = False  # models FSDP wrapped before keep their dtype
     fixes: tuple[FixStatus, ...] = ()
-    """One entry per fix, in the order of ``_fsdp_shim.config.FIXES``."""
+    note: str = ""  # why it was not checked, where a finder in front of the shim's loaded it
+
+    @property
+    def affected(self) -> bool | None:
+        known = [f.affected for f in self.fixes if f.affected is not None]
+        return any(known) if known else None
+
+    @property
+    def patched(self) -> bool:
+        """Every fix the release lacks, but those switched off by name, in effect (and at least one)."""
+        needed = [f for f in self.fixes if f.affected and f.state is not State.DISABLED]
+        return bool(needed) and all(f.patched for f in needed)
+
+    @property
+    def targets(self) -> tuple[str, ...]:
+        return tuple(target for f in self.fixes for target in f.targets)
+
+    @property
+    def reason(self) -> str:
+        """``patched`` (with the fixes' notes), else what keeps each fix off."""
+        if all(f.state is State.NOT_CHECKED for f in self.fixes):
+            return _SAID[State.NOT_CHECKED] + (f": {self.note}" if self.note else "")
+        if self.patched:
+            notes = [f"{f.fix}: {f.detail}" for f in self.fixes if f.patched and f.detail]
+            return "patched" + (f" ({'; '.join(notes)})" if notes else "")
+        left = [f for f in self.fixes if not f.patched and f.affected is not False] or list(self.fixes)
+        reasons = list(dict.fromkeys(f.reason for f in left))
+        return reasons[0] if len(reasons) == 1 else "; ".join(f"{f.fix}: {f.reason}" for f in left)
 
     def fix(self, name: str) -> FixStatus:
-        """The entry for one fix, e.g. ``status().namespace("lightning.pytorch").fix("recompute")``."""
         return {status.fix: status for status in self.fixes}[name]
 
     def as_dict(self) -> dict[str, Any]:
-        """The fields as a dict, for logs and JSON."""
-        return asdict(self)
+        fields = ("affected", "patched", "reason", "targets")
+        return {**asdict(self), "fixes": [f.as_dict() for f in self.fixes], **{k: getattr(self, k) for k in fields}}
 
 
 @dataclass(frozen=True)
 class ShimStatus:
-    """Snapshot of the shim's state in this process (``fsdp_shim.status()``)."""
+    """The shim in this process (``fsdp_shim.status()``)."""
 
     shim_version: str
-    """The installed fsdp-shim version."""
-    enabled: bool
-    """Whether ``FSDP_SHIM`` leaves the shim on."""
+    enabled: bool  # whether FSDP_SHIM leaves it on
     strict: bool
-    """Whether ``FSDP_SHIM_STRICT`` is on."""
-    active: bool
-    """Whether the shim is activated in this process (and not deactivated)."""
-    sources: tuple[str, ...]
-    """How it was armed: ``import fsdp_shim``, ``startup file``, ``fsdp-shim run``, ``FSDP_SHIM=1 ...``."""
+    active: bool  # activated in this process, and not deactivated
+    sources: tuple[str, ...]  # how it was armed
     environment: dict[str, str | None]
-    """The raw values of the shim's environment variables."""
     namespaces: tuple[NamespaceStatus, ...]
-    """One entry per Lightning namespace, imported or not."""
     disabled_fixes: tuple[str, ...] = ()
-    """The fixes ``FSDP_SHIM_DISABLED_FIXES`` switches off."""
 
     def namespace(self, name: str) -> NamespaceStatus:
-        """The entry for one namespace, e.g. ``status().namespace("lightning.pytorch")``."""
         return {status.namespace: status for status in self.namespaces}[name]
 
     def as_dict(self) -> dict[str, Any]:
-        """The whole report as a dict, for logs and JSON."""
-        return asdict(self)
+        return {**asdict(self), "namespaces": [n.as_dict() for n in self.namespaces]}
 
     def __str__(self) -> str:
         state = "active" if self.active else "inactive"
         if not self.enabled:
-            kept = " (what it patched before stays patched; fsdp_shim.deactivate() removes it)"
-            state = "switched off by FSDP_SHIM" + (kept if self.active else "")
+            patched = any(f.patched for n in self.namespaces for f in n.fixes)
+            kept = " (what it patched before stays patched; fsdp_shim.deactivate() removes it)" if patched else ""
+            state = f"switched off by {SHIM_VARIABLE}{kept}"
         via = f" via {', '.join(self.sources)}" if self.sources and self.enabled else ""
         lines = [f"fsdp-shim {self.shim_version}: {state}{via}" + (" (strict)" if self.strict else "")]
         if self.disabled_fixes:
@@ -110,3 +143,109 @@ class ShimStatus:
             if status.imported:
                 lines += [f"    {fix.fix:<10} {fix.reason}" for fix in status.fixes]
         return "\n".join(lines)
+
+
+def collect() -> ShimStatus:
+    """The shim in this process, per namespace and per fix."""
+    from _fsdp_shim._version import __version__
+
+    on, (skipped, _) = activation.enabled(), disabled_fixes()
+    return ShimStatus(
+        shim_version=__version__,
+        enabled=on,
+        strict=failures.strict_mode(),
+        active=bool(activation._active),
+        sources=tuple(startup.ARMED_BY),
+        environment={name: os.environ.get(name) for name in VARIABLES[:4]},
+        namespaces=tuple(_namespace(name, on) for name in NAMESPACES),
+        disabled_fixes=tuple(name for name in FIX_NAMES if name in skipped),
+    )
+
+
+def _namespace(name: str, on: bool) -> NamespaceStatus:
+    module = sys.modules.get(name)
+    if module is None:
+        return NamespaceStatus(name, fixes=tuple(FixStatus(fix.name) for fix in FIXES))
+    version = getattr(module, "__version__", None)
+    version = version if isinstance(version, str) else None
+    late = name in activation._imported_before_activation
+    try:
+        from _fsdp_shim import wrappers  # noqa: F401 - its patching code (wrapt) may be missing
+    except ImportError as error:
+        detail = f"fsdp-shim's patching code cannot be imported ({error})"
+        return NamespaceStatus(
+            name, True, version, late, tuple(FixStatus(f.name, State.FAILED, True, detail) for f in FIXES)
+        )
+    fixes = tuple(reading(name, fix) for fix in FIXES)
+    if not on:
+        off = f"{SHIM_VARIABLE}={os.environ.get(SHIM_VARIABLE, '')!r}"
+        fixes = tuple(
+            FixStatus(f.fix, State.SWITCHED_OFF, f.affected, off) if not f.patched and f.affected is not False else f
+            for f in fixes
+        )
+    note = ""
+    if name in startup.not_handed_over():
+        from _fsdp_shim.late import finders_in_front
+
+        note = f"{finders_in_front(module)} loaded it without fsdp-shim's import watcher seeing it "
+        note += "(fsdp_shim.activate() checks it now)"
+    return NamespaceStatus(name, True, version, late, fixes, note)
+
+
+def reading(namespace: str, fix: Fix) -> FixStatus:
+    """The fix in the namespace, read from the classes now: another library's wrapper, a fallback or a
+    namespace imported again changes it."""
+    from _fsdp_shim import wrappers
+    from _fsdp_shim.wrappers import GONE, UNDER, _imported_again, found_on_top, placement, the_checkpoints, whys
+
+    module = sys.modules.get(namespace)
+    if module is None:
+        return FixStatus(fix.name, State.NOT_IMPORTED)
+    record = wrappers.record(namespace, fix)
+    if record is None:
+        return FixStatus(fix.name, State.NOT_CHECKED)
+    again = _imported_again(record, namespace, module)
+    if again is not None:
+        return FixStatus(fix.name, State.FAILED, record.affected, f"{again}, and its new classes were not checked yet")
+    if record.state not in (State.PATCHED, State.DEACTIVATED):
+        return FixStatus(fix.name, record.state, record.affected, record.detail)
+    targets = tuple(wrapper.shim_state.label for wrapper in record.wrappers)
+    problems, notes = [], []
+    for wrapper in record.wrappers:
+        state, where, top = wrapper.shim_state, placement(wrapper), found_on_top(wrapper)
+        if where == GONE:
+            problems.append(f"other code replaced its wrapper on {state.label} (the class holds {top})")
+        elif not state.on:
+            problems.append(f"its wrapper on {state.label} stays under {top} and passes calls through")
+        elif state.fallback is not None:
+            whose = "torch's own function" if state.shared else "Lightning's own method"
+            problems.append(f"{state.label} fell back to {whose} at call time ({state.fallback})")
+        else:
+            notes += [f"its wrapper on {state.label} is under {top}"] if where == UNDER else []
+            if state.composed_with is not None:
+                notes.append(f"on {state.label} it wraps {state.composed_with}, which was there before")
+    if record.state is State.DEACTIVATED:
+        return FixStatus(fix.name, State.DEACTIVATED, True, "; ".join(problems), targets)
+    if problems:
+        return FixStatus(fix.name, State.FAILED, True, "; ".join(problems), targets)
+    check = record.check
+    if check is not None:
+        where = f"on torch {wrappers.torch_version()}"
+        if not check.ran:
+            return FixStatus(fix.name, State.NOT_SHOWN, True, f"{where}: its check has not run", targets)
+        failed, unchecked = check.paths(shown=False, holds=True), check.paths(shown=False, holds=False)
+        shown = check.paths(shown=True)
+        also = f"; in effect for {the_checkpoints(shown)}" if shown else ""
+        if failed:
+            detail = f"{where} for {the_checkpoints(failed)} ({whys(failed, check.findings)}){also}"
+            return FixStatus(fix.name, State.NOT_IN_EFFECT, True, detail, targets)
+        if unchecked:
+            again = "checked again at a later checkpoint call, fsdp_shim.activate() or status()"
+            detail = f"{where} for {the_checkpoints(unchecked)} ({whys(unchecked, check.findings)}; {again}){also}"
+            return FixStatus(fix.name, State.NOT_SHOWN, True, detail, targets)
+        by_torch: dict[str, list[str]] = {}
+        for path in shown:
+            if check.findings[path].why:
+                by_torch.setdefault(check.findings[path].why, []).append(path)
+        notes += [f"{the_checkpoints(paths)}: {why}" for why, paths in by_torch.items()]
+    return FixStatus(fix.name, State.PATCHED, True, "; ".join(notes), targets)

@@ -186,6 +186,49 @@ def child_json(target: str, arguments: dict[str, Any] | None = None, **options: 
     return last_json(run_child(target, arguments, **options))
 
 
+def run_code(
+    code: str,
+    *,
+    env: dict[str, str] | None = None,
+    expect_ok: bool = True,
+    python: str = sys.executable,
+    python_args: tuple[str, ...] = (),
+    launcher: tuple[str, ...] = (),
+    cwd: Path | None = None,
+    timeout: float = 600,
+) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` (a test's own source, dedented) as a script in a fresh interpreter: the test holds the child's
+    code next to its assertions. The script's folder is a temporary one, and ``tests/`` is importable from it."""
+    import tempfile
+    import textwrap
+
+    folder = Path(tempfile.mkdtemp(prefix="fsdp-shim-test-"))
+    script = folder / "child.py"
+    script.write_text(f"import sys; sys.path.insert(1, {str(ROOT / 'tests')!r})\n" + textwrap.dedent(code))
+    command = [*launcher, python, *python_args, str(script)]
+    first_env = env if env is not None else clean_env()
+
+    def attempt(retry: bool) -> tuple[list[str], dict[str, str]]:
+        return command, {**first_env, "MASTER_PORT": str(free_port())} if retry else first_env
+
+    try:
+        for retry in (False, True, True):
+            cmd, run_env = attempt(retry)
+            proc = run_command(cmd, env=run_env, cwd=cwd or folder, timeout=timeout)
+            if proc.returncode == 0 or PORT_TAKEN not in proc.stderr:
+                break
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    if expect_ok and proc.returncode != 0:
+        raise AssertionError(f"child failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    return proc
+
+
+def code_json(code: str, **options: Any) -> Any:
+    """``run_code(code)``'s last line of JSON: the child prints its result with ``print(json.dumps(...))``."""
+    return last_json(run_code(code, **options))
+
+
 def last_json(proc: subprocess.CompletedProcess[str]) -> Any:
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(("{", "[", "null", "true", "false")):

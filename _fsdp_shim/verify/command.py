@@ -30,6 +30,7 @@ from _fsdp_shim.verify.verdict import (
     judge_raised_without_shim,
     judge_recompute,
     overall,
+    unaffected_reason,
 )
 
 PROBE_SCRIPT = Path(__file__).resolve().parent.parent / "children" / "verify_probe.py"
@@ -132,9 +133,9 @@ def _decided(namespace: str, info: dict[str, Any], options: Options) -> Section 
     if info["import_failure"] is not None:
         return Section(namespace, None, "FAILED", describe_import_failure(namespace, info["import_failure"]))
     version, release = info["version"], base_release(info["version"])
-    verdicts = {fix.name: ("not needed", fix.unaffected_reason(version)) for fix in FIXES if not fix.affects(version)}
-    reason = CAST.unaffected_reason(version)
-    if release is None or release >= CAST.first_affected:  # 2.0.x has no "true" precisions: never trained
+    verdicts = {fix.name: ("not needed", unaffected_reason(fix, version)) for fix in FIXES if not fix.affects(version)}
+    reason = unaffected_reason(CAST, version)
+    if release is None or release >= (base_release(CAST.since) or release):  # 2.0.x: nothing ever trained
         seed_recompute = options.model is None and RECOMPUTE.affects(version)
         if CAST.affects(version) or options.measure or options.activation_checkpointing or seed_recompute:
             return None
@@ -215,7 +216,7 @@ def _measured(
     if off is None:
         version = on[0].lightning
         reason = (
-            f"{CAST.unaffected_reason(version)}; not measured: trained for the recompute only (--measure measures it)"
+            f"{unaffected_reason(CAST, version)}; not measured: trained for the recompute only (--measure measures it)"
         )
         cast = ("not needed", reason)
     else:

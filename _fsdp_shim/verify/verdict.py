@@ -6,16 +6,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from _fsdp_shim.config import CAST, FIXES, RECOMPUTE
-from _fsdp_shim.status import NOT_NEEDED_ON_TORCH
+from _fsdp_shim.config import CAST, FIXES, RECOMPUTE, Fix, State
 from _fsdp_shim.verify.measure import finite
 from _fsdp_shim.verify.records import RankResult
 
 DTYPES = {"bf16-true": "torch.bfloat16", "16-true": "torch.float16"}
 BYTE_KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes")
 NOT_CHECKED = "not checked: --activation-checkpointing MODULE:CLASS[,...] trains your checkpointed blocks with it"
-NOT_IN_EFFECT = "not in effect on torch "
-"""How a fix's ``FixStatus.reason`` starts where the shim could not show it works on this torch."""
+
+
+def unaffected_reason(fix: Fix, version: str) -> str:
+    """Why a release this fix does not apply to needs nothing."""
+    if fix.built_in(version):
+        return f"Lightning {version} already contains it ({fix.upstream}); left untouched"
+    return f"Lightning {version} has no 'true' precisions for FSDP; nothing to fix"
 
 
 @dataclass
@@ -47,7 +51,7 @@ def fix_entries(states: dict[str, dict[str, Any]], verdicts: dict[str, tuple[str
 
 def not_in_effect(state: dict[str, Any] | None) -> bool:
     """Whether a ``FixStatus`` (as a dict) says the fix is not in effect on this torch."""
-    return bool(state) and not state["patched"] and str(state["reason"]).startswith(NOT_IN_EFFECT)  # type: ignore[index]
+    return bool(state) and state["state"] == State.NOT_IN_EFFECT.value  # type: ignore[index]
 
 
 def _not_applied(state: dict[str, Any], namespace: str) -> str:
@@ -66,8 +70,8 @@ def judge(off: list[RankResult], on: list[RankResult], precision: str, seed_mode
     version, want, short = on[0].lightning, DTYPES[precision], DTYPES[precision].removeprefix("torch.")
     if not CAST.affects(version):
         if _same_figures(off, on):
-            return "not needed", f"{CAST.unaffected_reason(version)}; measured: the shim changes nothing"
-        return "FAILED", f"{CAST.unaffected_reason(version)}, but the figures differ with the shim on"
+            return "not needed", f"{unaffected_reason(CAST, version)}; measured: the shim changes nothing"
+        return "FAILED", f"{unaffected_reason(CAST, version)}, but the figures differ with the shim on"
     state = on[0].fixes[CAST.name]
     problems = [] if state["patched"] else [f"the shim did not patch {on[0].namespace}: {state['reason']}"]
     for a, b in zip(off, on):
@@ -133,7 +137,7 @@ def judge_recompute(
     blocks = f"checkpointing {classes} ({count} module{'' if count == 1 else 's'})"
     state = on_ac[0].fixes[RECOMPUTE.name]
     changed, unfixed = what_changed(on, on_ac), what_changed(off or [], off_ac)
-    if str(state["reason"]).startswith(NOT_NEEDED_ON_TORCH):  # torch restores the dtype itself: nothing wrapped
+    if state["state"] == State.TORCH_HAS_IT.value:  # torch restores the dtype itself: nothing wrapped
         if changed or unfixed:
             return "FAILED", f"{state['reason']}, but the checkpointed run {changed or unfixed}"
         return "not needed", f"{state['reason']}; measured: {blocks} changes nothing, with the shim on and off"
@@ -168,7 +172,7 @@ def judge_raised_without_shim(
     verdicts: dict[str, tuple[str | None, str]] = {}
     cast_state, recompute_state = on[0].fixes[CAST.name], on[0].fixes[RECOMPUTE.name]
     if not CAST.affects(version):
-        verdicts[CAST.name] = ("not needed", CAST.unaffected_reason(version))
+        verdicts[CAST.name] = ("not needed", unaffected_reason(CAST, version))
     else:
         problems = [] if cast_state["patched"] else [_not_applied(cast_state, on[0].namespace)]
         for result in on:
