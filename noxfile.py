@@ -181,11 +181,6 @@ Lightning, torchmetrics imports it with every ``import lightning``, about 0.9 s 
 interpreters (a quarter of a release session's time). None of its dependencies is torch."""
 
 
-BENCHMARK_LIGHTNING = ("lightning-2.6.6", ["lightning==2.6.6"])
-"""The fixed release the demo-Transformer benchmark of tests/test_project.py (default session) compares
-2.4.0 with, in the folder it reads: no session of this torch installs the unified 2.6.6 any more."""
-
-
 def install_target(
     session: nox.Session,
     name: str,
@@ -226,8 +221,6 @@ def run_matrix_session(
     }
     if name == DEFAULT_SESSION:
         env["FSDP_SHIM_TEST_TRANSFORMERS"] = str(install_target(session, "transformers", python, TRANSFORMERS, True))
-        benchmark_name, benchmark_specs = BENCHMARK_LIGHTNING
-        install_target(session, benchmark_name, python, benchmark_specs)
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     junit = RESULTS_DIR / f"{name}.xml"
     try:
@@ -446,61 +439,13 @@ def compat_table(session: nox.Session) -> None:
     )
 
 
-def docs_tools(session: nox.Session, python: str) -> None:
-    """The docs toolchain of .ci/requirements-docs.txt (a lock: every package exact) in this environment,
-    and Debian's chromium and chromium-driver."""
-    import shutil
-    from importlib import metadata
-
-    from packaging.requirements import Requirement
-
-    def satisfied(spec: str) -> bool:
-        requirement = Requirement(spec)
-        if requirement.marker is not None and not requirement.marker.evaluate():
-            return True
-        try:
-            return requirement.specifier.contains(metadata.version(requirement.name), prereleases=True)
-        except metadata.PackageNotFoundError:
-            return False
-
-    lock = ROOT / ".ci" / "requirements-docs.txt"
-    specs = [line for line in lock.read_text().splitlines() if line and not line.lstrip().startswith("#")]
-    if not all(satisfied(spec) for spec in specs):
-        session.run(python, "-m", "pip", "install", "-q", "-r", str(lock), external=True)
-    if not (shutil.which("chromium") and shutil.which("chromedriver")):
-        if os.geteuid() != 0 or not shutil.which("apt-get"):
-            session.error(
-                "the docs check needs Debian's chromium and chromium-driver: "
-                "apt-get install -y --no-install-recommends chromium chromium-driver"
-            )
-        session.log("installing Debian's chromium and chromium-driver with apt-get: the check reads every page in them")
-        session.run("apt-get", "update", "-qq", external=True)
-        session.run(
-            "apt-get", "install", "-y", "-qq", "--no-install-recommends", "chromium", "chromium-driver", external=True
-        )
-
-
 @nox.session
 @timed
 def docs(session: nox.Session) -> None:
-    """Build the docs with warnings as errors, then read every page in headless Chromium at 1280 px,
-    served and opened from disk (file://).
-
-    scripts/check_docs_in_browser.py first proves it can fail (``--self-test``: a copy of the docs with an
-    over-wide table and code block, text cut off or spilling out of its cell, broken links, a console error
-    and a request to another host must fail, served and from disk, and from disk so must a copy built
-    without Material's offline plugin),
-    then checks the real site and writes a screenshot of every page to build/docs-screenshots.
-    """
-    python = sys.executable
-    docs_tools(session, python)
+    """Build the docs with the locked toolchain (.ci/run installs it) and warnings as errors: broken links too."""
     site = ROOT / "build" / "site"
     env = {"NO_MKDOCS_2_WARNING": "1"}  # Material's banner about its successor, printed on every build
-    session.run(python, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site), env=env, external=True)
-    checker = str(ROOT / "scripts" / "check_docs_in_browser.py")
-    session.run(python, checker, "--self-test", env=env, external=True)
-    screenshots = str(ROOT / "build" / "docs-screenshots")
-    session.run(python, checker, str(site), "--markdown", "README.md", "--screenshots", screenshots, external=True)
+    session.run(sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site), env=env, external=True)
 
 
 nox.options.sessions = [

@@ -3,13 +3,14 @@ finder hands each executed Lightning namespace over: the patching code loads onl
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from types import ModuleType
 from typing import TYPE_CHECKING
 
 import _fsdp_shim as startup
-from _fsdp_shim import NAMESPACES, SHIM_VARIABLE, failures
+from _fsdp_shim import NAMESPACES, SHIM_VARIABLE, log, switch_state
 from _fsdp_shim.config import (
     DISABLED_FIXES_VARIABLE,
     FIX_NAMES,
@@ -32,8 +33,12 @@ _missed: dict[str, str] = {}  # namespaces a finder in front of the shim's loade
 
 def enabled() -> bool:
     """Whether ``FSDP_SHIM`` leaves the shim on (read at every namespace's import); unreadable is off."""
-    meaning = "switched the shim OFF (an unreadable kill switch fails closed)"
-    return failures.read_switch(SHIM_VARIABLE, meaning) in ("on", "unset")
+    state = switch_state(os.environ.get(SHIM_VARIABLE))
+    if state == "invalid":
+        from _fsdp_shim import failures
+
+        failures.read_switch(SHIM_VARIABLE, "switched the shim OFF (an unreadable kill switch fails closed)")
+    return state in ("on", "unset")
 
 
 def activate() -> bool:
@@ -63,6 +68,8 @@ def deactivate() -> None:
     wrappers = sys.modules.get("_fsdp_shim.wrappers")
     if wrappers is None:
         return
+    from _fsdp_shim import failures
+
     for name in NAMESPACES:
         for fix in (*FIXES, RANK_CHECK):
             for wrapper, where in wrappers.unpatch(name, fix):
@@ -109,15 +116,19 @@ def _patch(name: str) -> None:
         from _fsdp_shim import fixes, wrappers
 
         skipped, unknown = disabled_fixes()
-        if unknown:
-            failures.warn_once(
-                f"fsdp-shim: {DISABLED_FIXES_VARIABLE} names {', '.join(map(repr, unknown))}, which is no fix of "
-                f"fsdp-shim (its fixes: {', '.join(FIX_NAMES)}); that name is ignored",
-                key=f"disabled:{','.join(unknown)}",
-            )
         problem = log_setting()[1]
-        if problem is not None:
-            failures.warn_once(f"fsdp-shim: {problem}", key=problem)
+        if unknown or problem is not None:
+            from _fsdp_shim import failures
+
+            if unknown:
+                names = ", ".join(map(repr, unknown))
+                failures.warn_once(
+                    f"fsdp-shim: {DISABLED_FIXES_VARIABLE} names {names}, which is no fix of fsdp-shim (its fixes: "
+                    f"{', '.join(FIX_NAMES)}); that name is ignored",
+                    key=f"disabled:{','.join(unknown)}",
+                )
+            if problem is not None:
+                failures.warn_once(f"fsdp-shim: {problem}", key=problem)
         before = [wrappers.state(name, fix) for fix in FIXES]
         after = [
             wrappers.patch(
@@ -127,10 +138,10 @@ def _patch(name: str) -> None:
         ]
         wrappers.patch(name, RANK_CHECK, fixes.PLANS[RANK_CHECK.name])  # says what this rank runs, whatever it is
         new = [fix for fix, was, now in zip(FIXES, before, after) if now is State.PATCHED and was is not State.PATCHED]
-        if failures.process_rank() == 0:
+        if log.process_rank() == 0:
             version = getattr(sys.modules.get(name), "__version__", "")
             for fix, now in zip(FIXES, after):
-                failures.debug("fsdp-shim: %s %s, %s fix: %s", name, version, fix.name, now.value)
+                log.debug("fsdp-shim: %s %s, %s fix: %s", name, version, fix.name, now.value)
         if name in _imported_before_activation and any(fix.name == "cast" for fix in new):
             from _fsdp_shim import late
 
@@ -139,16 +150,16 @@ def _patch(name: str) -> None:
             from _fsdp_shim import late
 
             late.report_loaded_past_the_finder(name, _missed[name])
-    except (failures.FSDPShimError, Warning):
-        raise
-    except ImportError as error:  # the shim's own dependencies (wrapt, packaging) are missing
-        failures.report(
-            f"fsdp-shim: cannot patch {name}: {type(error).__name__}: {error}",
-            "Lightning was left unchanged, so no fix applies",
-            key=f"import:{name}",
-            cause=error,
-        )
     except Exception as error:
+        from _fsdp_shim import failures
+
+        if isinstance(error, (failures.FSDPShimError, Warning)):
+            raise
+        if isinstance(error, ImportError):  # the shim's own dependencies (wrapt, packaging) are missing
+            problem = f"fsdp-shim: cannot patch {name}: {type(error).__name__}: {error}"
+            consequence = "Lightning was left unchanged, so no fix applies"
+            failures.report(problem, consequence, key=f"import:{name}", cause=error)
+            return
         failures.report(
             f"fsdp-shim: internal error while patching {name} ({type(error).__name__}: {error})",
             "see fsdp_shim.status() for what is in effect",
@@ -163,9 +174,11 @@ def _check_again() -> None:
     if wrappers is not None and wrappers.has_unsettled_checks():
         try:
             wrappers.recheck()
-        except (failures.FSDPShimError, Warning):
-            raise
         except Exception as error:
+            from _fsdp_shim import failures
+
+            if isinstance(error, (failures.FSDPShimError, Warning)):
+                raise
             failures.report(
                 f"fsdp-shim: internal error while checking a fix again ({type(error).__name__}: {error})",
                 "see fsdp_shim.status() for what is in effect",
@@ -179,4 +192,4 @@ def status() -> ShimStatus:
     from _fsdp_shim.status import collect
 
     _check_again()
-    return collect()
+    return collect(enabled(), bool(_active), set(_imported_before_activation))

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
-from _fsdp_shim import failures, pins, recompute_check, wrappers
+from _fsdp_shim import log, pins, recompute_check, wrappers
 from _fsdp_shim.config import CAST, DOCS, NAMESPACES, RANK_CHECK, RECOMPUTE, base_release
 from _fsdp_shim.recompute_check import COMPOSABLE, NON_REENTRANT, REENTRANT
 from _fsdp_shim.wrappers import Args, GlueError, Kwargs, NotNeeded, Plan, Proof, Target
@@ -104,7 +104,7 @@ def convert_module_as_in_2_5(wrapped: Callable[..., Any], instance: Any, args: A
     if dtype is None:
         return module
     if str(dtype) == "torch.float16":
-        failures.warn_once_on_rank_zero(
+        log.warn_once_on_rank_zero(
             "float16",
             "fsdp-shim: precision='16-true' now keeps the model's weights and optimizer state in float16, as "
             "Lightning 2.5+ does (unpatched 2.1-2.4 kept them in float32). AdamW's default eps=1e-8 is 0 in "
@@ -122,7 +122,7 @@ def convert_module_as_in_2_5(wrapped: Callable[..., Any], instance: Any, args: A
         namespace = namespace_of(instance)
         version = getattr(sys.modules.get(namespace), "__version__", "?")
         name = str(dtype).removeprefix("torch.")
-        failures.confirm(f"cast acted ({namespace} {version}: the model cast to {name} before FSDP wraps it)")
+        log.confirm(f"cast acted ({namespace} {version}: the model cast to {name} before FSDP wraps it)")
     return module
 
 

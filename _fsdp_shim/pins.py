@@ -13,7 +13,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from _fsdp_shim import failures
+from _fsdp_shim import log
 
 if TYPE_CHECKING:
     import torch
@@ -50,6 +50,8 @@ class _Pins:
         try:
             clash = self._enter(dtype, held)
             if clash:
+                from _fsdp_shim import failures
+
                 failures.warn_once(
                     "fsdp-shim: two activation-checkpointed recomputes ran at once in different default dtypes "
                     "(two threads' backwards); torch's default dtype is one for the whole process, so one of them "
@@ -58,7 +60,7 @@ class _Pins:
                     key="recompute:threads",
                 )
             if held and held[0].before is not None and held[0].before != dtype and not checking.get():
-                failures.confirm(
+                log.confirm(
                     f"recompute acted (a checkpointed block recomputed in {_name(dtype)}, its forward's dtype, "
                     f"not {_name(held[0].before)})"
                 )

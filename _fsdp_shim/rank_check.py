@@ -16,9 +16,8 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from _fsdp_shim import failures, wrappers
+from _fsdp_shim import log, wrappers
 from _fsdp_shim.config import DOCS, FIXES, RANK_CHECK_TIMEOUT_VARIABLE, SHIM_VARIABLE, State, rank_check_timeout
-from _fsdp_shim.failures import FSDPShimError
 
 DEFAULT_TIMEOUT_SECONDS = 1800.0  # where the group's own timeout cannot be read (torch's default)
 GRACE_SECONDS = 30.0
@@ -26,7 +25,7 @@ EVIDENCE_POLL_SECONDS = 5.0
 
 _lock = threading.Lock()
 _checked: list[Any] = []  # the groups checked, in order (strong references: an id could be reused)
-_failed: list[tuple[Any, FSDPShimError]] = []  # a failed group fails again at every later call
+_failed: list[tuple[Any, Exception]] = []  # a failed group fails again at every later call
 
 
 def confirm_every_rank(namespace: str, dtype: Any, joined_here: bool = False) -> None:
@@ -63,13 +62,15 @@ def confirm_every_rank(namespace: str, dtype: Any, joined_here: bool = False) ->
     if missing or len({behaviour(report) for report in reports.values()}) > 1:
         waited = grace if early and grace is not None else limit
         text = missing_message(missing, reports, world_size, waited, early) if missing else ""
+        from _fsdp_shim.failures import FSDPShimError
+
         problem = FSDPShimError(text or disagreement_message(reports, world_size))
         with _lock:
             _failed.append((group, problem))
         raise problem
     if rank == 0:
         seconds = time.monotonic() - started
-        failures.announce(
+        log.announce(
             "fsdp-shim: patched on all %d ranks (%s), confirmed in %.2f s", world_size, summary(decision), seconds
         )
 
@@ -98,6 +99,8 @@ def _wait_seconds(store: Any) -> tuple[float, bool]:
     except Exception:
         default = DEFAULT_TIMEOUT_SECONDS
     if problem is not None:
+        from _fsdp_shim import failures
+
         failures.warn_once(
             f"fsdp-shim: {problem}; the cross-rank check waits as long as the process group's timeout ({default:g} s)",
             key=f"rank-timeout:{problem}",
@@ -229,6 +232,8 @@ def described(reports: dict[int, dict[str, Any]]) -> str:
 
 
 def _could_not_check(error: BaseException) -> None:
+    from _fsdp_shim import failures
+
     failures.report(
         f"fsdp-shim: could not check that every rank of this job runs the same fixes ({type(error).__name__}: {error})",
         f"training goes on unchecked; make sure every rank has the shim ({SHIM_VARIABLE}=1 on every node)",

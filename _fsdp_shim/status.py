@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import _fsdp_shim as startup
-from _fsdp_shim import NAMESPACES, activation, failures
+from _fsdp_shim import NAMESPACES, failures
 from _fsdp_shim.config import (
     DISABLED_FIXES_VARIABLE,
     FIX_NAMES,
@@ -145,30 +145,30 @@ class ShimStatus:
         return "\n".join(lines)
 
 
-def collect() -> ShimStatus:
-    """The shim in this process, per namespace and per fix."""
+def collect(on: bool, active: bool, late: set[str]) -> ShimStatus:
+    """The shim in this process, per namespace and per fix: ``on`` by FSDP_SHIM, ``active`` in this process,
+    ``late`` the namespaces imported before it was."""
     from _fsdp_shim._version import __version__
 
-    on, (skipped, _) = activation.enabled(), disabled_fixes()
+    skipped = disabled_fixes()[0]
     return ShimStatus(
         shim_version=__version__,
         enabled=on,
         strict=failures.strict_mode(),
-        active=bool(activation._active),
+        active=active,
         sources=tuple(startup.ARMED_BY),
         environment={name: os.environ.get(name) for name in VARIABLES[:4]},
-        namespaces=tuple(_namespace(name, on) for name in NAMESPACES),
+        namespaces=tuple(_namespace(name, on, name in late) for name in NAMESPACES),
         disabled_fixes=tuple(name for name in FIX_NAMES if name in skipped),
     )
 
 
-def _namespace(name: str, on: bool) -> NamespaceStatus:
+def _namespace(name: str, on: bool, late: bool) -> NamespaceStatus:
     module = sys.modules.get(name)
     if module is None:
         return NamespaceStatus(name, fixes=tuple(FixStatus(fix.name) for fix in FIXES))
     version = getattr(module, "__version__", None)
     version = version if isinstance(version, str) else None
-    late = name in activation._imported_before_activation
     try:
         from _fsdp_shim import wrappers  # noqa: F401 - its patching code (wrapt) may be missing
     except ImportError as error:

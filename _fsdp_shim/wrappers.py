@@ -19,7 +19,6 @@ from typing import Any
 
 import wrapt
 
-from _fsdp_shim import failures
 from _fsdp_shim.config import RANK_CHECK, Fix, State, base_release
 
 Args = tuple[Any, ...]
@@ -104,6 +103,8 @@ class WrapperState:
             self.fallback = str(error)
             whose = "torch's own function" if self.shared else "Lightning's own method"
             what = "rank check" if self.fix == RANK_CHECK.name else f"{self.fix} fix"
+            from _fsdp_shim import failures
+
             failures.report(
                 f"fsdp-shim: {self.label} could not read what it needs ({error})",
                 f"{whose} was used for this call, so it runs without the {what}",
@@ -300,6 +301,8 @@ def patch(namespace: str, fix: Fix, plan: Plan, *, disabled: bool = False, proof
     if decided.state is State.FAILED:
         version = decided.version or "(unknown version)"
         which = f" ({fix.name} fix)" if decided.affected else ""
+        from _fsdp_shim import failures
+
         failures.report(
             f"fsdp-shim: cannot patch {namespace} {version}{which}: {decided.detail}",
             "Lightning was left unchanged, so "
@@ -362,6 +365,8 @@ def _take_off_failed(check: _Check) -> None:
             for wrapper in [w for w in reversed(record.wrappers) if w.shim_state.path in failed]:
                 remove(wrapper)
                 record.wrappers.remove(wrapper)
+    from _fsdp_shim import failures
+
     failures.report(
         f"fsdp-shim: the {check.fix} fix is not in effect on torch {torch_version()} for {the_checkpoints(failed)} "
         f"({whys(failed, check.findings)})",

@@ -1,8 +1,5 @@
-"""Read Lightning's classes directly, never the shim's bookkeeping: what is on them, and what changed.
-
-Importing this module imports neither Lightning nor fsdp_shim (``_fsdp_shim``, the start-up module,
-activates nothing): each child decides its own import order.
-"""
+"""Read Lightning's and torch's classes directly, never the shim's bookkeeping, and the literal table of what
+the shim must wrap per Lightning release. Importing this module imports neither Lightning nor fsdp_shim."""
 
 from __future__ import annotations
 
@@ -18,76 +15,94 @@ from _fsdp_shim import NAMESPACES as NAMESPACE_KINDS
 MISSING = "<missing>"
 NAMESPACES = tuple(NAMESPACE_KINDS)
 PACKAGES = tuple(dict.fromkeys(name.partition(".")[0] for name in NAMESPACES))
-# Every class attribute either fix could touch, on every class of that family a release has: 2.0.x's
-# Trainer class is FSDPMixedPrecisionPlugin, 2.1.0's FSDPPrecisionPlugin / HalfPrecisionPlugin, and 2.2+
-# keeps those names as deprecated *subclasses*; all are snapshotted, to prove which is touched and which not.
 TARGETS = (
-    (
-        "plugins.precision.fsdp",
-        ("FSDPPrecision", "FSDPPrecisionPlugin", "FSDPMixedPrecisionPlugin"),
-        ("convert_module", "backward"),
-    ),
-    ("plugins.precision.half", ("HalfPrecision", "HalfPrecisionPlugin"), ("backward",)),
+    ("plugins.precision.fsdp", ("FSDPPrecision", "FSDPPrecisionPlugin", "FSDPMixedPrecisionPlugin"), ("convert_module",)),
     ("strategies.fsdp", ("FSDPStrategy",), ("setup", "connect", "_setup_model", "setup_module", "setup_environment")),
 )
-SHARED_MODULE = "torch.utils.checkpoint"
+"""Every class attribute a fix could touch, on every class of that family (2.2+ keeps the old names as deprecated
+subclasses: all are read, to show which is touched and which not)."""
 COMPOSABLE_MODULE = "torch.distributed._composable.checkpoint_activation"
 GENERATORS = ("_checkpoint_without_reentrant_generator_impl", "_checkpoint_without_reentrant_generator")
+TORCH_KEYS = (
+    "torch.utils.checkpoint:CheckpointFunction.forward",
+    "torch.utils.checkpoint:generator",
+    f"{COMPOSABLE_MODULE}:generator",
+)
+"""torch's checkpoint entry points (``generator``: the non-reentrant generator the torch in hand calls), one
+wrapper for every namespace that needs the recompute fix."""
+
+# ----------------------------------------------------------------------------- what each release must get
+CAST_2_1_TRAINER = ["FSDPStrategy._setup_model", "FSDPStrategy.connect", "FSDPStrategy.setup"]
+CAST_WRAPS = {
+    "2.1.0": {"trainer": ["FSDPPrecisionPlugin.convert_module", *CAST_2_1_TRAINER]},
+    "2.1.4": {"trainer": ["FSDPPrecision.convert_module", *CAST_2_1_TRAINER]},
+    "2.2.5": {"trainer": ["FSDPPrecision.convert_module", "FSDPStrategy._setup_model"]},
+    "2.3.3": {"trainer": ["FSDPPrecision.convert_module", "FSDPStrategy._setup_model"]},
+    "2.4.0": {"trainer": ["FSDPPrecision.convert_module", "FSDPStrategy._setup_model"]},
+}
+for _release in CAST_WRAPS.values():
+    _release["fabric"] = ["FSDPPrecision.convert_module", "FSDPStrategy.setup_module"]
+STATES = {  # release: (cast, recompute), as status says them
+    "2.0.9": ("not affected", "not affected"),
+    **{release: ("patched", "patched") for release in CAST_WRAPS},
+    "2.5.0": ("built in", "patched"),
+    "2.6.6": ("built in", "patched"),
+}
+"""The matrix's Lightning releases (noxfile.py): the cast on 2.1-2.4, the recompute on 2.1 and later."""
 
 
-def checkpoint_generator() -> str:
-    """The non-reentrant generator the torch in hand calls: the newest of its names that it defines."""
-    checkpoint = importlib.import_module(SHARED_MODULE)
-    return next(name for name in GENERATORS if name in vars(checkpoint))
+def release(version: str) -> str:
+    if version not in STATES:
+        raise AssertionError(f"Lightning {version} is not in the literal table of tests/children/classes.py")
+    return version
 
 
-def shared_targets() -> tuple[tuple[str, str, tuple[str, ...]], ...]:
-    """torch's checkpoint entry points the recompute fix wraps (one wrapper for every namespace), as
-    ``(module, class, attributes)``, keyed ``module:Class.attribute`` or ``module:function``: the non-reentrant
-    generator torch's ``checkpoint`` calls (the newest name it defines) in ``torch.utils.checkpoint`` and in the
-    composable checkpoint's module, which imports it by name; the class's ``backward`` is there to prove it
-    stays untouched."""
-    generator = checkpoint_generator()
-    return (
-        (SHARED_MODULE, "CheckpointFunction", ("forward", "backward")),
-        (SHARED_MODULE, "", (generator,)),
-        (COMPOSABLE_MODULE, "", (generator,)),
-    )
+def expected_wrappers(versions: dict[str, str], without: tuple[str, ...] = ()) -> list[str]:
+    """The snapshot keys the shim wraps in a process that imported these namespaces (``without``: fixes off)."""
+    keys: set[str] = set()
+    for namespace, version in versions.items():
+        if STATES[release(version)][0] == "patched" and "cast" not in without:
+            keys.update(f"{namespace}:{key}" for key in CAST_WRAPS[version][NAMESPACE_KINDS[namespace]])
+        if version != "2.0.9":
+            keys.add(f"{namespace}:FSDPStrategy.setup_environment")  # the rank check, never switched off
+            keys.update(TORCH_KEYS if "recompute" not in without else ())
+    return sorted(keys)
 
 
+# ----------------------------------------------------------------------------- reading the classes
 def import_all() -> list[str]:
-    """Import every Lightning package this environment has, in the table's order."""
+    """Import every Lightning package this environment has."""
     imported = []
     for name in PACKAGES:
-        try:
+        with contextlib.suppress(ImportError):
             importlib.import_module(name)
             imported.append(name)
-        except ImportError:
-            pass
     return imported
 
 
+def versions() -> dict[str, str]:
+    return {name: sys.modules[name].__version__ for name in NAMESPACES if name in sys.modules}
+
+
+def checkpoint_generator() -> str:
+    checkpoint = importlib.import_module("torch.utils.checkpoint")
+    return next(name for name in GENERATORS if name in vars(checkpoint))
+
+
 def snapshot() -> dict[str, Any]:
-    """Every class attribute the shim could touch in the imported namespaces, as the objects themselves
-    (``MISSING`` where the class inherits it), keyed ``namespace:Class.attribute``; once torch is
-    imported, also torch's checkpoint entry points (``shared_targets``), the objects in the class or
-    module dict (a staticmethod is the staticmethod object itself)."""
+    """Every attribute the shim could touch in the imported namespaces and torch, the objects in the class or
+    module dict themselves (``MISSING`` where inherited), keyed ``namespace:Class.attribute``."""
     out = {}
     if "torch" in sys.modules:
-        for module_name, class_name, attributes in shared_targets():
-            module = importlib.import_module(module_name)
-            owner = module.__dict__[class_name] if class_name else module
-            for attribute in attributes:
-                name = ".".join(filter(None, (class_name, attribute)))
-                out[f"{module_name}:{name}"] = owner.__dict__.get(attribute, MISSING)
+        checkpoint, generator = importlib.import_module("torch.utils.checkpoint"), checkpoint_generator()
+        out[TORCH_KEYS[0]] = checkpoint.CheckpointFunction.__dict__["forward"]
+        out[TORCH_KEYS[1]] = checkpoint.__dict__[generator]
+        out[TORCH_KEYS[2]] = importlib.import_module(COMPOSABLE_MODULE).__dict__[generator]
     for namespace in NAMESPACES:
         if namespace not in sys.modules:
             continue
         for module_name, classes, attributes in TARGETS:
-            try:
-                module = importlib.import_module(f"{namespace}.{module_name}")
-            except ImportError:  # 2.0.x has no half-precision module
-                continue
+            module = importlib.import_module(f"{namespace}.{module_name}")
             seen: set[int] = set()  # 2.1.1-2.1.4 keep FSDPPrecisionPlugin as an alias: one class, one entry
             for class_name in classes:
                 cls = module.__dict__.get(class_name)
@@ -103,50 +118,53 @@ def changed(before: dict[str, Any], after: dict[str, Any]) -> list[str]:
     return sorted(key for key in set(before) | set(after) if before.get(key) is not after.get(key))
 
 
-def as_shipped(objects: dict[str, Any]) -> dict[str, bool]:
-    """Per key: is it what Lightning (or torch) ships, i.e. inherited (nothing in the class dict), or a
-    plain function of that namespace or module, or a ``staticmethod`` of one? A wrapt proxy of either
-    is neither."""
+def as_shipped(objects: dict[str, Any]) -> bool:
+    """Whether every object is what Lightning or torch ships: inherited, or a plain function (or staticmethod
+    of one) of that namespace or module; a wrapt proxy is neither."""
 
     def ships(key: str, obj: Any) -> bool:
-        if obj is MISSING:
-            return True
-        if type(obj) is staticmethod:
-            obj = obj.__func__
+        obj = obj.__func__ if type(obj) is staticmethod else obj
         home = key.partition(":")[0]
-        home = "torch" if home.startswith("torch.") else home  # the composable module holds torch.utils.checkpoint's
-        return type(obj) is types.FunctionType and (obj.__module__ == home or obj.__module__.startswith(home + "."))
+        home = "torch" if home.startswith("torch.") else home
+        return obj is MISSING or (type(obj) is types.FunctionType and obj.__module__.startswith(home))
 
-    return {key: ships(key, obj) for key, obj in objects.items()}
+    return all(ships(key, obj) for key, obj in objects.items())
 
 
 def wrappers() -> list[str]:
-    """Keys whose class attribute is itself a wrapper of the shim's."""
+    """Keys whose attribute is itself a wrapper of the shim's."""
     from _fsdp_shim.wrappers import is_shim_wrapper
 
     return sorted(key for key, obj in snapshot().items() if is_shim_wrapper(obj))
 
 
 def layers() -> dict[str, int]:
-    """Per key, how many wrappers of the shim's are stacked there (through ``__wrapped__``)."""
+    """Per key, how many wrappers of the shim's are stacked there."""
     from _fsdp_shim.wrappers import is_shim_wrapper, wrapper_chain
 
-    return {key: sum(is_shim_wrapper(layer) for layer in wrapper_chain(obj)) for key, obj in snapshot().items()}
+    return {key: sum(map(is_shim_wrapper, wrapper_chain(obj))) for key, obj in snapshot().items()}
 
 
 def statuses() -> dict[str, dict[str, Any]]:
-    """``fsdp_shim.status()`` per namespace, as dicts (``fixes`` a list of dicts, in the order of FIXES)."""
+    """``fsdp_shim.status()`` per imported namespace: ``patched``, ``activated_after_import`` and per fix
+    ``[state, detail]``."""
     from _fsdp_shim.activation import status
 
-    return {s.namespace: s.as_dict() for s in status().namespaces}
+    return {
+        s.namespace: {
+            "patched": s.patched,
+            "late": s.activated_after_import,
+            **{f.fix: [f.state.value, f.detail] for f in s.fixes},
+        }
+        for s in status().namespaces
+        if s.imported
+    }
 
 
-def precision_class(namespace: str, kind: str = "fsdp") -> type:
-    """The namespace's FSDP (``kind="fsdp"``) or half (``"half"``) "true"-precision class: the new name
-    where the release has it (2.1.1 on), else 2.1.0's."""
-    name = {"fsdp": "FSDPPrecision", "half": "HalfPrecision"}[kind]
-    module = importlib.import_module(f"{namespace}.plugins.precision.{kind}")
-    return module.__dict__.get(name) or module.__dict__[name + "Plugin"]
+def precision_class(namespace: str) -> type:
+    """The namespace's FSDP "true"-precision class: ``FSDPPrecision``, or 2.1.0's Trainer's old name."""
+    module = importlib.import_module(f"{namespace}.plugins.precision.fsdp")
+    return module.__dict__.get("FSDPPrecision") or module.__dict__["FSDPPrecisionPlugin"]
 
 
 def shim_warnings(caught: list[Any]) -> list[str]:
@@ -160,17 +178,10 @@ def converted_dtype(plugin_class: type, precision: str = "bf16-true") -> str:
     return str(plugin_class(precision=precision).convert_module(torch.nn.Linear(2, 2)).weight.dtype)
 
 
-def recompute_dtype(
-    reentrant: bool, forward_dtype: str = "torch.bfloat16", backward_dtype: str = "torch.float32"
-) -> str:
-    """The default dtype a checkpointed block sees in its recompute, when its forward runs with the
-    default dtype ``forward_dtype`` (what Lightning's "true" precisions set around the forward) and
-    the backward with ``backward_dtype`` (what they leave outside it): the forward's with the recompute
-    fix, the backward's without it. ``reentrant`` picks ``CheckpointFunction`` or the generator.
-
-    The block records the dtype as its FIRST statement: a non-reentrant recompute stops as soon as it
-    has recomputed every tensor the backward needs (``torch.sin`` saves its input), so a record after
-    that would never be made."""
+def recompute_dtype(reentrant: bool, forward: str = "torch.bfloat16", backward: str = "torch.float32") -> str:
+    """The default dtype a checkpointed block sees in its recompute, its forward run in ``forward`` and the
+    backward in ``backward``: the forward's with the recompute fix, the backward's without it. The block records
+    it first: a non-reentrant recompute stops once it recomputed what the backward needs."""
     import torch
     from torch.utils.checkpoint import checkpoint
 
@@ -180,32 +191,26 @@ def recompute_dtype(
         seen.append(torch.get_default_dtype())
         return torch.sin(x)
 
-    x = torch.ones(2, dtype=torch.float32, requires_grad=True)
-    with default_dtype(forward_dtype):
+    x = torch.ones(2, requires_grad=True)
+    with default_dtype(forward):
         out = checkpoint(block, x, use_reentrant=reentrant)
-    with default_dtype(backward_dtype):
+    with default_dtype(backward):
         out.sum().backward()
-    forward, recompute = seen  # one forward, one recompute
-    assert str(forward) == forward_dtype, (forward, forward_dtype)
-    return str(recompute)
+    assert str(seen[0]) == forward, seen
+    return str(seen[1])
 
 
-def recompute_dtypes(forward_dtype: str = "torch.bfloat16", backward_dtype: str = "torch.float32") -> dict[str, str]:
-    """``recompute_dtype`` for both kinds of checkpoint: ``{"reentrant": ..., "non_reentrant": ...}``."""
-    return {
-        "reentrant": recompute_dtype(True, forward_dtype, backward_dtype),
-        "non_reentrant": recompute_dtype(False, forward_dtype, backward_dtype),
-    }
+def recompute_dtypes(forward: str = "torch.bfloat16", backward: str = "torch.float32") -> list[str]:
+    """``recompute_dtype`` of the reentrant and the non-reentrant checkpoint."""
+    return [recompute_dtype(True, forward, backward), recompute_dtype(False, forward, backward)]
 
 
 @contextlib.contextmanager
 def default_dtype(name: str) -> Iterator[None]:
-    """The default dtype ``name`` (``"torch.bfloat16"``) inside, as Lightning's ``_DtypeContextManager``
-    sets it; nothing is called where it is the default dtype already."""
+    """The default dtype ``name`` inside, as Lightning's ``_DtypeContextManager`` sets it."""
     import torch
 
-    dtype = getattr(torch, name.removeprefix("torch."))
-    previous = torch.get_default_dtype()
+    dtype, previous = getattr(torch, name.removeprefix("torch.")), torch.get_default_dtype()
     if dtype == previous:
         yield
         return
