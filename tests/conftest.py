@@ -570,9 +570,8 @@ def make_venv(root: Path, paths: list[str] | None = None) -> Venv:
 
 @pytest.fixture(scope="session")
 def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A wheel of this checkout, built from a copy of its files (a build writes _fsdp_shim/_version.py where it
-    runs), with the version the checkout's own build wrote: the copy has no git history to read it from. In an
-    unpacked sdist (the sdist session), from a copy of the whole folder, as a packager builds it."""
+    """A wheel of this checkout, built from a copy of its files (a build writes where it runs); in an unpacked sdist
+    (the sdist session), from a copy of the whole folder, as a packager builds it."""
     work = tmp_path_factory.mktemp("wheel")
     source = work / "source"
     if (ROOT / "PKG-INFO").is_file():
@@ -586,15 +585,12 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
                 target = source / os.fsdecode(name)
                 target.parent.mkdir(parents=True, exist_ok=True)
                 target.write_bytes(path.read_bytes())
-    from _fsdp_shim._version import __version__
-
-    env = {**os.environ, "SETUPTOOLS_SCM_PRETEND_VERSION": __version__}
     uv = shutil.which("uv", path=os.path.dirname(sys.executable)) or shutil.which("uv")
     build = [uv, "build", "-q", "--wheel", "--python", sys.executable, "--out-dir", str(work), str(source)]
     if uv is None:  # pip builds it too, in an isolated environment of its own (the build backend from the index)
         build = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", "wheel", "--no-deps", "-w"]
         build += [str(work), str(source)]
-    subprocess.run(build, check=True, env=env)
+    subprocess.run(build, check=True)
     return next(work.glob("fsdp_shim-*.whl"))
 
 

@@ -104,36 +104,41 @@ def test_the_package_uses_no_relative_imports() -> None:
     assert relative == []
 
 
-# ----------------------------------------------------------------------------- the version, from git
-def test_a_tagged_commit_builds_its_version_and_the_next_commit_a_development_version(tmp_path: Path) -> None:
-    """hatch-vcs: a clone whose commit is tagged ``v7.7.7`` builds 7.7.7 (the wheel's name and the
-    ``_fsdp_shim._version`` that ``--version``, status and the confirmation line read); one commit later it
-    builds a development version of the next release, which says so (``7.7.8.dev1+g<commit>``)."""
+# ----------------------------------------------------------------------------- the version, from the source
+def test_every_way_the_source_arrives_builds_one_version_above_0_2_0(tmp_path: Path) -> None:
+    """A clone without tags, a depth-1 clone and a `git archive` tree build the same version, the one the source
+    says, above the never-uploaded 0.2.0; a source tree used without a build imports and says it too."""
     import re
     import shutil
+    import tarfile
     import zipfile
+
+    from packaging.version import Version
 
     uv = shutil.which("uv", path=os.path.dirname(sys.executable)) or shutil.which("uv")
     if uv is None or not (ROOT / ".git").exists():
         pytest.skip("needs uv and this checkout's git history (an unpacked sdist has none)")
+    said = re.search(r'__version__ = "([^"]+)"', (ROOT / "_fsdp_shim" / "_version.py").read_text()).group(1)
     head = run_command(["git", "rev-parse", "HEAD"], check=True).stdout.strip()
-    clone = tmp_path / "clone"
-    run_command(["git", "clone", "-q", "--no-checkout", str(ROOT), str(clone)], check=True)
-    git = ["git", "-C", str(clone), "-c", "user.name=test", "-c", "user.email=test@example.invalid"]
-    run_command([*git, "checkout", "-q", head], check=True)
-    run_command([*git, "tag", "v7.7.7"], check=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SETUPTOOLS_SCM_PRETEND_VERSION")}
-
-    def built_version(out: Path) -> tuple[str, str]:
-        run_command([uv, "build", "-q", "--wheel", "--out-dir", str(out), str(clone)], env=env, check=True)
+    trees = {"clone": tmp_path / "clone", "shallow": tmp_path / "shallow", "archive": tmp_path / "archive"}
+    run_command(["git", "clone", "-q", "--no-tags", str(ROOT), str(trees["clone"])], check=True)
+    run_command(["git", "clone", "-q", "--depth", "1", f"file://{ROOT}", str(trees["shallow"])], check=True)
+    archive = tmp_path / "source.tar"
+    run_command(["git", "archive", "--format=tar", "-o", str(archive), head], check=True)
+    with tarfile.open(archive) as tar:
+        tar.extractall(trees["archive"], filter="data")
+    built = {}
+    for name, tree in trees.items():
+        out = tmp_path / f"wheel-{name}"
+        run_command([uv, "build", "-q", "--wheel", "--out-dir", str(out), str(tree)], check=True)
         (wheel,) = out.glob("fsdp_shim-*.whl")
-        with zipfile.ZipFile(wheel) as archive:
-            module = archive.read("_fsdp_shim/_version.py").decode()
-        return wheel.name.split("-")[1], re.search(r'__version__ = "([^"]+)"', module).group(1)
-
-    assert built_version(tmp_path / "tagged") == ("7.7.7", "7.7.7")
-    run_command([*git, "commit", "-q", "--allow-empty", "-m", "one commit after the tag"], check=True)
-    commit = run_command([*git, "rev-parse", "HEAD"], check=True).stdout.strip()
-    name, module = built_version(tmp_path / "next")
-    assert name == module and module.startswith("7.7.8.dev1+g"), (name, module)
-    assert commit.startswith(module.split("+g", 1)[1]), (module, commit)  # the commit it was built from
+        with zipfile.ZipFile(wheel) as files:
+            module = re.search(r'__version__ = "([^"]+)"', files.read("_fsdp_shim/_version.py").decode()).group(1)
+        built[name] = (wheel.name.split("-")[1], module)
+    assert set(built.values()) == {(said, said)}, built
+    assert Version(said) > Version("0.2.0")
+    env = {**os.environ, "PYTHONPATH": str(trees["archive"]), "FSDP_SHIM": "0"}
+    command = [sys.executable, "-c", "import fsdp_shim; print(fsdp_shim.__version__)"]
+    assert run_command(command, env=env, cwd=tmp_path, check=True).stdout.strip() == said
+    version = run_command([sys.executable, "-m", "fsdp_shim", "--version"], env=env, cwd=tmp_path, check=True)
+    assert version.stdout.strip() == f"fsdp-shim {said}"
