@@ -5,15 +5,13 @@
    having the package installed. The figure is the median of the per-pair ratios of interleaved
    runs (robust to drift in machine load).
 2. The same environment with ``FSDP_SHIM=1`` vs unset: what arming at start-up costs.
-3. ``fsdp-shim install``'s start-up file vs no fsdp-shim, and vs the same environment without it (its
-   own share, on top of row 1).
-4. ``python -c "import fsdp_shim"`` and ``python -c "import wrapt"`` against ``python -c pass``, the
+3. ``python -c "import fsdp_shim"`` and ``python -c "import wrapt"`` against ``python -c pass``, the
    same way, in the environment with fsdp-shim installed.
-5. The floors: a fresh environment whose only addition is a ``.pth`` file holding ``import os``, which is
+4. The floors: a fresh environment whose only addition is a ``.pth`` file holding ``import os``, which is
    what any start-up file that runs code costs before its code does anything (the floor of row 1); and
    one whose ``.pth`` imports an empty module from site-packages, what any start-up file that imports a
-   module pays before that module runs (the floor of row 3's own share).
-6. The anchor for row 1: setuptools' ``distutils-precedence.pth`` (its exact text) made dormant with
+   module pays before that module runs (the floor of row 2).
+5. The anchor for row 1: setuptools' ``distutils-precedence.pth`` (its exact text) made dormant with
    ``SETUPTOOLS_USE_DISTUTILS=stdlib``, the same kind of line (read a variable, arm nothing), against none.
 
 Both environments get the shim the way users do, from a wheel installed into site-packages (pip
@@ -107,8 +105,6 @@ def main() -> None:
         wheel = build_wheel(Path(tmp) / "wheel")
         bare = make_venv(Path(tmp) / "bare", None)
         plain = make_venv(Path(tmp) / "plain", wheel)
-        with_file = make_venv(Path(tmp) / "with-startup-file", wheel)
-        subprocess.run([with_file, "-m", "fsdp_shim", "install"], check=True, stdout=subprocess.DEVNULL, env=UNSET)
         floor = make_venv(Path(tmp) / "floor", None)
         floor_site = subprocess.check_output(
             [floor, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], text=True
@@ -129,12 +125,6 @@ def main() -> None:
         results = {
             "pass: installed, FSDP_SHIM unset / none": paired([bare, "-c", "pass"], [plain, "-c", "pass"], args.pairs),
             "pass: FSDP_SHIM=1 / unset": paired([plain, "-c", "pass"], [plain, "-c", "pass"], args.pairs, SET),
-            "pass: `fsdp-shim install` file / none": paired(
-                [bare, "-c", "pass"], [with_file, "-c", "pass"], args.pairs
-            ),
-            "pass: `fsdp-shim install` file / installed": paired(
-                [plain, "-c", "pass"], [with_file, "-c", "pass"], args.pairs
-            ),
             "import fsdp_shim / python -c pass": paired(
                 [plain, "-c", "pass"], [plain, "-c", "import fsdp_shim"], args.pairs
             ),
