@@ -39,11 +39,6 @@ class Fix:
         release = base_release(version)
         return release is not None and self.fixed_in is not None and release >= _release(self.fixed_in)
 
-    def releases(self) -> str:
-        if self.fixed_in is None:
-            return f"{self.since} and later (no release has it yet)"
-        return f"{self.since} up to {self.fixed_in} (exclusive)"
-
 
 CAST = Fix(
     name="cast",
@@ -109,14 +104,6 @@ def base_release(version: str) -> tuple[int, int, int] | None:
 
 def valid_switch_values() -> str:
     return ", ".join((*ON_VALUES, *OFF_VALUES))
-
-
-def shim_state(environ: Mapping[str, str] = os.environ) -> str:
-    return switch_state(environ.get(SHIM_VARIABLE))
-
-
-def strict_state(environ: Mapping[str, str] = os.environ) -> str:
-    return switch_state(environ.get(STRICT_VARIABLE))
 
 
 def disabled_fixes(environ: Mapping[str, str] = os.environ) -> tuple[frozenset[str], list[str]]:

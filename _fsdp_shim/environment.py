@@ -26,12 +26,12 @@ from _fsdp_shim.config import (
     SHIM_VARIABLE,
     STRICT_VARIABLE,
     VARIABLES,
+    Fix,
     State,
     disabled_fixes,
     log_setting,
     rank_check_timeout,
-    shim_state,
-    strict_state,
+    switch_state,
     valid_switch_values,
 )
 from _fsdp_shim.distributions import describe_import_failure, distribution_of, installed_packages
@@ -52,9 +52,13 @@ class NoTemporaryFolder(Exception):
     """``--python-check`` needs a temporary folder for its child's report, and has none."""
 
 
+def _shim() -> str:
+    return switch_state(os.environ.get(SHIM_VARIABLE))
+
+
 def _switched_off() -> str | None:
     """``FSDP_SHIM='0'`` (as written) where the variable switches the shim off."""
-    return f"{SHIM_VARIABLE}={os.environ.get(SHIM_VARIABLE)!r}" if shim_state() in ("off", "invalid") else None
+    return f"{SHIM_VARIABLE}={os.environ.get(SHIM_VARIABLE)!r}" if _shim() in ("off", "invalid") else None
 
 
 def _installed_lightning() -> list[dict[str, Any]]:
@@ -79,6 +83,12 @@ def _installed_lightning() -> list[dict[str, Any]]:
         namespaces = [name for name in NAMESPACES if name.partition(".")[0] == package]
         rows += [{"namespace": namespace, **facts, "fixes": verdicts} for namespace in namespaces]
     return sorted(rows, key=lambda row: row["namespace"])
+
+
+def _releases(fix: Fix) -> str:
+    if fix.fixed_in is None:
+        return f"{fix.since} and later (no release has it yet)"
+    return f"{fix.since} up to {fix.fixed_in} (exclusive)"
 
 
 def _joined(names: list[str]) -> str:
@@ -137,8 +147,8 @@ def _recompute_needed() -> dict[str, Any]:
 def _problems_of_the_variables() -> list[str]:
     problems = []
     for name, state, meaning in (
-        (SHIM_VARIABLE, shim_state(), "the shim is OFF"),
-        (STRICT_VARIABLE, strict_state(), "strict mode is ON"),
+        (SHIM_VARIABLE, _shim(), "the shim is OFF"),
+        (STRICT_VARIABLE, switch_state(os.environ.get(STRICT_VARIABLE)), "strict mode is ON"),
     ):
         if state == "invalid":
             problems.append(
@@ -221,11 +231,7 @@ def collect(python_check: bool = False) -> Report:
     """What ``status --json`` prints, in this key order; ``render`` writes it as text."""
     skipped = disabled_fixes()[0]
     environment_file, bootstraps = _environment_file(), bootstrap_on_pythonpath(os.environ)
-    by = (
-        [f"{SHIM_VARIABLE}={os.environ.get(SHIM_VARIABLE)!r}"]
-        if environment_file["read"] and shim_state() == "on"
-        else []
-    )
+    by = [f"{SHIM_VARIABLE}={os.environ.get(SHIM_VARIABLE)!r}"] if environment_file["read"] and _shim() == "on" else []
     by += ["fsdp-shim run"] if bootstraps else []
     lightning = _installed_lightning()
     report: Report = {
@@ -235,7 +241,7 @@ def collect(python_check: bool = False) -> Report:
         "environment_file": environment_file,
         "bootstrap_on_pythonpath": bootstraps,
         "fixes": [
-            {"name": fix.name, "releases": fix.releases(), "changes": fix.changes, "switched_off": fix.name in skipped}
+            {"name": fix.name, "releases": _releases(fix), "changes": fix.changes, "switched_off": fix.name in skipped}
             for fix in FIXES
         ],
         "lightning": lightning,
@@ -245,7 +251,7 @@ def collect(python_check: bool = False) -> Report:
         "child": None,
         "problems": _problems_of_the_variables(),
     }
-    if not environment_file["read"] and shim_state() == "on" and not bootstraps:
+    if not environment_file["read"] and _shim() == "on" and not bootstraps:
         report["problems"].append(
             f"{SHIM_VARIABLE}={os.environ.get(SHIM_VARIABLE)!r} arms nothing in this interpreter: no folder it reads "
             f"start-up files from holds {ENVIRONMENT_FILE} ({_why_not_read()}). Install fsdp-shim into this "
@@ -275,7 +281,7 @@ def _armed_lines(report: Report) -> list[str]:
         return lines + (["  Without it, this would arm the shim:", *table(sources)] if sources else [])
     if armed["state"] == "armed":
         return ["Shim: ARMED in every Python started from here, by:", *table(sources)]
-    if report["nothing_to_patch"] and shim_state() != "on":
+    if report["nothing_to_patch"] and _shim() != "on":
         return ["Shim: NOT ARMED, and there is nothing to arm it for: no torch, no Lightning here (see below)."]
     ways = [(f"{SHIM_VARIABLE}=1 python train.py", "one command and every process it starts")] if env["read"] else []
     ways += [
@@ -283,9 +289,7 @@ def _armed_lines(report: Report) -> list[str]:
         ("import fsdp_shim", "in the training script: that script only (status cannot see it)"),
     ]
     value = os.environ.get(SHIM_VARIABLE)
-    nothing = (
-        f"{SHIM_VARIABLE}={value!r} arms nothing here (see PROBLEM)" if shim_state() == "on" else "nothing arms it"
-    )
+    nothing = f"{SHIM_VARIABLE}={value!r} arms nothing here (see PROBLEM)" if _shim() == "on" else "nothing arms it"
     return [f"Shim: NOT ARMED in a Python started from here: {nothing}. Any one of these arms it:", *table(ways)]
 
 

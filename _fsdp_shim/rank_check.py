@@ -17,7 +17,7 @@ from datetime import timedelta
 from typing import Any
 
 from _fsdp_shim import log, wrappers
-from _fsdp_shim.config import DOCS, FIXES, RANK_CHECK_TIMEOUT_VARIABLE, SHIM_VARIABLE, State, rank_check_timeout
+from _fsdp_shim.config import FIXES, SHIM_VARIABLE, State, rank_check_timeout
 
 DEFAULT_TIMEOUT_SECONDS = 1800.0  # where the group's own timeout cannot be read (torch's default)
 GRACE_SECONDS = 30.0
@@ -61,10 +61,12 @@ def confirm_every_rank(namespace: str, dtype: Any, joined_here: bool = False) ->
     missing = [r for r in range(world_size) if r not in reports]
     if missing or len({behaviour(report) for report in reports.values()}) > 1:
         waited = grace if early and grace is not None else limit
-        text = missing_message(missing, reports, world_size, waited, early) if missing else ""
+        from _fsdp_shim import rank_check_messages as messages
         from _fsdp_shim.failures import FSDPShimError
 
-        problem = FSDPShimError(text or disagreement_message(reports, world_size))
+        reports = {r: {**report, "summary": summary(report)} for r, report in reports.items()}
+        text = messages.missing(missing, reports, world_size, waited, early) if missing else ""
+        problem = FSDPShimError(text or messages.disagreement(reports, world_size))
         with _lock:
             _failed.append((group, problem))
         raise problem
@@ -190,45 +192,6 @@ def summary(report: dict[str, Any]) -> str:
         elif entry["by"] != "off":
             named.append(f"{fix} ({entry['by']}'s own)")
     return f"{str(report.get('dtype')).replace('torch.', '')}; fixes: {', '.join(named) or 'none'}"
-
-
-def _ranks(ranks: list[int]) -> str:
-    return f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(str(r) for r in ranks)}"
-
-
-def missing_message(
-    missing: list[int], reports: dict[int, dict[str, Any]], world_size: int, waited: float, joined: bool
-) -> str:
-    joined_but = "joined the process group but " if joined else ""
-    busy = f"{waited:g} s after joining it" if joined else f"after {waited:g} s"
-    return (
-        f"fsdp-shim: {_ranks(missing)} of {world_size} {joined_but}did not report within {waited:g} s which fixes "
-        f"it runs, so this job may be half-patched ({described(reports)}). Stopping before any model is wrapped. "
-        f"On the ranks that did not report, fsdp-shim may not be active ({SHIM_VARIABLE}=0 in their environment; a "
-        "node whose Python environment lacks fsdp-shim or its start-up file; a launcher that dropped PYTHONPATH or "
-        f"{SHIM_VARIABLE}: srun/sbatch --export=..., env -i, sudo, a job script that sets PYTHONPATH), they may run "
-        f"another precision or strategy, or they were still busy {busy} ({RANK_CHECK_TIMEOUT_VARIABLE} sets the "
-        f"wait). Activate it on every rank ({SHIM_VARIABLE}=1 with fsdp-shim installed in every node's environment, "
-        f"see {DOCS}cluster.html)."
-    )
-
-
-def disagreement_message(reports: dict[int, dict[str, Any]], world_size: int) -> str:
-    return (
-        f"fsdp-shim: the {world_size} ranks of this job run different fixes or dtypes ({described(reports)}), so "
-        "their shards, gradients and optimizer state would not match. Stopping before any model is wrapped. Use one "
-        "Lightning release, one fsdp-shim release, one precision and one FSDP_SHIM_DISABLED_FIXES on every node."
-    )
-
-
-def described(reports: dict[int, dict[str, Any]]) -> str:
-    """Alike ranks together: ``ranks 0, 1 on n1: bfloat16; fixes: cast (lightning.pytorch 2.4.0, fsdp-shim 0.3.0)``."""
-    groups: dict[str, list[int]] = {}
-    for r, report in sorted(reports.items()):
-        releases = f"{report.get('namespace')} {report.get('lightning')}, fsdp-shim {report.get('fsdp_shim')}"
-        groups.setdefault(f"{summary(report)} ({releases})", []).append(r)
-    hosts = {label: ", ".join(sorted({str(reports[r].get("host")) for r in ranks})) for label, ranks in groups.items()}
-    return "; ".join(f"{_ranks(ranks)} on {hosts[label]}: {label}" for label, ranks in groups.items())
 
 
 def _could_not_check(error: BaseException) -> None:
