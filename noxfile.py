@@ -477,7 +477,7 @@ def interrupt(signum: int, frame: object) -> None:
 @timed
 def cluster(session: nox.Session) -> None:
     """A real SLURM (two slurmd "nodes" on 127.0.0.1) and two torchrun nodes on loopback, running real
-    FSDP in every activation mode (tests/test_cluster.py). Installs Debian's slurm and munge with
+    FSDP in every activation mode (tests/test_launchers.py). Installs Debian's slurm and munge with
     apt-get if missing (about 30-60 s; needs root), starts its own daemons in a temporary folder and
     stops exactly those afterwards, also when the tests fail."""
     import shutil
@@ -523,7 +523,7 @@ def cluster(session: nox.Session) -> None:
             f"--junitxml={RESULTS_DIR / 'cluster.xml'}",
             "-m",
             "launchers",  # the rank-check tests in that file ran in the default session
-            str(ROOT / "tests" / "test_cluster.py"),
+            str(ROOT / "tests" / "test_launchers.py"),
             *session.posargs,
             env=env,
             external=True,

@@ -10,7 +10,7 @@ Everything lives in ``STATE_DIR``: its own munge key and socket (so a munged or 
 already runs is neither used nor disturbed), ``slurm.conf``, spools, logs and pid files. Both nodes
 are on 127.0.0.1, each with its own port, spool and pid file (``%n`` in the paths), so
 ``srun -N 2`` really spans two slurmd. The settings are the ones measured to work without cgroups
-or accounting (docs/research: cluster-launchers.md). ``start`` records each daemon's pid in
+or accounting. ``start`` records each daemon's pid in
 ``pids.json`` as it comes up; ``stop`` signals only those pids, and only while ``/proc`` still shows
 the same daemon with this state directory on its command line (a pid can be reused).
 """

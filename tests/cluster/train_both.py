@@ -11,7 +11,7 @@ if it fails, and writes ``<out>.rank<N>.json``: its rank, node, the Trainer's an
 and what the shim did to the classes (read from the classes; empty where the shim was never
 activated: every activation mode activates it, only one imports ``fsdp_shim``). ``--shim before``
 imports fsdp_shim before Lightning (the ``import fsdp_shim`` mode); ``off`` never imports it, so any
-shim seen comes from the launcher, the start-up file or ``FSDP_SHIM``.
+shim seen comes from ``fsdp-shim run`` or ``FSDP_SHIM``.
 """
 
 from __future__ import annotations

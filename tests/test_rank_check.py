@@ -1,0 +1,380 @@
+"""The rank check: every rank of a distributed job runs the same fixes and dtype, or the job stops naming the ranks.
+
+Real FSDP through Lightning's Trainer and Fabric (gloo, CPU), each rank a process of its own started by torchrun, as
+on a cluster; ``tests/scenarios/fsdp_train.py``'s per-rank options set a rank apart the way a node is. torchrun's
+``--tee 3`` prefixes every line with its local rank (``[default1]:``), so each assertion reads the rank it is about.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import (
+    BYTE_KEYS,
+    DTYPES,
+    ROOT,
+    SCENARIO,
+    Layout,
+    affected_layout,
+    clean_env,
+    is_fixed_release,
+    run_on_a_free_port,
+    scenario_results,
+    torchrun,
+)
+
+from _fsdp_shim import rank_check_messages as messages
+from _fsdp_shim._version import __version__ as SHIM_VERSION
+from _fsdp_shim.config import rank_check_timeout
+
+CASE = "init+pretrained:bf16-true"
+"""A layer built in ``__init__`` and an fp32 ``from_pretrained``-style one: float32 on 2.4.0 without the cast."""
+BF16 = DTYPES["bf16-true"]
+GRACE = 30
+"""The documented wait after every rank joined the process group, when ``FSDP_SHIM_RANK_CHECK_TIMEOUT`` is unset."""
+HOST = socket.gethostname()
+DOCS = "https://fsdp-shim.github.io/fsdp-shim/cluster.html"
+
+
+# ----------------------------------------------------------------------------- torchrun jobs
+def torchrun_job(
+    tmp_path: Path,
+    ranks: int,
+    layout: Layout,
+    *extra: str,
+    api: str = "trainer",
+    env: dict[str, str] | None = None,
+    options: tuple[str, ...] = (),
+    expect_ok: bool = True,
+    late: tuple[int, float] | None = None,
+) -> tuple[subprocess.CompletedProcess[str], Path]:
+    """``tests/scenarios/fsdp_train.py`` on ``ranks`` ranks of one torchrun node, fsdp_shim imported first on each
+    (``FSDP_SHIM=0`` still switches a rank off), only the shim's warnings shown, each every time it is issued.
+    ``options`` go to torchrun; ``late``: (rank, seconds) that rank's interpreter starts so much later."""
+    out = tmp_path / "job"
+    arguments = ["--api", api, "--package", layout.package, "--shim", "before", "--devices", str(ranks)]
+    program = [str(SCENARIO), *arguments, "--cases", CASE, "--out", str(out), *extra]
+    if late is not None:
+        wait = f'[ "$RANK" = {late[0]} ] && sleep {late[1]:g}; exec "$@"'
+        program = ["--no-python", "bash", "-c", wait, "bash", sys.executable, *program]
+
+    def attempt(retry: bool) -> tuple[list[str], dict[str, str]]:
+        command = [*torchrun(ranks), "--tee", "3", *options, *program]
+        return command, clean_env(PYTHONWARNINGS="ignore,always:fsdp-shim", **(env or {}))
+
+    proc, command = run_on_a_free_port(attempt, timeout=300)
+    assert expect_ok == (proc.returncode == 0), f"exit {proc.returncode}: {command}\n{proc.stderr[-8000:]}"
+    return proc, out
+
+
+def by_rank(proc: subprocess.CompletedProcess[str]) -> dict[int, str]:
+    """What each local rank printed (``--tee 3``'s ``[defaultR]:`` prefixes)."""
+    lines: dict[int, list[str]] = {}
+    for found in re.finditer(r"^\[default(\d+)\]:(.*)$", proc.stdout + proc.stderr, re.M):
+        lines.setdefault(int(found[1]), []).append(found[2])
+    return {rank: "\n".join(text) for rank, text in lines.items()}
+
+
+def shim_errors(text: str) -> list[str]:
+    """The ``FSDPShimError`` messages in one rank's output, each once (torch repeats an uncaught error's last line)."""
+    return list(dict.fromkeys(re.findall(r"FSDPShimError: (fsdp-shim: .*)", text)))
+
+
+def shim_warnings(text: str) -> list[str]:
+    return re.findall(r"FSDPShimWarning: (fsdp-shim: .*)", text)
+
+
+def confirmations(proc: subprocess.CompletedProcess[str]) -> list[str]:
+    """Every "patched on all" line of the job, with the rank that printed it."""
+    return re.findall(r"^\[default\d+\]:fsdp-shim: patched on all .*$", proc.stdout + proc.stderr, re.M)
+
+
+def seconds_waited(line: str) -> float:
+    return float(line.rpartition(" in ")[2].removesuffix(" s"))
+
+
+def assert_bf16(out: Path, ranks: int) -> None:
+    results = scenario_results(out, ranks)
+    assert [results[rank][CASE]["flat_param_dtypes"] for rank in range(ranks)] == [[BF16]] * ranks, results
+
+
+def assert_nobody_trained(out: Path, ranks: int) -> None:
+    """A stopped job wrote no result: the scenario writes it after training."""
+    assert not [rank for rank in range(ranks) if Path(f"{out}.rank{rank}.json").exists()]
+
+
+def fixed_layout(layouts: dict[str, Layout]) -> Layout:
+    """An installed layout whose Trainer has the cast built in (the standalone 2.6.6 of the default session)."""
+    for layout in layouts.values():
+        if is_fixed_release(layout.trainer_version):
+            return layout
+    pytest.skip("needs an installed Lightning release with the cast built in")
+
+
+def fixed_matrix_folder() -> tuple[Path, str]:
+    """A ``.matrix`` folder with a unified ``lightning`` that has the cast built in, and its release: what another
+    node's ``PYTHONPATH`` gives it (the nox sessions install these folders)."""
+    for info in sorted((ROOT / ".matrix").glob("*/lightning-*.dist-info")):
+        version = info.name.removeprefix("lightning-").removesuffix(".dist-info")
+        if is_fixed_release(version) and (info.parent / "lightning" / "pytorch").is_dir():
+            return info.parent, version
+    pytest.skip("needs a .matrix folder with a fixed unified lightning (nox -s tests-lightning-2.6.6 makes one)")
+
+
+# ----------------------------------------------------------------------------- ranks that agree
+def test_trainer_ranks_agree_once_per_process_group_waiting_for_a_late_rank(tmp_path, layouts):
+    """Trainer, 2 ranks, on a Lightning with the cast built in (the shim leaves its ``convert_module`` alone), default
+    settings, lazy gloo (as NCCL: rank 0 joins the group at once); rank 1's interpreter starts the grace + 10 s late,
+    and the wait's grace starts only once every rank joined. Fit, validate, test and predict run in the same process
+    group, a Trainer each: rank zero's one line says the check ran once, and waited past the grace."""
+    layout = fixed_layout(layouts)
+    extra = ("--stages", "fit,validate,test,predict")
+    proc, out = torchrun_job(tmp_path, 2, layout, *extra, env={"TORCH_GLOO_LAZY_INIT": "1"}, late=(1, GRACE + 10))
+    assert_bf16(out, 2)
+    results = scenario_results(out, 2)
+    for rank in range(2):
+        assert results[rank][CASE]["stages"] == ["fit", "validate", "test", "predict"]
+        assert results[rank]["_shim"]["trainer_convert_module"] is False, results[rank]["_shim"]
+    (line,) = confirmations(proc)
+    expected = "[default0]:fsdp-shim: patched on all 2 ranks (bfloat16; fixes: cast (Lightning's own), recompute)"
+    assert line.startswith(f"{expected}, confirmed in "), line
+    assert GRACE < seconds_waited(line) < 120, line
+    assert not shim_warnings(proc.stdout + proc.stderr)
+
+
+def test_fabric_ranks_agree_with_an_extra_model_and_unbounded_waits(tmp_path, layouts):
+    """Fabric, 3 ranks; rank 0 sets up one more model than the others (it converts twice, they once), and waits with
+    ``FSDP_SHIM_RANK_CHECK_TIMEOUT=1e20``, rank 1 with ``inf``: both mean as long as it takes, so both wait for rank 2,
+    which joins 6 s late, silently. The job trains, and rank zero says so once."""
+    layout = affected_layout(layouts)
+    extra = ("--delay-rank", "2:6", "--extra-model-on-rank", "0")
+    timeouts = (
+        "--env-on-rank",
+        "0:FSDP_SHIM_RANK_CHECK_TIMEOUT=1e20",
+        "--env-on-rank",
+        "1:FSDP_SHIM_RANK_CHECK_TIMEOUT=inf",
+    )
+    proc, out = torchrun_job(tmp_path, 3, layout, *extra, *timeouts, api="fabric")
+    assert_bf16(out, 3)
+    (line,) = confirmations(proc)
+    assert line.startswith("[default0]:fsdp-shim: patched on all 3 ranks (bfloat16; fixes: cast, recompute), "), line
+    assert 4 <= seconds_waited(line) < 60, line
+    assert not shim_warnings(proc.stdout + proc.stderr)
+
+
+def test_timeout_zero_switches_the_check_off(tmp_path, layouts):
+    """With ``FSDP_SHIM_RANK_CHECK_TIMEOUT=0``, a half-patched job trains as it would without the check: rank 1 in
+    float32 with twice rank 0's bytes, exit 0, nothing said."""
+    layout = affected_layout(layouts)
+    env = {"FSDP_SHIM_RANK_CHECK_TIMEOUT": "0"}
+    proc, out = torchrun_job(tmp_path, 2, layout, "--shim-off-rank", "1", env=env)
+    on, off = (scenario_results(out, 2)[rank][CASE] for rank in range(2))
+    assert (on["flat_param_dtypes"], off["flat_param_dtypes"]) == ([BF16], [DTYPES["32-true"]])
+    assert all(off[key] == 2 * on[key] for key in BYTE_KEYS), (on, off)
+    assert not confirmations(proc) and not shim_errors(proc.stdout + proc.stderr)
+
+
+# ----------------------------------------------------------------------------- ranks that do not
+def test_a_rank_without_the_shim_stops_the_job_within_a_minute_by_default(tmp_path, layouts):
+    """Trainer, 2 ranks, on a Lightning with the cast built in, rank 1 with ``FSDP_SHIM=0``, every setting default (the
+    group's 1,800 s timeout), not strict: rank 0 stops in the strategy's ``setup_environment`` 30 s after every rank
+    joined the group, naming rank 1 without a dtype it never sent and saying what rank 0 runs. Nobody trains."""
+    layout = fixed_layout(layouts)
+    started = time.monotonic()
+    proc, out = torchrun_job(
+        tmp_path, 2, layout, "--shim-off-rank", "1", env={"FSDP_SHIM_STRICT": "0"}, expect_ok=False
+    )
+    wall = time.monotonic() - started
+    output = by_rank(proc)
+    (message,) = shim_errors(output[0])
+    assert message.startswith(
+        f"fsdp-shim: rank 1 of 2 joined the process group but did not report within {GRACE} s which fixes it runs, so "
+        f"this job may be half-patched (rank 0 on {HOST}: bfloat16; fixes: cast (Lightning's own), recompute "
+        f"(pytorch_lightning {layout.trainer_version}, fsdp-shim {SHIM_VERSION})). Stopping before any model"
+    ), message
+    assert "FSDP_SHIM=0 in their environment" in message and DOCS in message, message
+    assert "float32" not in message, message
+    assert "in confirm_every_rank_after_setup" in output[0]
+    assert not shim_errors(output.get(1, "")), "rank 1 has no shim to raise"
+    assert_nobody_trained(out, 2)
+    print(f"half-patched job stopped after {wall:.0f} s")
+    assert GRACE < wall < 90, wall
+
+
+def test_without_the_variable_the_wait_is_the_process_groups_timeout(tmp_path, layouts):
+    """Fabric, 3 ranks, strict mode, ``FSDPStrategy(timeout=10 s)``; ``FSDP_SHIM_RANK_CHECK_TIMEOUT`` unset on rank 0,
+    ``abc`` on rank 1, and rank 2 with ``FSDP_SHIM=0``. Ranks 0 and 1 wait the group's own 10 s, so the shim names the
+    cause before torch's first collective would time out. ``abc`` warns once, on its rank only; strict mode makes
+    no error of it."""
+    layout = affected_layout(layouts)
+    extra = ("--process-group-timeout", "10", "--env-on-rank", "1:FSDP_SHIM_RANK_CHECK_TIMEOUT=abc")
+    env = {"FSDP_SHIM_STRICT": "1"}
+    proc, out = torchrun_job(
+        tmp_path, 3, layout, *extra, "--shim-off-rank", "2", api="fabric", env=env, expect_ok=False
+    )
+    output = by_rank(proc)
+    (message,) = shim_errors(output[0])
+    assert message.startswith("fsdp-shim: rank 2 of 3 did not report within 10 s which fixes it runs"), message
+    assert shim_errors(output[1]) in ([], [message]), output[1][-3000:]  # unless torchrun ended it first
+    assert shim_warnings(output[0]) == []
+    assert shim_warnings(output[1]) == [
+        "fsdp-shim: FSDP_SHIM_RANK_CHECK_TIMEOUT='abc' is not a number of seconds >= 0; the cross-rank check waits as "
+        "long as the process group's timeout (10 s)"
+    ], output[1][-3000:]
+    assert_nobody_trained(out, 3)
+
+
+def test_ranks_that_run_other_fixes_or_dtypes_stop_the_job(tmp_path, layouts):
+    """Trainer, 4 ranks, each with the shim, on Lightning 2.4.0: rank 1 configured for 16-true; rank 2's
+    ``PYTHONPATH`` gives it a Lightning with the cast built in and ``FSDP_SHIM_DISABLED_FIXES=recompute``; rank 3's
+    torch checkpoint calls names the shim did not wrap (its recompute fix is not in effect for the non-reentrant
+    checkpoint). Every rank stops before any model is wrapped, naming each rank with its fixes and release."""
+    layout = affected_layout(layouts, "lightning")
+    folder, version = fixed_matrix_folder()
+    extra = ("--precision-on-rank", "1:16-true", "--env-on-rank", f"2:PYTHONPATH={folder}")
+    extra += ("--env-on-rank", "2:FSDP_SHIM_DISABLED_FIXES=recompute")
+    extra += ("--env-on-rank", "3:FSDP_SHIM_TEST_HIDE_CHECKPOINT_INTERNALS=1")
+    env = {"FSDP_SHIM_RANK_CHECK_TIMEOUT": "60"}
+    proc, out = torchrun_job(tmp_path, 4, layout, *extra, env=env, expect_ok=False)
+    ours, theirs = (
+        f"(lightning.pytorch {release}, fsdp-shim {SHIM_VERSION})" for release in (layout.trainer_version, version)
+    )
+    ranks = [
+        f"rank 0 on {HOST}: bfloat16; fixes: cast, recompute {ours}",
+        f"rank 1 on {HOST}: float16; fixes: cast, recompute {ours}",
+        f"rank 2 on {HOST}: bfloat16; fixes: cast (Lightning's own) {theirs}",
+        f"rank 3 on {HOST}: bfloat16; fixes: cast, recompute (except the non-reentrant checkpoint) {ours}",
+    ]
+    expected = (
+        f"fsdp-shim: the 4 ranks of this job run different fixes or dtypes ({'; '.join(ranks)}), so their shards, "
+        "gradients and optimizer state would not match. Stopping before any model is wrapped."
+    )
+    output = by_rank(proc)
+    for rank in range(4):
+        (message,) = shim_errors(output[rank])
+        assert message.startswith(expected), (rank, message)
+    assert_nobody_trained(out, 4)
+
+
+def test_an_elastic_restart_without_the_shim_stops_the_job(tmp_path, layouts):
+    """torchrun ``--max-restarts 1``: the first attempt passes the check and trains, then rank 1 dies and comes back
+    with ``FSDP_SHIM=0``. torchrun's store outlives the restart, and the second attempt must not count the first's
+    keys: rank 0 stops naming rank 1, and "patched on all 2 ranks" is said once, by the first attempt."""
+    layout = affected_layout(layouts)
+    env = {"FSDP_SHIM_RANK_CHECK_TIMEOUT": "5"}
+    options = ("--max-restarts", "1")
+    proc, out = torchrun_job(
+        tmp_path, 2, layout, "--restart-without-shim", "1", env=env, options=options, expect_ok=False
+    )
+    output = by_rank(proc)
+    assert "fails once after training" in output[1], output[1][-3000:]
+    assert len(confirmations(proc)) == 1, confirmations(proc)
+    assert output[0].index("patched on all 2 ranks") < output[0].index("FSDPShimError")
+    (message,) = shim_errors(output[0])
+    assert message.startswith("fsdp-shim: rank 1 of 2 did not report within 5 s which fixes it runs"), message
+    assert not Path(f"{out}.rank1.json").exists()
+
+
+# ----------------------------------------------------------------------------- the wait and the words, in process
+def test_the_timeout_variable_is_read_as_seconds():
+    """Unset: the process group's timeout (``None``). Seconds as a float; ``0`` switches the check off; more than a
+    year (``1e20``, ``inf``) is a year, which every store accepts; a value that is no wait says why."""
+    read = {value: rank_check_timeout({"FSDP_SHIM_RANK_CHECK_TIMEOUT": value}) for value in (" 12.5 ", "0", "")}
+    assert read == {" 12.5 ": (12.5, None), "0": (0, None), "": (None, None)}
+    assert rank_check_timeout({}) == (None, None)
+    for value in ("1e20", "inf", "Infinity"):
+        assert rank_check_timeout({"FSDP_SHIM_RANK_CHECK_TIMEOUT": value}) == (365 * 24 * 3600, None), value
+    for value in ("abc", "-1", "nan", "-inf", "5s"):
+        problem = f"FSDP_SHIM_RANK_CHECK_TIMEOUT={value!r} is not a number of seconds >= 0"
+        assert rank_check_timeout({"FSDP_SHIM_RANK_CHECK_TIMEOUT": value}) == (None, problem), value
+
+
+def test_a_late_rank_is_named_without_a_dtype_it_did_not_send():
+    """Rank 1 has not reported: the message names it and describes only what the others sent (ranks alike
+    together), never a guess at rank 1's dtype; a rank seen to join but silent is named so."""
+    sent = {"summary": "bfloat16; fixes: cast, recompute", "host": "n1", "namespace": "lightning.pytorch"}
+    sent |= {"lightning": "2.4.0", "fsdp_shim": "0.3.0"}
+    reports = {0: sent, 2: {**sent, "host": "n2"}}
+    late = messages.missing([1], reports, 3, 2, False)
+    assert late.startswith(
+        "fsdp-shim: rank 1 of 3 did not report within 2 s which fixes it runs, so this job may be half-patched "
+        "(ranks 0, 2 on n1, n2: bfloat16; fixes: cast, recompute (lightning.pytorch 2.4.0, fsdp-shim 0.3.0))."
+    ), late
+    assert "still busy after 2 s" in late and late.endswith(f"see {DOCS}).")
+    assert set(re.findall(r"\b(b?float\d+)\b", late)) == {"bfloat16"}, late
+    silent = messages.missing([1], reports, 3, 30, True)
+    assert "rank 1 of 3 joined the process group but did not report within 30 s" in silent
+    assert "still busy 30 s after joining it" in silent
+
+
+# ----------------------------------------------------------------------------- the early end, on torch alone
+EARLY_END = """\
+import json, os, sys, time
+from datetime import timedelta
+
+rank = int(os.environ["RANK"])
+if rank == 1:
+    time.sleep({late_by})  # a slow start, before importing torch; it never reports, as a rank without the shim
+import torch
+import torch.distributed as dist
+from _fsdp_shim import rank_check
+
+if "{backend}" == "nccl":
+    torch.cuda.set_device(rank)
+joining = time.time()
+dist.init_process_group("{backend}", timeout=timedelta(seconds={wait} + 60))  # longer than rank 0's wait
+result = {{"rank": rank, "joining": joining}}
+if rank == 0:
+    store = dist.distributed_c10d._get_default_store()
+    result.update(checking=time.time(), joined_then=rank_check.every_rank_joined(store, 2))
+    reports, early = rank_check.exchange(store, 1, 0, 2, {{"rank": 0}}, {wait}, {grace}, 0.2)
+    result.update(ended=time.time(), reported=sorted(reports), early=early)
+print(json.dumps(result), flush=True)
+"""
+
+
+def cuda_devices() -> int:
+    """GPUs ``nvidia-smi`` lists (this process imports no torch)."""
+    try:
+        return subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60).stdout.count("GPU ")
+    except (OSError, subprocess.TimeoutExpired):
+        return 0
+
+
+@pytest.mark.per_torch  # torch's own store keys and gloo
+@pytest.mark.parametrize("backend", ["gloo", "lazy gloo", "nccl"])
+def test_the_early_end_waits_for_every_rank_to_join_the_process_group(tmp_path, backend):
+    """Two ranks of a bare process group, no Lightning: rank 0 reports and waits (20 s at most, a 2 s grace); rank 1
+    starts 4 s late and never reports. gloo ends the wait early, never sooner than the grace after rank 1 began to
+    join: eager gloo holds rank 0 in ``init_process_group`` until rank 1 arrives; lazy gloo lets rank 0 check at once,
+    and the grace starts when rank 1's address is in the store. NCCL (two GPUs) writes no address: the whole wait."""
+    if backend == "nccl" and cuda_devices() < 2:
+        pytest.skip("needs two GPUs (nvidia-smi -L)")
+    torch = importlib.metadata.version("torch")
+    if backend == "lazy gloo" and tuple(map(int, re.findall(r"\d+", torch)[:2])) < (2, 8):
+        pytest.skip(f"torch {torch} has no lazy gloo (TORCH_GLOO_LAZY_INIT, torch 2.8)")
+    wait, grace = 20.0, 2.0
+    script = tmp_path / "early_end.py"
+    script.write_text(EARLY_END.format(backend=backend.split()[-1], late_by=4.0, wait=wait, grace=grace))
+    env = clean_env(TORCH_GLOO_LAZY_INIT="1" if backend == "lazy gloo" else None)
+    proc, command = run_on_a_free_port(lambda retry: ([*torchrun(2), "--tee", "3", str(script)], env), timeout=180)
+    assert proc.returncode == 0, f"{command}\n{proc.stderr[-5000:]}"
+    checker, silent = (json.loads(re.findall(r"^\{.*$", text, re.M)[-1]) for _, text in sorted(by_rank(proc).items()))
+    assert checker["reported"] == [0], checker
+    if backend == "nccl":
+        assert not checker["joined_then"] and not checker["early"], checker
+        assert checker["ended"] - checker["checking"] >= wait, checker
+        return
+    assert checker["early"] and checker["ended"] - checker["checking"] < wait, checker
+    assert checker["ended"] >= silent["joining"] + grace, (checker, silent)
+    lazy = backend == "lazy gloo"
+    assert checker["joined_then"] is not lazy, checker
+    assert not lazy or checker["checking"] < silent["joining"], (checker, silent)
