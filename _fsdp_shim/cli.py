@@ -10,8 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from _fsdp_shim._version import __version__
-from _fsdp_shim.verify.records import PROBE_TIMEOUT, Options
-from _fsdp_shim.verify.selection import CHOICES as PACKAGE_CHOICES
+from _fsdp_shim.verify.records import CHOICES, PROBE_TIMEOUT, Options
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
@@ -32,7 +31,7 @@ DESCRIPTIONS = {
         "fsdp-shim run torchrun --nproc-per-node 8 train.py",
     ),
     "status": (
-        "What is installed and active (start-up file, fsdp-shim run, FSDP_SHIM), which Lightning releases\n"
+        "What is installed and active (fsdp-shim run, FSDP_SHIM), which Lightning releases\n"
         "are installed, and whether the pieces agree: exit code 1 with a PROBLEM line when they do not.",
         "fsdp-shim status --python-check",
     ),
@@ -45,7 +44,6 @@ DESCRIPTIONS = {
         "fsdp-shim verify --model my_project.model:MyModel --devices 2",
     ),
 }
-_PRECISIONS = ("bf16-true", "16-true")  # verify's --precision, the first by default
 
 
 def _command(commands: Any, name: str, summary: str) -> argparse.ArgumentParser:
@@ -77,9 +75,14 @@ def _parser() -> argparse.ArgumentParser:
     verify = _command(commands, "verify", "train a model with the shim off and on, in fresh processes, and compare")
     add = verify.add_argument
     attr: dict[str, Any] = {"type": _module_attribute, "metavar": "MODULE:ATTR"}  # --model and --datamodule
-    add("--precision", choices=_PRECISIONS, default=_PRECISIONS[0], help="the Lightning precision both runs use")
-    add("--devices", type=_positive_int, default=1, metavar="N", help="processes (GPUs with CUDA)")
-    add("--steps", type=_positive_int, default=3, metavar="N", help="training steps per run")
+    add(
+        "--precision",
+        choices=("bf16-true", "16-true"),
+        default="bf16-true",
+        help="the Lightning precision both runs use",
+    )
+    add("--devices", type=_positive(int), default=1, metavar="N", help="processes (GPUs with CUDA)")
+    add("--steps", type=_positive(int), default=3, metavar="N", help="training steps per run")
     add("--measure", action="store_true", help="train even where the installed Lightning already has the fix")
     add(
         "--model",
@@ -107,7 +110,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     add(
         "--timeout",
-        type=_positive_number,
+        type=_positive(float),
         default=PROBE_TIMEOUT,
         metavar="SECONDS",
         help="how long one probe (reading Lightning, or one training run) may take before verify stops it and "
@@ -115,7 +118,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     add(
         "--package",
-        choices=PACKAGE_CHOICES,
+        choices=CHOICES,
         help="the Lightning package(s) the seed model trains with (default: every one installed, but not "
         "pytorch_lightning next to lightning, which pip brings it along with)",
     )
@@ -123,24 +126,19 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is not a positive number")
-    return value
+def _positive(kind: type[float]) -> Any:
+    """An argparse type: a number of ``kind`` (int or float) above 0."""
 
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {'whole ' if kind is int else ''}number") from None
+        if not value > 0:
+            raise argparse.ArgumentTypeError(f"{text} is not a positive number")
+        return value
 
-def _positive_number(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
-    return value
+    return parse
 
 
 def _module_attribute(text: str, spelling: str = "MODULE:ATTR (e.g. my_project.model:MyModule)") -> str:
@@ -166,18 +164,14 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
-def _error(message: str, code: int = 1) -> int:
-    print(message, file=sys.stderr)
-    return code
-
-
 def _status(args: argparse.Namespace) -> int:
     from _fsdp_shim import environment
 
     try:
         report = environment.collect(python_check=args.python_check)
     except environment.NoTemporaryFolder as error:
-        return _error(f"fsdp-shim status: --python-check needs {error}", 2)
+        print(f"fsdp-shim status: --python-check needs {error}", file=sys.stderr)
+        return 2
     print(json.dumps(report, indent=2) if args.json else environment.render(report))
     return 0 if report["consistent"] else 1
 
@@ -185,16 +179,26 @@ def _status(args: argparse.Namespace) -> int:
 def _verify(args: argparse.Namespace) -> int:
     from _fsdp_shim.verify import command
 
+    problem = None
     if args.model is None and (args.init_args or args.datamodule):
-        return _error("fsdp-shim verify: --init-args and --datamodule need --model", 2)
-    if args.model is None and not args.activation_checkpointing and args.model_path is not None:
-        return _error("fsdp-shim verify: --model-path needs --model or --activation-checkpointing", 2)
-    if args.model is not None and args.package is not None:
-        return _error("fsdp-shim verify: --package is for the seed model; with --model, your model's imports decide", 2)
+        problem = "--init-args and --datamodule need --model"
+    elif args.model is None and not args.activation_checkpointing and args.model_path is not None:
+        problem = "--model-path needs --model or --activation-checkpointing"
+    elif args.model is not None and args.package is not None:
+        problem = "--package is for the seed model; with --model, your model's imports decide"
+    if problem is not None:
+        print(f"fsdp-shim verify: {problem}", file=sys.stderr)
+        return 2
     options = {name: value for name, value in vars(args).items() if name != "command"}  # named as in Options
     if args.model_path is not None:
         options["model_path"] = str(args.model_path.resolve())
     return command.main(Options(**options))
+
+
+def _run(args: argparse.Namespace) -> int:
+    from _fsdp_shim.run import run
+
+    return run(args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -203,24 +207,16 @@ def main(argv: list[str] | None = None) -> int:
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure"):  # a TextIOWrapper, not a replacement (or None)
             stream.reconfigure(errors="backslashreplace")
+    parser = _parser()
+    args = parser.parse_args(argv)
     try:
-        code = _main(argv)
+        if args.command is None:  # a bare `fsdp-shim`, as a bare `git`: what there is to do
+            parser.print_help()
+            code = 0
+        else:
+            code = {"run": _run, "status": _status, "verify": _verify}[args.command](args)
         sys.stdout.flush()
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the flush at exit is silent too
         return 141
     return code
-
-
-def _main(argv: list[str] | None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    if args.command is None:  # a bare `fsdp-shim`, as a bare `git`: what there is to do
-        parser.print_help()
-        return 0
-    if args.command == "run":
-        from _fsdp_shim.run import run
-
-        return run(args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd)
-    handlers = {"status": _status, "verify": _verify}
-    return handlers[args.command](args)

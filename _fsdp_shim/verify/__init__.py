@@ -1,2 +1,2 @@
-"""``fsdp-shim verify`` (docs/verify.md), never imported by ``import fsdp_shim``. Verify's process: ``command``,
-``output``, ``verdict``; the probe's: ``probe``, ``measure``, ``seed``, ``cpu_guards``; both: ``records``."""
+"""``fsdp-shim verify`` (docs/verify.md), never imported by ``import fsdp_shim``. Its own process: ``command``,
+``report``; its probes': ``probe``, ``measure``, ``cpu_guards``; both: ``records``."""

@@ -1,6 +1,5 @@
-"""Let real FSDP run on CPU with gloo in processes that only measure, never in training: torch refuses CPU modules
-unless ``device_id`` is ``torch.device("cpu")`` (Lightning passes ``None``), and Lightning's
-``_check_strategy_and_fallback`` raises for FSDP without a GPU (2.1.x/2.2.x via ``isinstance``: no subclass helps)."""
+"""Let real FSDP run on CPU with gloo, in verify's (and the tests') processes only, never in training: torch wants
+``device_id=torch.device("cpu")`` (Lightning passes ``None``), and Lightning's connector refuses FSDP without a GPU."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 from _fsdp_shim import NAMESPACES
 
 _LIFTED = "_fsdp_shim_cpu_guard_lifted"
-CONNECTORS = {  # per kind of namespace (``_fsdp_shim.NAMESPACES``): (connector module, connector class)
+CONNECTORS = {  # per kind of namespace (``_fsdp_shim.NAMESPACES``): its connector's module and class
     "trainer": ("trainer.connectors.accelerator_connector", "_AcceleratorConnector"),
     "fabric": ("connector", "_Connector"),
 }

@@ -1,14 +1,14 @@
-"""What a verify run measures, as a Lightning Callback so that the user's module runs unchanged. torch is
-imported where used: verify's own process (its verdicts use ``finite``) never loads it."""
+"""What a verify run measures, with a Lightning Callback so that the user's module runs unchanged (the benchmarks
+and tests measure with it too). torch is imported where used."""
 
 from __future__ import annotations
 
 import hashlib
-import math
 import resource
 from typing import Any
 
-from _fsdp_shim.verify.records import RankResult
+# What Lightning's, FSDP's and the checkpoint wrappers add to parameter names (torch's ``clean_tensor_name``).
+WRAPPER_PREFIXES = ("_forward_module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 
 
 def flat_parameters(root: Any) -> list[Any]:
@@ -39,14 +39,6 @@ def rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def finite(values: list[float | None]) -> bool:
-    return all(v is not None and math.isfinite(v) for v in values)
-
-
-# What Lightning's, FSDP's and the checkpoint wrappers add to parameter names (torch's ``clean_tensor_name``).
-WRAPPER_PREFIXES = ("_forward_module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
-
-
 def parameter_hashes(root: Any) -> dict[str, str]:
     """SHA-256 of this rank's shard of every parameter, by name (``use_orig_params``: each is a view)."""
     import torch
@@ -61,7 +53,8 @@ def parameter_hashes(root: Any) -> dict[str, str]:
 
 
 def measuring_callback(pl: Any, count: tuple[type, ...] = ()) -> Any:
-    """A ``pl.Callback`` (each namespace has its own) that also counts the modules of the ``count`` classes."""
+    """A ``pl.Callback`` (each namespace has its own) that records the gradient bytes and the losses, and counts
+    the modules of the ``count`` classes."""
 
     class Measure(pl.Callback):
         def __init__(self) -> None:
@@ -77,29 +70,5 @@ def measuring_callback(pl: Any, count: tuple[type, ...] = ()) -> Any:
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             loss: Any = outputs.get("loss") if isinstance(outputs, dict) else outputs
             self.losses.append(float(loss.detach().float().item()) if hasattr(loss, "detach") else None)
-
-        def report(self, trainer: Any, baseline_rss: int, units: dict[str, Any], fixes: dict[str, Any]) -> RankResult:
-            """This rank's figures after ``trainer.fit``; ``units``: sub-modules reported on their own (seed)."""
-            import torch
-
-            flat, cuda = flat_parameters(trainer.strategy.model), torch.cuda.is_available()
-            return RankResult(
-                rank=trainer.global_rank,
-                device="cuda" if cuda else "cpu",
-                module_dtype=str(trainer.lightning_module.dtype),
-                flat_param_dtypes=sorted({str(p.dtype) for p in flat}),
-                param_bytes=nbytes(flat),
-                grad_bytes=self.grad_bytes,
-                optimizer_state_bytes=optimizer_state_bytes(trainer.optimizers[0]),
-                unit_param_bytes={name: nbytes(flat_parameters(unit)) for name, unit in units.items()},
-                peak_memory_bytes=torch.cuda.max_memory_allocated() if cuda else rss_bytes() - baseline_rss,
-                peak_memory_kind="torch.cuda.max_memory_allocated" if cuda else "peak RSS above the import baseline",
-                losses=self.losses,
-                param_hashes=parameter_hashes(trainer.strategy.model),
-                checkpointed=self.checkpointed,
-                lightning=pl.__version__,
-                namespace=pl.__name__,
-                fixes=fixes,
-            )
 
     return Measure()

@@ -1,8 +1,9 @@
-"""The verify probe: ``gate`` reads every installed Trainer namespace and refuses unusable user modules before
-anything trains; ``measure`` trains with FSDP and writes a ``RankResult`` per rank."""
+"""verify's probe, in fresh processes: ``gate`` reads every installed Trainer namespace and refuses unusable user
+modules before anything trains; ``measure`` trains with FSDP and writes a ``RankResult`` per rank."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import os
@@ -14,13 +15,14 @@ from typing import Any
 
 from _fsdp_shim.activation import status
 from _fsdp_shim.config import TRAINER_NAMESPACES
-from _fsdp_shim.verify.records import Options, ProbeRequest, RankResult
+from _fsdp_shim.verify.records import UNITS, Options, ProbeRequest, RankResult
 
 USER_ERROR, USAGE_ERROR = 1, 2
+VOCAB, SEQUENCE, BATCH, WIDTH = 256, 32, 4, 32  # the seed model's
 
 
 class ProbeStop(Exception):
-    """End the probe with ``code``, after writing ``record`` as its error report."""
+    """End the probe with ``code``, after writing ``record`` (``kind``: "user" or "usage") as its error report."""
 
     def __init__(self, code: int, record: dict[str, Any]) -> None:
         super().__init__(record.get("message", ""))
@@ -31,24 +33,25 @@ def one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
 
 
-def user_error(phase: str, **extra: int) -> ProbeStop:
-    """The exception being handled, as the user's: its traceback, one line, and whether it was raised in a
-    recompute of torch's checkpoint (a frame of ``torch/utils/checkpoint.py``)."""
-    error = sys.exc_info()[1]
-    files = [frame.filename for frame in traceback.extract_tb(error.__traceback__)] if error else []
-    record = {"kind": "user", "phase": phase, "traceback": traceback.format_exc(), **extra}
-    in_recompute = any(Path(name).parts[-3:] == ("torch", "utils", "checkpoint.py") for name in files)
-    return ProbeStop(USER_ERROR, {**record, "error": one_line(error) if error else "", "in_recompute": in_recompute})
+def usage_error(message: str) -> ProbeStop:
+    return ProbeStop(USAGE_ERROR, {"kind": "usage", "message": message})
+
+
+def user_error(phase: str, error: BaseException, **extra: int) -> ProbeStop:
+    """``error``, raised by the user's code: its traceback, and whether a recompute of torch's checkpoint raised it."""
+    files = [Path(frame.filename).parts[-3:] for frame in traceback.extract_tb(error.__traceback__)]
+    text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    in_recompute = ("torch", "utils", "checkpoint.py") in files
+    record = {"kind": "user", "phase": phase, "traceback": text, "error": one_line(error), "in_recompute": in_recompute}
+    return ProbeStop(USER_ERROR, {**record, **extra})
 
 
 def raised_in_torch_fsdp(error: BaseException) -> str | None:
-    """Where ``error`` was raised, as ``torch/distributed/fsdp/FILE: FUNCTION``, when it was raised inside
-    torch's FSDP: the innermost frames are torch's own, and one of them is FSDP's; else ``None``."""
+    """``torch/distributed/fsdp/FILE: FUNCTION`` where the innermost frames are torch's and one is FSDP's, else None."""
     import torch
 
     root = Path(torch.__file__).resolve().parent
-    frames = traceback.extract_tb(error.__traceback__)
-    for frame in reversed(frames):
+    for frame in reversed(traceback.extract_tb(error.__traceback__)):
         path = Path(frame.filename).resolve()
         if not path.is_relative_to(root):
             return None  # code torch called (or its caller) raised it before any FSDP frame
@@ -58,34 +61,26 @@ def raised_in_torch_fsdp(error: BaseException) -> str | None:
 
 
 def check_fsdp_on_cpu() -> None:
-    """Train one step of a one-layer FSDP model in a one-rank gloo group, as the CPU check does, before any
-    user code runs: a torch that cannot run FSDP on CPU (torch 2.1's CPU device handle has no streams:
-    ``TypeError: Stream() takes no arguments``) is named here, not blamed on the model."""
+    """One FSDP step in a one-rank gloo group before any user code runs, so that a torch that cannot run FSDP on CPU
+    (torch 2.1: ``TypeError: Stream() takes no arguments``) is named, not blamed on the model."""
     import torch
     import torch.distributed as dist
     from torch.distributed.fsdp import FullyShardedDataParallel
 
-    release = ".".join(torch.__version__.split("+")[0].split(".")[:2])
     try:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        FullyShardedDataParallel(torch.nn.Linear(2, 2), device_id=torch.device("cpu"))(
+            torch.ones(1, 2)
+        ).sum().backward()
     except Exception as error:
-        message = f"torch {release} cannot start a gloo process group on this machine ({one_line(error)})"
-        raise ProbeStop(USAGE_ERROR, {"kind": "usage", "message": message}) from error
-    try:
-        model = FullyShardedDataParallel(torch.nn.Linear(2, 2), device_id=torch.device("cpu"))
-        model(torch.ones(1, 2)).sum().backward()
-    except Exception as error:
-        where = raised_in_torch_fsdp(error)
-        if where is None:
+        if (where := raised_in_torch_fsdp(error)) is None:
             raise
+        release = ".".join(torch.__version__.split("+")[0].split(".")[:2])
         message = f"torch {release} cannot run FSDP on this machine's CPU ({one_line(error)}, raised in {where})"
-        raise ProbeStop(USAGE_ERROR, {"kind": "usage", "message": message}) from error
+        raise usage_error(message) from error
     finally:
-        dist.destroy_process_group()
-
-
-def usage_error(message: str) -> ProbeStop:
-    return ProbeStop(USAGE_ERROR, {"kind": "usage", "message": message})
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def resolve(spec: str) -> Any:
@@ -99,59 +94,62 @@ def resolve(spec: str) -> Any:
                 f"cannot import {module_name!r} (from {spec!r}): run verify where it is importable "
                 "(the current folder, --model-path DIR, or PYTHONPATH)"
             ) from error
-        raise user_error(f"importing {module_name}") from error
+        raise user_error(f"importing {module_name}", error) from error
     for index, name in enumerate(attribute.split(".")):
-        try:
-            target = getattr(target, name)
-        except AttributeError as error:
+        if not hasattr(target, name):
             owner = ".".join([module_name, *attribute.split(".")[:index]])
-            raise usage_error(f"{owner} has no attribute {name!r} (from {spec!r})") from error
+            raise usage_error(f"{owner} has no attribute {name!r} (from {spec!r})")
+        target = getattr(target, name)
     return target
 
 
-def trainer_namespace_of(obj: Any, kind: str) -> str | None:
+def namespace_of(obj: Any, kind: str) -> str | None:
     """The Trainer namespace whose ``kind`` class (LightningModule...) ``obj`` (class or instance) derives from."""
     cls = obj if isinstance(obj, type) else type(obj)
     bases = {namespace: getattr(sys.modules.get(namespace), kind, None) for namespace in TRAINER_NAMESPACES}
     return next((ns for ns, base in bases.items() if isinstance(base, type) and issubclass(cls, base)), None)
 
 
-def checked(spec: str, kind: str) -> Any:
-    """The class or factory ``spec`` names, refused unless it can give a Lightning ``kind``."""
+def checked(spec: str, kind: str, init_args: dict[str, Any] | None) -> Any:
+    """The class or factory ``spec`` names, refused unless it gives a Lightning ``kind``; built with ``init_args``."""
     target = resolve(spec)
     if not callable(target):
         raise usage_error(f"{spec} is {type(target).__name__!r}, not a {kind} class or a factory that returns one")
-    if isinstance(target, type) and trainer_namespace_of(target, kind) is None:
+    if isinstance(target, type) and namespace_of(target, kind) is None:
         raise usage_error(f"{spec} is a class, but not a subclass of Lightning's {kind}")
-    return target
-
-
-def check_training_data(spec: str, model: Any, namespace: str) -> None:
-    cls: Any = model if isinstance(model, type) else type(model)
-    if cls.train_dataloader is sys.modules[namespace].LightningModule.train_dataloader:
-        raise usage_error(f"{spec} has no train_dataloader; pass --datamodule module:attr")
-
-
-def construct(spec: str, init_args: dict[str, Any], kind: str) -> Any:
-    target = checked(spec, kind)
+    if init_args is None:
+        return target
     try:
         instance = target(**init_args)
     except Exception as error:
-        raise user_error(f"constructing {spec}") from error
-    if trainer_namespace_of(instance, kind) is None:
+        raise user_error(f"constructing {spec}", error) from error
+    if namespace_of(instance, kind) is None:
         raise usage_error(f"{spec} gave a {type(instance).__name__}, which is not a Lightning {kind}")
     return instance
 
 
-def checkpointed_classes(specs: list[str]) -> set[type]:
-    """``--activation-checkpointing``'s classes, as Lightning's ``activation_checkpointing_policy`` takes them."""
+def user_modules(options: Options, build: bool) -> tuple[Any, Any, set[type], list[str]]:
+    """The user's model and datamodule (built, or their class or factory), checkpointed classes, and the model's
+    namespaces (its class's, or those imported with its factory); each refused unless usable."""
     from torch.nn import Module
 
-    classes = [resolve(spec) for spec in specs]
-    for spec, cls in zip(specs, classes):
+    model, datamodule, namespaces = None, None, list[str]()
+    if options.model is not None:
+        model = checked(options.model, "LightningModule", options.init_args if build else None)
+        own = namespace_of(model, "LightningModule") if build or isinstance(model, type) else None
+        if options.datamodule is not None:
+            datamodule = checked(options.datamodule, "LightningDataModule", {} if build else None)
+        elif (
+            own
+            and (type(model) if build else model).train_dataloader is sys.modules[own].LightningModule.train_dataloader
+        ):
+            raise usage_error(f"{options.model} has no train_dataloader; pass --datamodule module:attr")
+        namespaces = [own] if own else [ns for ns in TRAINER_NAMESPACES if ns in sys.modules]
+    classes = [resolve(spec) for spec in options.activation_checkpointing]
+    for spec, cls in zip(options.activation_checkpointing, classes):
         if not (isinstance(cls, type) and issubclass(cls, Module)):
             raise usage_error(f"--activation-checkpointing: {spec} is not a torch.nn.Module class")
-    return set(classes)
+    return model, datamodule, set(classes), namespaces
 
 
 def fix_states(namespace: str) -> dict[str, dict[str, Any]]:
@@ -159,25 +157,15 @@ def fix_states(namespace: str) -> dict[str, dict[str, Any]]:
 
 
 def gate(options: Options) -> dict[str, Any]:
-    """Every installed Trainer namespace's ``version`` and the shim's ``fixes``, or its ``import_failure``;
-    with ``--model``, ``model_namespaces``: the namespace of the model's class, or those imported with it."""
+    """Every installed Trainer namespace's ``version`` and the shim's ``fixes``, or its ``import_failure``, and the
+    ``--model``'s namespaces; user modules are refused here, before anything trains."""
     import torch
 
     from _fsdp_shim.distributions import import_failure, installed_packages
 
     if not torch.cuda.is_available():
         check_fsdp_on_cpu()
-    namespaces: dict[str, dict[str, Any]] = {}
-    model_namespaces: list[str] = []
-    if options.model is not None:
-        target = checked(options.model, "LightningModule")
-        own = trainer_namespace_of(target, "LightningModule") if isinstance(target, type) else None
-        if options.datamodule is not None:
-            checked(options.datamodule, "LightningDataModule")
-        elif own is not None:
-            check_training_data(options.model, target, own)
-        model_namespaces = [own] if own else [ns for ns in TRAINER_NAMESPACES if ns in sys.modules]
-    checkpointed_classes(options.activation_checkpointing)
+    model_namespaces, namespaces = user_modules(options, build=False)[3], dict[str, dict[str, Any]]()
     for namespace in [ns for ns in TRAINER_NAMESPACES if ns.partition(".")[0] in installed_packages()]:
         try:
             version = getattr(importlib.import_module(namespace), "__version__", None) or "(unknown)"
@@ -188,37 +176,83 @@ def gate(options: Options) -> dict[str, Any]:
     return {"namespaces": namespaces, "model_namespaces": model_namespaces}
 
 
+@functools.cache
+def causal_block() -> type:
+    """The seed's block: its mask and scale have no explicit dtype, so they are the precision's dtype in Lightning's
+    forward and float32 where activation checkpointing recomputes it without the shim."""
+    import torch
+    from torch import nn
+
+    class CausalBlock(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, WIDTH)
+            self.out = nn.Linear(WIDTH, VOCAB)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            h = self.embed(tokens) * torch.ones(WIDTH)
+            mask = torch.full((tokens.shape[-1], tokens.shape[-1]), float("-inf")).triu(1)
+            scores = h @ h.transpose(-1, -2) * WIDTH**-0.5 + mask
+            return torch.log_softmax(self.out(scores.softmax(-1) @ h), -1)
+
+    return CausalBlock
+
+
+def seed_model(pl: Any, steps: int, devices: int) -> tuple[Any, Any, dict[str, Any]]:
+    """The seed LightningModule (``UNITS``: Lightning's demo Transformer built in ``configure_model``, one loaded in
+    float32, the causal block), its data, and the FSDPStrategy keyword arguments (each unit its own FSDP unit)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.utils.data import DataLoader, TensorDataset
+
+    transformer = importlib.import_module(f"{pl.__name__}.demos").Transformer
+    make = functools.partial(transformer, vocab_size=VOCAB, nlayers=2, nhid=256, ninp=128, nhead=4, dropout=0.0)
+
+    class SeedModel(pl.LightningModule):
+        def configure_model(self) -> None:
+            if not hasattr(self, "model"):
+                with torch.device("meta"):
+                    self.model = make()
+                self.pretrained = make().float()
+                self.block = causal_block()()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            inputs, target = batch[0][:, :-1], batch[0][:, 1:]
+            losses = [F.nll_loss(m(inputs, target).float(), target.reshape(-1)) for m in (self.model, self.pretrained)]
+            block = F.nll_loss(self.block(inputs).float().reshape(-1, VOCAB), target.reshape(-1))
+            return losses[0] + losses[1] + block
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.Adam(self.trainer.model.parameters(), lr=1e-4)
+
+    tokens = torch.randint(
+        0, VOCAB, (BATCH * steps * devices, SEQUENCE + 1), generator=torch.Generator().manual_seed(0)
+    )
+    loader = DataLoader(TensorDataset(tokens), batch_size=BATCH)
+    return SeedModel(), loader, {"auto_wrap_policy": {transformer, causal_block()}}
+
+
 def train_and_measure(request: ProbeRequest) -> None:
     """Train the seed's model for ``request.namespace`` (or ``--model``) with FSDP; write this rank's result."""
     import torch
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-    from _fsdp_shim.verify import cpu_guards, measure, seed
+    from _fsdp_shim.verify import cpu_guards, measure
 
     options, namespace, cuda = request.options, request.namespace, torch.cuda.is_available()
     torch.manual_seed(0)  # the runs compared bit for bit start from the same weights
-    loader, datamodule = None, None
-    strategy_options: dict[str, Any] = {}
+    loader, strategy_options = None, dict[str, Any]()
+    model, datamodule, classes, namespaces = user_modules(options, build=True)
+    namespace = namespace or namespaces[0]
+    pl, baseline = importlib.import_module(namespace), measure.rss_bytes()
     if options.model is None:
-        pl = importlib.import_module(namespace)  # type: ignore[arg-type]
-        model, loader, strategy_options = seed.build(pl, options.steps, options.devices)
-    else:
-        model = construct(options.model, options.init_args, "LightningModule")
-        namespace = trainer_namespace_of(model, "LightningModule")
-        pl = importlib.import_module(namespace)  # type: ignore[arg-type]
-        if options.datamodule:
-            datamodule = construct(options.datamodule, {}, "LightningDataModule")
-        else:
-            check_training_data(options.model, model, namespace)  # type: ignore[arg-type]
-    baseline, classes = measure.rss_bytes(), checkpointed_classes(options.activation_checkpointing)
-    if options.model is None and not classes:
-        classes = {seed.causal_block()}  # the seed's own block that makes tensors without a dtype
-    counted = tuple(classes)  # a checkpointed run counts the wrappers Lightning's policy put in
+        model, loader, strategy_options = seed_model(pl, options.steps, options.devices)
+        classes = classes or {causal_block()}
+    counted: tuple[type, ...] = tuple(classes)  # a checkpointed run counts the wrappers Lightning's policy put in
     if request.checkpointing:
-        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
-
         strategy_options["activation_checkpointing_policy"], counted = classes, (CheckpointWrapper,)
     if not cuda:
-        cpu_guards.lift(namespace)  # type: ignore[arg-type]
+        cpu_guards.lift(namespace)
     callback = measure.measuring_callback(pl, counted)
     trainer = pl.Trainer(
         accelerator="cuda" if cuda else "cpu",
@@ -236,25 +270,44 @@ def train_and_measure(request: ProbeRequest) -> None:
     try:
         trainer.fit(model, loader, datamodule=datamodule)
     except Exception as raised:
+        if not request.checkpointing and options.model is not None:
+            raise user_error("training", raised, rank=trainer.global_rank) from raised
         if not request.checkpointing:
-            raise user_error("training", rank=trainer.global_rank) from raised
+            raise  # the seed's: verify's failure, not the user's
         error = one_line(raised)
     if options.activation_checkpointing and not callback.checkpointed and not error:
         names = ", ".join(options.activation_checkpointing)
         raise usage_error(f"--activation-checkpointing: this model has no module of {names} to checkpoint")
-    fixes = fix_states(namespace)  # type: ignore[arg-type]
-    if error:
-        result = RankResult(trainer.global_rank, checkpointed=callback.checkpointed, fixes=fixes, error=error)
-    else:
-        units = {name: getattr(model, name) for name in seed.UNITS} if options.model is None else {}
-        result = callback.report(trainer, baseline, units, fixes)
-    Path(f"{request.out}.rank{trainer.global_rank}.json").write_text(json.dumps(asdict(result)))
+    rank, fixes, root = trainer.global_rank, fix_states(namespace), trainer.strategy.model
+    result = RankResult(rank, checkpointed=callback.checkpointed, fixes=fixes, error=error)
+    if not error:
+        flat = measure.flat_parameters(root)
+        units = {name: getattr(model, name) for name in UNITS} if options.model is None else {}
+        result = RankResult(
+            rank=rank,
+            device="cuda" if cuda else "cpu",
+            module_dtype=str(trainer.lightning_module.dtype),
+            flat_param_dtypes=sorted({str(p.dtype) for p in flat}),
+            param_bytes=measure.nbytes(flat),
+            grad_bytes=callback.grad_bytes,
+            optimizer_state_bytes=measure.optimizer_state_bytes(trainer.optimizers[0]),
+            unit_param_bytes={name: measure.nbytes(measure.flat_parameters(unit)) for name, unit in units.items()},
+            peak_memory_bytes=torch.cuda.max_memory_allocated() if cuda else measure.rss_bytes() - baseline,
+            peak_memory_kind="torch.cuda.max_memory_allocated" if cuda else "peak RSS above the import baseline",
+            losses=callback.losses,
+            param_hashes=measure.parameter_hashes(root),
+            checkpointed=callback.checkpointed,
+            lightning=pl.__version__,
+            namespace=pl.__name__,
+            fixes=fixes,
+        )
+    Path(f"{request.out}.rank{rank}.json").write_text(json.dumps(asdict(result)))
     leave_process_group(0, barrier=not error)  # after an error a collective may be pending: no barrier
 
 
 def leave_process_group(code: int = 0, barrier: bool = True) -> None:
-    """Leave together (no barrier after an error) and end without finalization, only in our own children: it
-    can free torch.distributed state in a half-gone interpreter, aborting a C++ thread after complete results."""
+    """Leave together and end without finalization (only in our own children): finalizing torch.distributed in a
+    half-gone interpreter can abort a C++ thread after complete results."""
     torch = sys.modules.get("torch")
     if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
         if code == 0 and barrier:
@@ -266,7 +319,7 @@ def leave_process_group(code: int = 0, barrier: bool = True) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """Run the probe that ``argv[0]`` (a ``records.ProbeRequest`` as JSON) asks for; never returns."""
+    """Run the probe that ``argv[0]`` (a ``ProbeRequest`` as JSON) asks for; never returns."""
     import fsdp_shim  # noqa: F401  (activates, before Lightning is imported, unless FSDP_SHIM=0)
 
     data = json.loads(argv[0])
