@@ -149,7 +149,7 @@ SESSION_TESTS = {
     # and install tests run without torch and Lightning in the Python sessions (3.9, sdist) and with both in the
     # default session; what depends on torch alone (per_torch), in the sessions of another torch.
     "no-lightning": [
-        *(f"--ignore=tests/test_{name}.py" for name in ("project", "startup", "cli", "install")),
+        *(f"--ignore=tests/test_{name}.py" for name in ("project", "startup", "run", "status", "packaging")),
         "-m",
         "not per_torch",
     ],
@@ -371,7 +371,7 @@ def test_tools() -> list[str]:
     return [line for line in lines if line.strip() and not line.startswith(("#", "-r"))]
 
 
-NO_TORCH_TESTS = ["tests/test_startup.py", "tests/test_cli.py", "tests/test_install.py"]
+NO_TORCH_TESTS = ["tests/test_startup.py", "tests/test_run.py", "tests/test_status.py", "tests/test_packaging.py"]
 """What the sessions of another Python run, with no torch and no Lightning: every way the shim is armed at
 start-up, the command, and what pip, uv and ``fsdp-shim install`` put into an environment and take out."""
 

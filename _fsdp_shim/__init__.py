@@ -144,8 +144,6 @@ def _hand_over(module, noticed_at):
     try:
         receive = __import__(HAND_OVER, fromlist=["namespace_executed"]).namespace_executed
     except Exception as error:
-        if isinstance(error, ImportError) and getattr(error, "name", None) == "_fsdp_shim":
-            return  # a start-up file that `pip uninstall` left behind: there is no shim
         _inert.append(error)
         _could_not_load(error)
         return

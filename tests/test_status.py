@@ -1,0 +1,230 @@
+"""``fsdp-shim status`` (text and ``--json``), and the command around it: whether the shim is armed here and by what,
+the switches, the fixes and whether this environment still needs them, the problems and the exit code; where
+``FSDP_SHIM=1`` arms nothing (a clone, a ``--target`` install) and where there is nothing to arm (an isolated
+install); ``--python-check``; the command's help and its ends."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import site
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import (
+    FSDP_SHIM,
+    ROOT,
+    Layout,
+    affected_layout,
+    clean_env,
+    installed_versions,
+    make_venv,
+    run_code,
+    run_command,
+)
+from packaging.version import Version
+
+import _fsdp_shim
+
+SITE_PACKAGES = next((Path(d) for d in site.getsitepackages() if (Path(d) / "fsdp_shim_env.pth").is_file()), None)
+BOOTSTRAP = str(Path(_fsdp_shim.__file__).resolve().parent / "bootstrap")
+
+
+def status(
+    *args: str, env: dict[str, str], launcher: tuple[str, ...] = (FSDP_SHIM,), cwd: Path = ROOT
+) -> subprocess.CompletedProcess:
+    return run_command([*launcher, "status", *args], env=env, cwd=cwd)
+
+
+def test_status_says_whether_the_shim_is_armed_by_what_the_switches_the_fixes_and_what_is_still_needed(
+    layouts: dict[str, Layout],
+) -> None:
+    """In this environment (fsdp-shim installed by pip or uv, an affected Lightning beside it): unset, nothing arms
+    the shim and status lists what would; ``FSDP_SHIM=1`` arms it through the start-up file it names; ``0`` under
+    ``fsdp-shim run`` is off and says what would arm it otherwise; an unreadable switch and a bootstrap folder that
+    is gone are problems (exit 1), with no Python warning; per fix, its releases, its switch and whether this
+    environment still needs it."""
+    affected_layout(layouts)
+    assert SITE_PACKAGES is not None, "needs fsdp-shim installed here by pip or uv (pip install -e .)"
+    pth = SITE_PACKAGES / "fsdp_shim_env.pth"
+    unset = status(env=clean_env())
+    lines = unset.stdout.splitlines()
+    assert unset.returncode == 0 and lines[-1] == "OK: no problem found", unset.stdout
+    assert lines[2:6] == [
+        "Shim: NOT ARMED in a Python started from here: nothing arms it. Any one of these arms it:",
+        "  FSDP_SHIM=1 python train.py    one command and every process it starts",
+        "  fsdp-shim run python train.py  the same, also for interpreters of another environment",
+        "  import fsdp_shim               in the training script: that script only (status cannot see it)",
+    ]
+    assert "FSDP_SHIM unset (1 arms the shim, 0 switches it off)" in lines
+    assert f"  FSDP_SHIM=1    {pth}  (arms every interpreter where FSDP_SHIM=1)" in lines
+    fixes = lines.index("Fixes (switch one off with FSDP_SHIM_DISABLED_FIXES=NAME):")
+    assert lines[fixes + 1 : fixes + 5 : 2] == [
+        "  cast       Lightning 2.1.0 up to 2.5.0 (exclusive)",
+        "  recompute  Lightning 2.1.0 and later (no release has it yet)",
+    ]
+
+    armed = status(env=clean_env(FSDP_SHIM="1")).stdout.splitlines()
+    assert armed[2:4] == ["Shim: ARMED in every Python started from here, by:", f"  FSDP_SHIM='1'  read by {pth}"]
+
+    off = run_command([FSDP_SHIM, "run", FSDP_SHIM, "status"], env=clean_env(FSDP_SHIM="0"))
+    lines = off.stdout.splitlines()
+    assert off.returncode == 0 and lines[2:5] == [
+        "Shim: OFF. FSDP_SHIM='0' switches off every activation: Lightning runs as shipped.",
+        "  Without it, this would arm the shim:",
+        "  fsdp-shim run  its bootstrap is first on PYTHONPATH",
+    ]
+    assert (
+        "FSDP_SHIM='0' (the shim is OFF: Lightning runs as shipped)" in lines and "would be patched" not in off.stdout
+    )
+    assert lines[-1] == "OK: no problem found; the shim is OFF (FSDP_SHIM='0'), so nothing is patched"
+
+    gone = "/nonexistent/_fsdp_shim/bootstrap"
+    env = clean_env(FSDP_SHIM="maybe")
+    env["PYTHONPATH"] = os.pathsep.join([gone, *filter(None, [env.get("PYTHONPATH")])])
+    problems = status(env=env)
+    assert problems.returncode == 1 and problems.stderr == ""
+    assert [line for line in problems.stdout.splitlines() if line.startswith("PROBLEM: ")] == [
+        "PROBLEM: FSDP_SHIM='maybe' is not a valid value (1, true, on, yes, y, enable, enabled, 0, false, off, no, n, "
+        "disable, disabled); the shim is OFF",
+        f"PROBLEM: PYTHONPATH holds an fsdp-shim bootstrap folder that does not exist: {gone}",
+    ]
+
+    under_run = run_command(
+        [FSDP_SHIM, "run", sys.executable, "-m", "fsdp_shim", "status", "--json"],
+        env=clean_env(FSDP_SHIM_DISABLED_FIXES="cast"),
+    )
+    assert under_run.returncode == 0 and under_run.stderr == "", under_run.stderr
+    report = json.loads(under_run.stdout)
+    assert report["armed"] == {"state": "armed", "by": ["FSDP_SHIM='1'", "fsdp-shim run"]}
+    assert report["bootstrap_on_pythonpath"] == [BOOTSTRAP] and report["problems"] == []
+    assert report["environment_file"] == {"path": str(pth), "read": True}
+    assert [(fix["name"], fix["switched_off"]) for fix in report["fixes"]] == [("cast", True), ("recompute", False)]
+    versions = installed_versions(layouts)
+    lacking_the_cast = sorted(name for name, version in versions.items() if Version(version) < Version("2.5.0rc0"))
+    assert {row["namespace"]: row["version"] for row in report["lightning"]} == versions
+    assert {row["namespace"]: row["fixes"]["cast"] for row in report["lightning"]} == {
+        name: "not patched: FSDP_SHIM_DISABLED_FIXES switches it off"
+        if name in lacking_the_cast
+        else "left untouched (fixed upstream)"
+        for name in versions
+    }
+    cast, recompute = report["still_needed"]["cast"], report["still_needed"]["recompute"]
+    assert cast["needed"] is True and all(f"{name} {versions[name]}" in cast["why"] for name in lacking_the_cast)
+    assert recompute["needed"] is True and recompute["why"].startswith("with activation checkpointing:")
+
+
+@pytest.mark.per_python
+def test_fsdp_shim_1_arms_nothing_from_a_clone_or_a_target_install_and_an_isolated_install_has_nothing_to_patch(
+    tmp_path: Path, wheel: Path
+) -> None:
+    """In a Python whose environment lacks fsdp-shim, imported from a clone on ``PYTHONPATH`` or from a ``pip
+    install --target`` folder, no ``site`` reads the start-up file: status says ``FSDP_SHIM=1`` arms nothing there
+    and why (exit 1), and ``--python-check`` that nothing armed the shim. Installed into an environment of its own,
+    with neither torch nor Lightning (``pipx``, ``uv tool``), status says it has nothing to patch there and where
+    fsdp-shim must go instead, whatever ``FSDP_SHIM`` says."""
+    other = make_venv(tmp_path / "venv", [])
+    target = tmp_path / "target"
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", "install", "--no-deps", "--no-index"]
+    subprocess.run([*pip, "--target", str(target), str(wheel)], check=True)
+    python_m = (other.python, "-m", "fsdp_shim")  # run outside the checkout, which -m would import from
+
+    clone = status(
+        "--python-check", env=clean_env(FSDP_SHIM="1", PYTHONPATH=str(ROOT)), launcher=python_m, cwd=tmp_path
+    )
+    lines = clone.stdout.splitlines()
+    why = "this fsdp-shim was not installed by pip (a clone on PYTHONPATH?)"
+    assert clone.returncode == 1 and f"  FSDP_SHIM=1    arms nothing here: {why}" in lines
+    assert "  shim not loaded: nothing armed it at start-up" in lines
+    assert lines[2].startswith("Shim: NOT ARMED in a Python started from here: FSDP_SHIM='1' arms nothing here")
+
+    installed = status("--json", env=clean_env(FSDP_SHIM="1", PYTHONPATH=str(target)), launcher=python_m, cwd=tmp_path)
+    report = json.loads(installed.stdout)
+    assert installed.returncode == 1 and report["environment_file"] == {
+        "path": str(target / "fsdp_shim_env.pth"),
+        "read": False,
+    }
+    assert report["problems"] == [
+        "FSDP_SHIM='1' arms nothing in this interpreter: no folder it reads start-up files from holds "
+        f"fsdp_shim_env.pth (this fsdp-shim's is in {target}, which Python imports from but does not read start-up "
+        "files from (pip install --target, PYTHONPATH)). Install fsdp-shim into this environment with pip, or use "
+        "`fsdp-shim run`"
+    ]
+
+    shutil.copytree(target, other.site_packages, dirs_exist_ok=True)  # what pip installs, where site reads it
+    isolated = {
+        value: status(env=clean_env(FSDP_SHIM=value, PYTHONPATH=None), launcher=python_m, cwd=tmp_path)
+        for value in (None, "1")
+    }
+    for proc in isolated.values():
+        assert proc.returncode == 0 and "PROBLEM" not in proc.stdout, proc.stdout
+        assert proc.stdout.splitlines()[-1] == (
+            f"NOTHING TO PATCH HERE: neither torch nor Lightning is installed beside this fsdp-shim ({other.python}): "
+            "an isolated install (pipx, `uv tool`) cannot reach your training. Install fsdp-shim into the "
+            "environment that runs the training instead (`pip install fsdp-shim` there), and run `fsdp-shim status` "
+            "with its Python."
+        )
+        assert "FSDP_SHIM=1 python" not in proc.stdout and "1 arms the shim" not in proc.stdout
+    assert isolated[None].stdout.splitlines()[2] == (
+        "Shim: NOT ARMED, and there is nothing to arm it for: no torch, no Lightning here (see below)."
+    )
+
+
+def test_status_python_check_runs_no_code_from_the_current_folder_and_survives_a_sitecustomize_that_prints(
+    lightning_installed: None, planted: Path, tmp_path: Path
+) -> None:
+    """``--python-check``'s interpreter imports Lightning as a training script does, but not the ``yaml.py`` or
+    ``packaging.py`` in the folder status runs in, and reports through a file, so that a ``sitecustomize`` that
+    prints does not garble the report."""
+    (tmp_path / "sitecustomize.py").write_text("import atexit\nprint('hello')\natexit.register(print, 'goodbye')\n")
+    env = clean_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), *filter(None, [env.get("PYTHONPATH")])])
+    proc = run_command([FSDP_SHIM, "status", "--python-check"], env=env, cwd=planted)
+    assert sorted(p.name for p in planted.glob("RAN-*")) == []
+    assert proc.returncode == 0 and proc.stderr == "", proc.stdout + proc.stderr
+    assert "A fresh interpreter (imports Lightning, not fsdp_shim):" in proc.stdout.splitlines()
+
+
+@pytest.mark.per_python
+def test_status_ends_in_one_line_without_a_temporary_folder_and_quietly_when_its_reader_goes_away(
+    tmp_path: Path,
+) -> None:
+    """``--python-check`` with no usable temporary folder: one line naming it, exit 2. ``fsdp-shim status | head
+    -1``, the reader gone before the report is written: no traceback, exit 141 (the shell's code for SIGPIPE)."""
+    missing = str(tmp_path / "no-such-folder")
+    code = f"import sys, tempfile\ntempfile.tempdir = {missing!r}\nfrom _fsdp_shim.cli import main\n"
+    proc = run_code(code + "sys.exit(main(['status', '--python-check']))\n", expect_ok=False)
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "no usable temporary folder" in lines[0] and missing in lines[0]
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        gone = subprocess.run([FSDP_SHIM, "status"], stdout=write, stderr=subprocess.PIPE, env=clean_env(), timeout=300)
+    finally:
+        os.close(write)
+    assert (gone.returncode, gone.stderr) == (141, b"")
+
+
+@pytest.mark.per_python
+def test_the_command_and_each_commands_help_on_an_ascii_terminal() -> None:
+    """A bare ``fsdp-shim`` lists the commands and exits 0; each command's ``--help`` has its description, its
+    options' defaults and an example; all of it, and ``status``, on a terminal that shows only ASCII."""
+    from _fsdp_shim.cli import DESCRIPTIONS
+    from _fsdp_shim.distributions import describe_import_failure
+
+    env = clean_env(PYTHONIOENCODING="ascii")
+    bare = run_command([FSDP_SHIM], env=env)
+    assert bare.returncode == 0 and bare.stderr == ""
+    assert [c for c in ("run", "status", "verify") if f"\n    {c} " in bare.stdout] == ["run", "status", "verify"]
+    for command, (description, example) in DESCRIPTIONS.items():
+        proc = run_command([FSDP_SHIM, command, "--help"], env=env)
+        assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+        assert description.splitlines()[0] in proc.stdout and f"example:\n  {example}\n" in proc.stdout
+    assert "(default: 3)" in run_command([FSDP_SHIM, "verify", "--help"], env=env).stdout
+    proc = run_command([FSDP_SHIM, "status"], env=env)
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    hint = describe_import_failure("lightning", ["ModuleNotFoundError", "No module named 'x'", "pkg_resources"])
+    assert "needs setuptools<81" in hint and hint.isascii()
