@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from _fsdp_shim.config import CAST, FIXES, RECOMPUTE, Fix, State
+from _fsdp_shim.config import CAST, DOCS, FIXES, RECOMPUTE, Fix, State
 from _fsdp_shim.verify.records import UNITS, Options, RankResult, Skipped
 
 DTYPES = {"bf16-true": "torch.bfloat16", "16-true": "torch.float16"}
@@ -108,7 +108,7 @@ def judge(off: Runs, on: Runs, precision: str, seed_model: bool) -> Verdict:
     if finite(off[0].losses) and not finite(on[0].losses):
         problems.append(
             "memory is fixed, but the training losses are not finite with the shim while they are without it: "
-            f"{precision} keeps weights and optimizer state in {short} (see docs/numerics.md: use bf16-true or a "
+            f"{precision} keeps weights and optimizer state in {short} (see {DOCS}numerics.html: use bf16-true or a "
             "larger optimizer eps)"
         )
     if problems:
@@ -118,7 +118,7 @@ def judge(off: Runs, on: Runs, precision: str, seed_model: bool) -> Verdict:
             f"this model is already {short} without the shim (it casts itself), so the shim changes nothing for "
             "this model: measured, every dtype and byte count is the same with it on"
         )
-    note = f"; note: the losses are not finite in either run ({precision} with this optimizer; see docs/numerics.md)"
+    note = f"; note: the losses are not finite in either run ({precision} with this optimizer; see {DOCS}numerics.html)"
     note = "" if finite(on[0].losses) else note
     before, after = (sum(getattr(r, k) for k in BYTE_KEYS) for r in (off[0], on[0]))
     if before == after:
