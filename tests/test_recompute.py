@@ -1,24 +1,18 @@
-"""The recompute fix, with real Lightning, FSDP and DDP (gloo, CPU): a run with activation checkpointing
-equals the same run without it, bit for bit: the loss and the gradients of every step and every
-rank's final parameters.
+"""The recompute fix, with real Lightning, FSDP and DDP (gloo, CPU): a run with activation checkpointing equals the
+same run without it, bit for bit: the loss and the gradients of every step and every rank's final parameters.
 
-The runs are ``tests/scenarios/recompute.py``'s; every expectation is another run of it (the same
-case without checkpointing, or without the shim). Each block makes a tensor without an explicit dtype,
-so a recompute outside the forward's dtype context differs from the forward.
-
-Where it runs: the whole matrix of issue 25 (Trainer and Fabric, 1 and 2 ranks in ``bf16-true`` and one in
-``16-true``, every block and checkpointing mode) on the releases of ``PROOF_RELEASES`` (on wrapt 2); one rank in
-``bf16-true`` on every other release and on wrapt 1; and on every release, the bug without the shim, so that the day
-a Lightning release recomputes in the forward's dtype itself, its session fails here and names the gate
-to bound.
+The runs are ``tests/scenarios/recompute.py``'s; every expectation is another run of it (the same case without
+checkpointing, or without the shim). Each block makes a tensor without an explicit dtype, so a recompute outside
+the forward's dtype context differs from the forward. The whole matrix (Trainer and Fabric, 1 and 2 ranks in
+``bf16-true``, one in ``16-true``, every block and checkpointing mode) runs on the releases of ``PROOF_RELEASES``
+on wrapt 2; one rank in ``bf16-true`` on every other release and on wrapt 1; and on every release, the bug without
+the shim, so that a Lightning release that fixes it fails its session here.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,9 +20,7 @@ from typing import Any
 import pytest
 import wrapt
 from conftest import DTYPES, NAMESPACES, ROOT, Layout, clean_env, free_port, run_on_a_free_port, scenario_results
-
-from _fsdp_shim import failures
-from _fsdp_shim.config import CAST, RECOMPUTE, base_release, log_setting
+from packaging.version import Version
 
 SCRIPT = ROOT / "tests" / "scenarios" / "recompute.py"
 BLOCKS = ("ones", "scalar", "mask", "castback")
@@ -91,10 +83,10 @@ def recompute_acted(dtype: str) -> str:
 
 
 def first_fix_acted(layout: Layout, api: str, dtype: str) -> str:
-    """How the confirmation line ends: the cast's, before the first forward, where the release lacks it, else
-    the recompute's, in the first checkpointed backward: what acted first, and nothing else."""
+    """How the confirmation line ends: the cast's, before the first forward, where the release lacks it (before
+    Lightning 2.5.0), else the recompute's, in the first checkpointed backward: what acted first, and nothing else."""
     version = layout.version(api)
-    if not CAST.affects(version):
+    if Version(version) >= Version("2.5.0rc0"):
         return recompute_acted(dtype)
     namespace = NAMESPACES[layout.package][api == "fabric"]
     return f"; cast acted ({namespace} {version}: the model cast to {dtype} before FSDP wraps it)"
@@ -105,7 +97,7 @@ def trainer_layout(layouts: dict[str, Layout]) -> Layout:
     if not layouts:
         pytest.skip("needs an installed Lightning")
     layout = layouts.get("lightning") or layouts["standalone"]
-    if not RECOMPUTE.affects(layout.trainer_version):
+    if Version(layout.trainer_version) < Version("2.1.0"):
         pytest.skip(f"Lightning {layout.trainer_version} has no 'true' precisions for FSDP")
     return layout
 
@@ -113,7 +105,8 @@ def trainer_layout(layouts: dict[str, Layout]) -> Layout:
 def in_proof_release(layout: Layout) -> bool:
     """On wrapt 1 (its own session, next to the same release on wrapt 2) what depends on wrapt, training
     through the wrappers, is the one-rank ``bf16-true`` run: the rest of the matrix runs on wrapt 2."""
-    return base_release(layout.trainer_version) in PROOF_RELEASES and int(wrapt.__version__.split(".")[0]) >= 2
+    release = Version(layout.trainer_version).release
+    return (*release, 0, 0)[:3] in PROOF_RELEASES and int(wrapt.__version__.split(".")[0]) >= 2
 
 
 def assert_like_the_run_without_checkpointing(results: dict[int, dict[str, Any]], cases: list[str]) -> None:
@@ -153,13 +146,7 @@ def test_fsdp_with_checkpointing_equals_fsdp_without(
 @pytest.mark.per_release
 @pytest.mark.parametrize(
     ("api", "strategy", "devices"),
-    [
-        ("trainer", "single", 1),
-        ("manual", "single", 1),
-        ("fabric", "single", 1),
-        ("trainer", "ddp", 2),
-        ("fabric", "ddp", 2),
-    ],
+    [("trainer", "single", 1), ("manual", "single", 1), ("fabric", "ddp", 2)],
 )
 def test_the_half_precision_plugin_gets_the_same_fix(
     api: str, strategy: str, devices: int, layouts: dict[str, Layout], tmp_path: Path
@@ -206,7 +193,7 @@ def test_without_the_shim_every_release_recomputes_in_float32(
     version = off["_lightning"]["version"]
     assert off["_shim"]["active"] is False
     fixed_upstream = (
-        f"Lightning {version} recomputes in the forward's dtype itself: set RECOMPUTE.first_fixed in "
+        f"Lightning {version} recomputes in the forward's dtype itself: set RECOMPUTE.fixed_in in "
         "_fsdp_shim/config.py to its release, and keep the shim off that release"
     )
     # the blocks' forwards in bfloat16, their recomputes in float32
@@ -218,36 +205,23 @@ def test_without_the_shim_every_release_recomputes_in_float32(
     assert off["castback:reentrant"]["gradients"] != off["castback:none"]["gradients"], fixed_upstream
 
 
-def test_switching_the_fix_off_brings_the_bug_back_and_leaves_the_cast(
-    layouts: dict[str, Layout], tmp_path: Path
-) -> None:
-    """``FSDP_SHIM_DISABLED_FIXES=recompute`` switches this fix off alone."""
-    layout = trainer_layout(layouts)
-    cases = ["probe:nonreentrant", "ones:policy"]
-    off = run(tmp_path, "trainer", cases, package=layout.package, env=WITHOUT_RECOMPUTE_FIX)[0]
-    assert off["_shim"]["active"] is True
-    assert "torch.float32" in off["probe:nonreentrant"]["block_dtypes"]
-    assert off["ones:policy"]["error"].startswith(BUG)
-    on = run(tmp_path, "trainer", cases, package=layout.package)[0]
-    assert set(on["probe:nonreentrant"]["block_dtypes"]) == {"torch.bfloat16"}
-    assert on["ones:policy"]["error"] is None
-
-
 @pytest.mark.parametrize(("precision", "dtype"), [("16-true", "torch.float16"), ("32-true", "torch.float32")])
-def test_a_recompute_runs_in_its_forwards_dtype_and_nothing_else_changes(
+def test_a_recompute_runs_in_its_forwards_dtype_and_switching_the_fix_off_brings_the_bug_back(
     precision: str, dtype: str, layouts: dict[str, Layout], tmp_path: Path
 ) -> None:
-    """Every recompute runs in the dtype its forward had ("16-true" too; in "32-true" both are float32).
-    Nothing else changes: the backward of an ``autograd.Function`` that makes a tensor without a dtype
-    runs in float32 as Lightning leaves it, and a run without checkpointing is the run without this fix,
-    bit for bit."""
+    """Every recompute runs in its forward's dtype (in "32-true" both are float32); the backward of an
+    ``autograd.Function`` that makes a tensor without a dtype runs in float32 as Lightning leaves it; a run
+    without checkpointing is the same with ``FSDP_SHIM_DISABLED_FIXES=recompute``, which switches this fix off
+    alone: the recompute in float32 again, the cast left on. A case that raises is reported, so comparing fails."""
     layout = trainer_layout(layouts)
     cases = ["probe:none", "probe:nonreentrant", "probe:reentrant"]
     results, output = run_with_output(tmp_path, "trainer", cases, precision=precision, package=layout.package)
     on = results[0]
-    off = run(  # the cast stays: on 2.1-2.4 it alone changes the run
-        tmp_path, "trainer", ["probe:none"], precision=precision, package=layout.package, env=WITHOUT_RECOMPUTE_FIX
-    )[0]
+    off_cases = ["probe:none", "probe:nonreentrant", "ones:policy", "nosuchblock:none"]
+    off_results, off_output = run_with_output(
+        tmp_path, "trainer", off_cases, precision=precision, package=layout.package, env=WITHOUT_RECOMPUTE_FIX
+    )
+    off = off_results[0]
     for case in cases:
         assert on[case]["error"] is None, on[case]
         assert set(on[case]["block_dtypes"]) == {dtype}, case
@@ -257,12 +231,19 @@ def test_a_recompute_runs_in_its_forwards_dtype_and_nothing_else_changes(
         off["probe:none"]["losses"],
         off["probe:none"]["params"],
     )
-    # The job's output says what acted: in 16-true the first fix to change anything; in 32-true nothing does.
-    if precision == "32-true":
-        assert confirmations(output) == [], output[-3000:]
-    else:
-        (line,) = confirmations(output)
-        assert line.endswith(first_fix_acted(layout, "trainer", "float16")), line
+    assert off["nosuchblock:none"]["error"] == "ValueError: nosuchblock"
+    with pytest.raises(AssertionError):
+        assert_like_the_run_without_checkpointing(off_results, ["nosuchblock:none"])
+    if precision == "32-true":  # nothing to change: nothing said
+        assert confirmations(output) == confirmations(off_output) == [], output[-3000:]
+        assert off["ones:policy"]["error"] is None
+        return
+    assert set(off["probe:nonreentrant"]["block_dtypes"]) == {dtype, "torch.float32"}
+    assert off["ones:policy"]["error"].startswith(BUG), off["ones:policy"]
+    first = first_fix_acted(layout, "trainer", "float16")
+    (line,) = confirmations(output)
+    assert line.endswith(first), line
+    assert confirmations(off_output) == ([line] if "; cast acted" in first else []), off_output[-3000:]
 
 
 @pytest.mark.per_release
@@ -325,163 +306,3 @@ def test_a_hugging_face_llama_with_checkpointing_equals_it_without(
     env = {TRANSFORMERS_VARIABLE: TRANSFORMERS_FOLDER} if TRANSFORMERS_FOLDER else None  # clean_env drops it
     results = run(tmp_path, "trainer", cases, devices=devices, package=layout.package, env=env)
     assert_like_the_run_without_checkpointing(results, cases)
-
-
-def test_the_scenario_reports_an_error_instead_of_passing_silently(layouts: dict[str, Layout], tmp_path: Path) -> None:
-    """The comparisons above can fail: a case that raises is reported as such (and a run with an
-    unknown block raises)."""
-    trainer_layout(layouts)
-    result = run(tmp_path, "trainer", ["nosuchblock:none"])[0]
-    assert result["nosuchblock:none"]["error"] == "ValueError: nosuchblock"
-    with pytest.raises(AssertionError):
-        assert_like_the_run_without_checkpointing({0: result}, ["nosuchblock:none"])
-
-
-@pytest.mark.parametrize("setting", ["0", "debug", "verbose"])
-def test_fsdp_shim_log_switches_the_confirmation_off_or_shows_every_record(
-    setting: str, layouts: dict[str, Layout], tmp_path: Path
-) -> None:
-    """``FSDP_SHIM_LOG=0``: the same one-device run as above prints no line of the shim; ``debug``: the
-    confirmation, and the records logging would hide (what each namespace's fixes wrapped), on stderr; a value
-    it cannot read: the confirmation, and one warning naming the value."""
-    layout = trainer_layout(layouts)
-    cases = ["ones:none", "ones:nonreentrant"]
-    env = {"FSDP_SHIM_LOG": setting, "PYTHONWARNINGS": "default"}
-    results, output = run_with_output(tmp_path, "trainer", cases, strategy="single", package=layout.package, env=env)
-    assert_like_the_run_without_checkpointing(results, cases)
-    shim_lines = [line for line in output.splitlines() if line.startswith("fsdp-shim")]
-    warned = [line for line in output.splitlines() if "FSDPShimWarning: fsdp-shim: FSDP_SHIM_LOG=" in line]
-    assert len(warned) == (setting == "verbose"), output[-3000:]
-    if setting == "0":
-        assert shim_lines == [], output[-3000:]
-        return
-    (line,) = confirmations(output)
-    assert line.endswith(recompute_acted("bfloat16")), output[-3000:]
-    namespace = NAMESPACES[layout.package][0]
-    patched = [line for line in shim_lines if line.startswith(f"fsdp-shim: patched {namespace} ")]
-    assert len(patched) == (setting == "debug"), output[-3000:]
-    if setting == "debug":
-        assert "recompute (torch.utils.checkpoint.CheckpointFunction.forward" in patched[0]
-        assert f"{namespace} {layout.trainer_version}, recompute fix: patched" in output
-    else:
-        assert "'verbose' is not a valid value" in warned[0] and "the confirmation lines stay on" in warned[0]
-
-
-def lines_of_the_shim(output: str) -> list[str]:
-    """Every line of a run's output that comes from the shim: its lines (``fsdp-shim...``), its logger's records
-    in ``logging.basicConfig``'s format (``INFO:fsdp_shim:...``) and its warnings."""
-    return [
-        line
-        for line in output.splitlines()
-        if line.startswith("fsdp-shim") or ":fsdp_shim:" in line or "FSDPShimWarning" in line
-    ]
-
-
-@pytest.mark.parametrize("logging_setup", ["none", "info"])
-def test_one_line_of_the_shim_with_logging_unconfigured_or_at_info(
-    logging_setup: str, layouts: dict[str, Layout], tmp_path: Path
-) -> None:
-    """A one-device ``bf16-true`` run with activation checkpointing shows one line of the shim, its
-    confirmation, whether nobody configured logging or ``logging.basicConfig(level=logging.INFO)`` did (Ray
-    Train's workers, many scripts): what each namespace's fixes wrapped is DEBUG, hidden there. At INFO
-    the line is a record of the ``fsdp_shim`` logger, in the user's format."""
-    layout = trainer_layout(layouts)
-    cases = ["ones:none", "ones:nonreentrant"]
-    results, output = run_with_output(
-        tmp_path,
-        "trainer",
-        cases,
-        strategy="single",
-        package=layout.package,
-        env={"PYTHONWARNINGS": "default"},
-        logging_setup=logging_setup,
-    )
-    assert_like_the_run_without_checkpointing(results, cases)
-    lines = lines_of_the_shim(output)
-    assert len(lines) == 1, output[-3000:]
-    assert lines[0].startswith("INFO:fsdp_shim:fsdp-shim" if logging_setup == "info" else "fsdp-shim"), lines
-
-
-def test_the_log_lines_go_through_the_users_logging_configuration_and_change_none_of_it(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """A record the configuration shows goes through it, once; one it would drop goes to stderr only where
-    ``FSDP_SHIM_LOG`` asks for it (the confirmation lines by default, the rest with ``debug``). No handler or
-    level of the user's is added or changed."""
-    logger = logging.getLogger("fsdp_shim")
-    records: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
-
-    monkeypatch.setenv("RANK", "0")
-    monkeypatch.setattr(logger, "handlers", [])
-    level = logger.level
-    try:
-        logger.setLevel(logging.WARNING)
-        for setting, expected in [("1", ["confirmed 0"]), ("debug", ["confirmed 0", "patched x", "reason y"])]:
-            monkeypatch.setenv("FSDP_SHIM_LOG", setting)
-            failures.announce("confirmed %d", 0)
-            failures.debug_on_rank_zero("patched %s", "x")
-            failures.debug("reason %s", "y")
-            assert capsys.readouterr().err.splitlines() == expected, setting
-            assert (logger.handlers, logger.level) == ([], logging.WARNING)
-        handler = Collect()
-        logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
-        failures.announce("confirmed %d", 1)
-        failures.debug("reason %s", "z")  # below the level the user chose: on stderr, with debug
-        assert (records, capsys.readouterr().err.splitlines()) == (["confirmed 1"], ["reason z"])
-        assert (logger.handlers, logger.level) == ([handler], logging.INFO)
-        monkeypatch.delenv("FSDP_SHIM_LOG")  # a setup at INFO, by default: the confirmation only
-        failures.announce("confirmed %d", 2)
-        failures.debug_on_rank_zero("patched %s", "w")
-        assert (records, capsys.readouterr().err) == (["confirmed 1", "confirmed 2"], "")
-    finally:
-        logger.setLevel(level)
-
-
-def test_fsdp_shim_log_values() -> None:
-    """The values of ``FSDP_SHIM_LOG``: an unreadable one keeps the lines, and says so."""
-    assert log_setting({}) == ("on", None)
-    for value, setting in [("1", "on"), (" On ", "on"), ("0", "off"), ("false", "off"), (" DEBUG", "debug")]:
-        assert log_setting({"FSDP_SHIM_LOG": value}) == (setting, None), value
-    setting, problem = log_setting({"FSDP_SHIM_LOG": "verbose"})
-    assert setting == "on" and problem is not None and "FSDP_SHIM_LOG='verbose'" in problem and "debug" in problem
-
-
-RANK_OF_THE_GROUP = """
-import sys, datetime
-import torch.distributed as dist
-from _fsdp_shim import failures
-dist.init_process_group("gloo", init_method=sys.argv[1], rank=int(sys.argv[2]), world_size=2,
-                        timeout=datetime.timedelta(seconds=60))
-failures.announce_once_on_rank_zero("test", "said by rank %d", dist.get_rank())
-print("process_rank", failures.process_rank())
-dist.barrier()
-dist.destroy_process_group()
-"""
-
-
-def test_rank_zero_is_the_process_groups_where_no_variable_says_it() -> None:
-    """Two ranks of one process group, each with ``LOCAL_RANK=0`` and no ``RANK`` (the main process of each
-    node under Lightning's own launcher; under mpirun no variable is set at all): the line is said once, by
-    the group's rank 0."""
-    init = f"tcp://127.0.0.1:{free_port()}"
-    env = clean_env(LOCAL_RANK="0", RANK=None, SLURM_PROCID=None, PYTHONWARNINGS="ignore")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", RANK_OF_THE_GROUP, init, str(rank)],
-            env=env,
-            cwd=ROOT,
-            text=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-        for rank in (0, 1)
-    ]
-    outputs = [proc.communicate(timeout=120) for proc in procs]
-    assert [proc.returncode for proc in procs] == [0, 0], outputs
-    assert [out.split() for out, _ in outputs] == [["process_rank", "0"], ["process_rank", "1"]]
-    assert [err.splitlines() for _, err in outputs] == [["said by rank 0"], []]

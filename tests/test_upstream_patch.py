@@ -1,22 +1,12 @@
-"""The fix offered to torch (docs/upstream.md): docs/upstream/checkpoint-default-dtype.patch, applied to a copy
-of torch's ``torch.utils.checkpoint`` that only the tests' children import (tests/patched_checkpoint), fixes
-the recompute on its own, with the shim's recompute fix off, and changes nothing else.
-
-* the project's recompute cases (tests/scenarios/recompute.py: every block and checkpoint path, Lightning's
-  policy included, in ``bf16-true`` and ``16-true``) train as they do without checkpointing, bit for bit;
-* torch's checkpoint alone (tests/children/checkpoint_behaviours.py: both reentrant modes, nested,
-  selective, without early stop, ``checkpoint_sequential``, ``debug``, RNG preserved or not): in float32
-  the same as torch's own, bit for bit; in bfloat16 and float16 the same as without checkpointing, where
-  torch's own fails or recomputes in float32;
-* the test written for torch (docs/upstream/test_checkpoint_default_dtype.py) passes on the patched copy,
-  and each of its tests fails on torch's own.
-
-Where it runs: the torch session the patch applies to (2.15.0, whose checkpoint it was written against:
-``per_release``); a torch it does not apply to refuses the patched copy by name (the default session's).
+"""The fix offered to torch (docs/upstream.md): docs/upstream/checkpoint-default-dtype.patch, applied to a copy of
+torch's ``torch.utils.checkpoint`` that only the tests' children import (tests/patched_checkpoint), fixes the
+recompute on its own and changes nothing else; the shim steps aside on such a torch. These run in the torch session
+the patch applies to (2.15.0: ``per_release``); a torch it does not apply to refuses the copy by name.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from importlib.metadata import version
@@ -31,6 +21,7 @@ from conftest import (
     Layout,
     child_json,
     clean_env,
+    code_json,
     needs_patched_checkpoint,
     patched_checkpoint_env,
     run_command,
@@ -139,9 +130,13 @@ def behaviours() -> dict[str, dict[str, Any]]:
 
 @pytest.mark.per_release
 @needs_patched_checkpoint
-def test_the_patch_changes_no_checkpoint_where_the_default_dtype_stays(behaviours: dict[str, Any]) -> None:
-    """In float32 every way of checkpointing gives what torch's own gives, bit for bit: outputs,
-    gradients, the dtypes seen, the RNG (dropout) preserved or not."""
+def test_the_patch_changes_nothing_where_the_dtype_stays_and_fixes_every_way_of_checkpointing(
+    behaviours: dict[str, Any],
+) -> None:
+    """In float32 every way of checkpointing gives what torch's own gives, bit for bit: outputs, gradients, the
+    dtypes seen, the RNG (dropout) preserved or not. With the forward under a bfloat16 or float16 default dtype and
+    the backward outside it, each recomputes in the forward's dtype and equals the run without checkpointing, where
+    torch's own recomputes in float32 (raising ``CheckpointError`` where the non-reentrant check sees it)."""
     own, patched = behaviours["own"], behaviours["patched"]
     assert (own["patched"], patched["patched"]) == (False, True)
     assert own["torch"] == patched["torch"] and own["file"] != patched["file"]
@@ -149,30 +144,22 @@ def test_the_patch_changes_no_checkpoint_where_the_default_dtype_stays(behaviour
     for name, case in own["results"]["float32"].items():
         assert (case["error"] or "").startswith(REFUSED.get(name, "")) and bool(case["error"]) == (name in REFUSED)
     assert len(patched["results"]["float32"]) >= 16
-
-
-@pytest.mark.per_release
-@needs_patched_checkpoint
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_the_patch_fixes_every_way_of_checkpointing_a_block(dtype: str, behaviours: dict[str, Any]) -> None:
-    """With the forward under a bfloat16 or float16 default dtype and the backward outside it, each way of
-    checkpointing recomputes in the forward's dtype and equals the run without checkpointing; torch's own
-    recomputes each in float32 (raising ``CheckpointError`` where the non-reentrant check sees it)."""
-    own, patched = behaviours["own"]["results"][dtype], behaviours["patched"]["results"][dtype]
-    for name, case in patched.items():
-        if name.startswith("lightning-"):
-            continue
-        assert case["error"] is None, (name, case)
-        assert set(case["seen"]) == {f"torch.{dtype}"}, name
-        assert case["default_dtype_after"] == "torch.float32", name
-        reference = patched["rng-none" if name.startswith("rng-") else "none"]
-        if name.startswith("rng-not-preserved"):
-            assert case["grads"] != reference["grads"], name  # torch's rule: another dropout mask
-        elif name not in ("none", "rng-none"):
-            assert len(case["seen"]) > 1 and case["output"] == reference["output"], name
-            assert case["grads"] == reference["grads"], name
-            assert own[name]["error"] is not None or "torch.float32" in own[name]["seen"], (name, own[name])
-    assert (own["none"], own["rng-none"]) == (patched["none"], patched["rng-none"])
+    for dtype in ("bfloat16", "float16"):
+        mine, fixed = own["results"][dtype], patched["results"][dtype]
+        for name, case in fixed.items():
+            if name.startswith("lightning-"):
+                continue
+            assert case["error"] is None, (dtype, name, case)
+            assert set(case["seen"]) == {f"torch.{dtype}"}, (dtype, name)
+            assert case["default_dtype_after"] == "torch.float32", (dtype, name)
+            reference = fixed["rng-none" if name.startswith("rng-") else "none"]
+            if name.startswith("rng-not-preserved"):
+                assert case["grads"] != reference["grads"], name  # torch's rule: another dropout mask
+            elif name not in ("none", "rng-none"):
+                assert len(case["seen"]) > 1 and case["output"] == reference["output"], (dtype, name)
+                assert case["grads"] == reference["grads"], (dtype, name)
+                assert mine[name]["error"] is not None or "torch.float32" in mine[name]["seen"], (dtype, name)
+        assert (mine["none"], mine["rng-none"]) == (fixed["none"], fixed["rng-none"])
 
 
 @pytest.mark.per_release
@@ -190,44 +177,63 @@ def test_the_lightning_side_alternative_fixes_its_policy_only_without_debug(beha
         assert (own[name]["error"] or "").startswith(refusal), own[name]
 
 
+STEPPED_ASIDE = """
+import importlib, importlib.util, json, sys
+from pathlib import Path
+import torch
+import fsdp_shim
+from _fsdp_shim import rank_check
+from _fsdp_shim.config import RECOMPUTE
+from _fsdp_shim.environment import collect
+from _fsdp_shim.status import reading
+from children.recompute_proof import COMPOSABLE, held, recompute_grads
+packages = {"lightning.pytorch": "lightning", "pytorch_lightning": "pytorch_lightning"}
+namespaces = [name for name, package in packages.items() if importlib.util.find_spec(package)]
+for name in namespaces:
+    importlib.import_module(name)
+shim_code = str(Path(fsdp_shim.__file__).resolve().parents[1] / "_fsdp_shim")
+by_shim, original = [], torch.set_default_dtype
+
+def watched(dtype):  # every torch.set_default_dtype call the shim's own code makes
+    if sys._getframe(1).f_code.co_filename.startswith(shim_code):
+        by_shim.append(str(dtype))
+    original(dtype)
+
+torch.set_default_dtype = watched
+grads = recompute_grads()
+torch.set_default_dtype = original
+print(json.dumps({
+    "states": {name: reading(name, RECOMPUTE).state.value for name in namespaces},
+    "rank_check": {name: rank_check.decide(name, torch.bfloat16)["fixes"]["recompute"] for name in namespaces},
+    "held": [*held().values(), *held(COMPOSABLE).values()],
+    "still_needed": collect()["still_needed"]["recompute"]["needed"],
+    "set_by_the_shim": by_shim,
+    "grads": grads,
+}))
+"""
+
+
 @pytest.mark.per_release
 @needs_patched_checkpoint
 def test_the_shim_steps_aside_where_torch_restores_the_dtype_itself(layouts: dict[str, Layout]) -> None:
-    """With the patched copy and the shim on: every namespace says the recompute is not needed on this torch,
-    the rank line names it torch's own, torch holds its own functions (decided from its code: no check that
-    switches the dtype), torch's file reads as restoring every path, and a bfloat16 checkpointed backward,
-    reentrant and not, recomputes in bfloat16 with no ``set_default_dtype`` call from the shim's code."""
+    """With the patched copy and the shim on: the recompute is "torch has it" in every namespace, the rank check
+    names it torch's own, ``fsdp-shim status`` says it is not needed, torch holds its own functions (decided from
+    its code: no check that switches the dtype), and a bfloat16 checkpointed backward, reentrant and not,
+    recomputes in bfloat16 with no ``set_default_dtype`` call from the shim's code."""
     trainer_layout(layouts)
-    packages = [name for name in ("lightning.pytorch", "pytorch_lightning") if _importable(name)]
-    result = child_json("recompute_proof:stepped_aside", {"packages": packages}, env=patched_checkpoint_env())
-    reason = (
-        f"not needed on torch {result['torch']}: its checkpoint restores the forward's default dtype for every "
-        "recompute itself; torch left untouched"
-    )
-    assert result["recompute"] and all(state == [False, reason] for state in result["recompute"].values()), result
-    assert all(line.endswith("recompute (torch's own)") for line in result["rank_check"].values()), result
-    assert "ShimWrapper" not in [*result["checkpoint"].values(), *result["composable"].values()], result
-    assert result["read_from_file"] == ["composable", "non-reentrant", "reentrant"]
-    assert result["set_by_the_shim"] == []
+    result = code_json(STEPPED_ASIDE, env=patched_checkpoint_env())
+    assert result["states"] and set(result["states"].values()) == {"torch has it"}, result
+    assert list(result["rank_check"].values()) == [{"by": "torch", "except": []}] * len(result["states"]), result
+    assert "ShimWrapper" not in result["held"], result
+    assert (result["still_needed"], result["set_by_the_shim"]) == (False, []), result
     assert result["grads"] == {"non-reentrant": "torch.bfloat16", "reentrant": "torch.bfloat16"}
-
-
-def _importable(name: str) -> bool:
-    import importlib.util
-
-    try:
-        return importlib.util.find_spec(name) is not None
-    except ImportError:
-        return False
 
 
 @pytest.mark.per_release
 @needs_patched_checkpoint
 def test_verify_says_the_recompute_is_not_needed_on_a_torch_that_has_it(layouts: dict[str, Layout]) -> None:
-    """``fsdp-shim verify`` with the patched copy: the seed model's checkpointed runs, shim off and on, equal
-    the runs without checkpointing, and the recompute's verdict is "not needed", with the shim's reason."""
-    import json
-
+    """``fsdp-shim verify`` with the patched copy: the seed model's checkpointed runs, shim off and on, equal the
+    runs without checkpointing, and the recompute's verdict is "not needed"."""
     layout = trainer_layout(layouts)
     package = "lightning" if layout.package == "lightning" else "pytorch_lightning"
     proc = verify("--package", package, "--steps", "1", "--json", env=patched_checkpoint_env())
@@ -235,5 +241,69 @@ def test_verify_says_the_recompute_is_not_needed_on_a_torch_that_has_it(layouts:
     (section,) = json.loads(proc.stdout)["sections"]
     recompute = next(entry for entry in section["fixes"] if entry["fix"] == "recompute")
     assert recompute["verdict"] == "not needed", recompute
-    assert recompute["reason"].startswith("not needed on torch "), recompute
     assert "with the shim on and off" in recompute["reason"], recompute
+
+
+RESTORING = """
+import contextlib
+import torch
+
+
+@contextlib.contextmanager
+def _default_dtype_context(dtype):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+class CheckpointFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, run_function, preserve_rng_state, *args):
+        ctx.default_dtype = torch.get_default_dtype()
+        return run_function(*args)
+
+    @staticmethod
+    def backward(ctx, *args):
+        with _default_dtype_context(ctx.default_dtype):
+            return ctx.run_function(*args)
+
+
+def _checkpoint_without_reentrant_generator_impl(fn, args, kwargs):
+    default_dtype = torch.get_default_dtype()
+
+    def recompute_fn(*inputs):
+        with _default_dtype_context(default_dtype):
+            fn(*inputs)
+
+    yield
+"""
+"""The patch's shape: the forward reads the default dtype, the recompute sets it through a module helper."""
+
+
+def test_whether_a_path_restores_the_dtype_is_read_from_torchs_code() -> None:
+    """Each path on its own: restored where its forward reads the dtype and its recompute sets it (through the
+    module's helper); not where the forward does not read it, so the shim keeps its pin for that path alone.
+    Compiled, never run."""
+    from types import CodeType
+
+    from _fsdp_shim.recompute_check import restores
+
+    def paths(source: str) -> list[str]:
+        module = compile(source, "checkpoint.py", "exec")
+        code = {c.co_name: c for c in module.co_consts if isinstance(c, CodeType)}
+        methods = {c.co_name: c for c in code["CheckpointFunction"].co_consts if isinstance(c, CodeType)}
+        helpers = {"_default_dtype_context": code["_default_dtype_context"]}
+        generator = code["_checkpoint_without_reentrant_generator_impl"]
+        found = ["reentrant"] if restores(methods["forward"], methods["backward"], helpers) else []
+        return found + (["non-reentrant"] if restores(generator, None, helpers) else [])
+
+    assert paths(RESTORING) == ["reentrant", "non-reentrant"]
+    not_captured = RESTORING.replace("    default_dtype = torch.get_default_dtype()\n", "    default_dtype = None\n")
+    assert paths(not_captured) == ["reentrant"]
+    assert paths(RESTORING.replace("ctx.default_dtype = torch.get_default_dtype()", "ctx.default_dtype = 0")) == [
+        "non-reentrant"
+    ]
+    assert paths(RESTORING.replace("set_default_dtype", "manual_seed")) == []  # the helper sets nothing

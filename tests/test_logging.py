@@ -1,0 +1,140 @@
+"""The shim's lines: one confirmation, on rank zero, through the user's logging where it is configured;
+``FSDP_SHIM_LOG`` switches it off or adds the debug records. The runs are one-device ``bf16-true`` trainings with
+activation checkpointing (tests/scenarios/recompute.py)."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import NAMESPACES, ROOT, Layout, clean_env, free_port
+from test_recompute import assert_like_the_run_without_checkpointing, run_with_output, trainer_layout
+
+from _fsdp_shim import log
+from _fsdp_shim.config import log_setting
+
+RECOMPUTE_ACTED = "; recompute acted (a checkpointed block recomputed in bfloat16, its forward's dtype, not float32)"
+
+
+@pytest.mark.parametrize(
+    ("setting", "logging_setup"),
+    [(None, "none"), (None, "info"), ("0", "none"), ("debug", "none"), ("verbose", "none")],
+)
+def test_what_the_shim_prints_in_a_run(
+    setting: str | None, logging_setup: str, layouts: dict[str, Layout], tmp_path: Path
+) -> None:
+    """By default one line, the confirmation, with logging unconfigured or ``basicConfig(level=INFO)`` (Ray
+    Train's workers, many scripts: then a record of the ``fsdp_shim`` logger in the user's format);
+    ``FSDP_SHIM_LOG=0`` none; ``debug`` also what each namespace's fixes became; a value it cannot read keeps
+    the confirmation and warns once, naming the value."""
+    layout = trainer_layout(layouts)
+    cases = ["ones:none", "ones:nonreentrant"]
+    env = {"PYTHONWARNINGS": "default", **({"FSDP_SHIM_LOG": setting} if setting else {})}
+    results, output = run_with_output(
+        tmp_path, "trainer", cases, strategy="single", package=layout.package, env=env, logging_setup=logging_setup
+    )
+    assert_like_the_run_without_checkpointing(results, cases)
+    lines = [
+        line
+        for line in output.splitlines()
+        if line.startswith("fsdp-shim") or ":fsdp_shim:" in line or "FSDPShimWarning" in line
+    ]
+    if setting == "0":
+        assert lines == [], output[-3000:]
+        return
+    (line,) = [line for line in lines if ": active; " in line]
+    assert line.endswith(RECOMPUTE_ACTED), output[-3000:]
+    if setting is None:
+        assert lines == [line], output[-3000:]
+        assert line.startswith("INFO:fsdp_shim:fsdp-shim " if logging_setup == "info" else "fsdp-shim "), line
+    elif setting == "debug":
+        namespace = NAMESPACES[layout.package][0]
+        assert f"fsdp-shim: {namespace} {layout.trainer_version}, recompute fix: patched" in lines, lines
+    else:
+        (warning,) = [line for line in lines if "FSDPShimWarning" in line]
+        assert "FSDP_SHIM_LOG='verbose' is not a valid value" in warning and "the confirmation lines stay" in warning
+        assert len(lines) == 2, lines
+
+
+def test_fsdp_shim_log_values() -> None:
+    """The values of ``FSDP_SHIM_LOG``: an unreadable one keeps the lines, and says so."""
+    assert log_setting({}) == ("on", None)
+    for value, setting in [("1", "on"), (" On ", "on"), ("0", "off"), ("false", "off"), (" DEBUG", "debug")]:
+        assert log_setting({"FSDP_SHIM_LOG": value}) == (setting, None), value
+    setting, problem = log_setting({"FSDP_SHIM_LOG": "verbose"})
+    assert setting == "on" and problem is not None and "FSDP_SHIM_LOG='verbose'" in problem and "debug" in problem
+
+
+def test_the_lines_go_through_the_users_logging_configuration_and_change_none_of_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A record the configuration shows goes through it, once; one it would drop goes to stderr only where
+    ``FSDP_SHIM_LOG`` asks for it (the confirmation by default, the debug records with ``debug``). No handler or
+    level of the user's is added or changed."""
+    logger = logging.getLogger("fsdp_shim")
+    records: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record.getMessage())
+
+    monkeypatch.setattr(logger, "handlers", [])
+    level = logger.level
+    try:
+        logger.setLevel(logging.WARNING)
+        for setting, expected in [("1", ["confirmed 0"]), ("debug", ["confirmed 0", "reason y"])]:
+            monkeypatch.setenv("FSDP_SHIM_LOG", setting)
+            log.announce("confirmed %d", 0)
+            log.debug("reason %s", "y")
+            assert capsys.readouterr().err.splitlines() == expected, setting
+            assert (logger.handlers, logger.level) == ([], logging.WARNING)
+        handler = Collect()
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        log.announce("confirmed %d", 1)
+        log.debug("reason %s", "z")  # below the level the user chose: on stderr, with debug
+        assert (records, capsys.readouterr().err.splitlines()) == (["confirmed 1"], ["reason z"])
+        assert (logger.handlers, logger.level) == ([handler], logging.INFO)
+        monkeypatch.delenv("FSDP_SHIM_LOG")  # a setup at INFO, by default: the confirmation only
+        log.announce("confirmed %d", 2)
+        log.debug("reason %s", "w")
+        assert (records, capsys.readouterr().err) == (["confirmed 1", "confirmed 2"], "")
+    finally:
+        logger.setLevel(level)
+
+
+RANK_OF_THE_GROUP = """
+import sys, datetime
+import torch.distributed as dist
+from _fsdp_shim import log
+dist.init_process_group("gloo", init_method=sys.argv[1], rank=int(sys.argv[2]), world_size=2,
+                        timeout=datetime.timedelta(seconds=60))
+log.confirm(f"said by rank {dist.get_rank()}")
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_rank_zero_is_the_process_groups_where_no_variable_says_it() -> None:
+    """Two ranks of one process group, each with ``LOCAL_RANK=0`` and no ``RANK`` (the main process of each node
+    under Lightning's own launcher; under mpirun no variable is set at all): the line is said once, by rank 0."""
+    init = f"tcp://127.0.0.1:{free_port()}"
+    env = clean_env(LOCAL_RANK="0", RANK=None, SLURM_PROCID=None, PYTHONWARNINGS="ignore")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK_OF_THE_GROUP, init, str(rank)],
+            env=env,
+            cwd=ROOT,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        for rank in (0, 1)
+    ]
+    outputs = [proc.communicate(timeout=120) for proc in procs]
+    assert [proc.returncode for proc in procs] == [0, 0], outputs
+    said = [[line.partition("active; ")[2] for line in err.splitlines()] for _, err in outputs]
+    assert said == [["said by rank 0"], []], outputs
