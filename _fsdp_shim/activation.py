@@ -16,6 +16,7 @@ from _fsdp_shim.config import (
     FIX_NAMES,
     FIXES,
     RANK_CHECK,
+    RECOMPUTE,
     State,
     disabled_fixes,
     log_setting,
@@ -113,7 +114,7 @@ def _patch(name: str) -> None:
     try:
         if not _active or not enabled():
             return
-        from _fsdp_shim import fixes, wrappers
+        from _fsdp_shim import fixes, recompute_check, wrappers
 
         skipped, unknown = disabled_fixes()
         problem = log_setting()[1]
@@ -130,12 +131,9 @@ def _patch(name: str) -> None:
             if problem is not None:
                 failures.warn_once(f"fsdp-shim: {problem}", key=problem)
         before = [wrappers.state(name, fix) for fix in FIXES]
-        after = [
-            wrappers.patch(
-                name, fix, fixes.PLANS[fix.name], disabled=fix.name in skipped, proof=fixes.PROOFS.get(fix.name)
-            )
-            for fix in FIXES
-        ]
+        after = [wrappers.patch(name, fix, fixes.PLANS[fix.name], disabled=fix.name in skipped) for fix in FIXES]
+        if wrappers.state(name, RECOMPUTE) is State.PATCHED:
+            recompute_check.check(force=False)  # a fix on torch's private names: shown before it counts
         wrappers.patch(name, RANK_CHECK, fixes.PLANS[RANK_CHECK.name])  # says what this rank runs, whatever it is
         new = [fix for fix, was, now in zip(FIXES, before, after) if now is State.PATCHED and was is not State.PATCHED]
         if log.process_rank() == 0:
@@ -169,11 +167,11 @@ def _patch(name: str) -> None:
 
 
 def _check_again() -> None:
-    """Run again a check of a fix that could not run where it ran first."""
-    wrappers = sys.modules.get("_fsdp_shim.wrappers")
-    if wrappers is not None and wrappers.has_unsettled_checks():
+    """Check again a recompute path that could not be checked where it was first."""
+    check = sys.modules.get("_fsdp_shim.recompute_check")
+    if check is not None and check.unsettled():
         try:
-            wrappers.recheck()
+            check.check(force=True)
         except Exception as error:
             from _fsdp_shim import failures
 

@@ -126,7 +126,7 @@ def _recompute_needed() -> dict[str, Any]:
     try:
         import torch
 
-        from _fsdp_shim import recompute_check, wrappers
+        from _fsdp_shim import recompute_check
 
         left = [path for path in recompute_check.paths() if path not in recompute_check.restored_by_torch()]
     except Exception as error:
@@ -139,8 +139,8 @@ def _recompute_needed() -> dict[str, Any]:
     return {
         "needed": True,
         "why": f"with activation checkpointing: no Lightning release restores the default dtype for a recompute, nor "
-        f"does torch {torch.__version__}'s checkpoint for {wrappers.the_checkpoints(left)}; it can go once torch's "
-        "does, or where you train without activation checkpointing",
+        f"does torch {torch.__version__}'s checkpoint for {recompute_check.the_checkpoints(left)}; it can go once "
+        "torch's does, or where you train without activation checkpointing",
     }
 
 

@@ -11,10 +11,10 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
-from _fsdp_shim import log, pins, recompute_check, wrappers
+from _fsdp_shim import log, pins, recompute_check
 from _fsdp_shim.config import CAST, DOCS, NAMESPACES, RANK_CHECK, RECOMPUTE, base_release
 from _fsdp_shim.recompute_check import COMPOSABLE, NON_REENTRANT, REENTRANT
-from _fsdp_shim.wrappers import Args, GlueError, Kwargs, NotNeeded, Plan, Proof, Target
+from _fsdp_shim.wrappers import Args, GlueError, Kwargs, NotNeeded, Plan, Target
 
 if TYPE_CHECKING:
     import torch
@@ -73,8 +73,6 @@ PLANS: dict[str, Plan] = {
     RECOMPUTE.name: recompute_targets,
     RANK_CHECK.name: rank_check_targets,
 }
-PROOFS: dict[str, Proof] = {RECOMPUTE.name: recompute_check.prove}
-"""The fixes on private names of torch, and how each shows that it works there."""
 
 
 # ----------------------------------------------------------------------------- the cast
@@ -181,11 +179,11 @@ def non_reentrant_in_forward_dtype(wrapped: Callable[..., Any], instance: Any, a
 
 def _check_again_if_due() -> None:
     """A path not checked yet is checked from a checkpoint call, at most every few seconds, never while traced."""
-    if wrappers.has_unsettled_checks() and not pins.checking.get():
+    if recompute_check.unsettled() and not pins.checking.get():
         import torch
 
         if not pins.tracing(torch):
-            wrappers.recheck(force=False)
+            recompute_check.check(force=False)
 
 
 # ----------------------------------------------------------------------------- the rank check

@@ -16,8 +16,8 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from _fsdp_shim import log, wrappers
-from _fsdp_shim.config import FIXES, SHIM_VARIABLE, State, rank_check_timeout
+from _fsdp_shim import log, recompute_check, wrappers
+from _fsdp_shim.config import FIXES, RECOMPUTE, SHIM_VARIABLE, State, rank_check_timeout
 
 DEFAULT_TIMEOUT_SECONDS = 1800.0  # where the group's own timeout cannot be read (torch's default)
 GRACE_SECONDS = 30.0
@@ -124,7 +124,8 @@ def decide(namespace: str, dtype: Any) -> dict[str, Any]:
         elif state is State.TORCH_HAS_IT:
             fixes[fix.name] = {"by": "torch", "except": []}
         elif wrappers.acting(namespace, fix):  # not "patched": a path still to check acts, whatever the context
-            fixes[fix.name] = {"by": "fsdp-shim", "except": wrappers.passed_by(namespace, fix)}
+            passed_by = recompute_check.found(shown=False, holds=True) if fix is RECOMPUTE else []
+            fixes[fix.name] = {"by": "fsdp-shim", "except": passed_by}
         else:
             fixes[fix.name] = {"by": "off", "except": []}
     where = {"host": socket.gethostname(), "pid": os.getpid(), "namespace": namespace, "lightning": version}
@@ -187,7 +188,7 @@ def summary(report: dict[str, Any]) -> str:
     for fix, entry in report.get("fixes", {}).items():
         if entry["by"] == "fsdp-shim":
             named.append(
-                fix + (f" (except {wrappers.the_checkpoints(entry['except'])})" if entry.get("except") else "")
+                fix + (f" (except {recompute_check.the_checkpoints(entry['except'])})" if entry.get("except") else "")
             )
         elif entry["by"] != "off":
             named.append(f"{fix} ({entry['by']}'s own)")

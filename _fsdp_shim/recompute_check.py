@@ -1,4 +1,5 @@
-"""The recompute fix's two readings of the running torch, neither of which another thread can observe.
+"""The recompute fix's two readings of the running torch, neither of which another thread can observe, and the
+process-wide check that a path's wrappers work before the fix is called in effect there.
 
 Whether torch restores the default dtype itself is read from its code (trying would switch the process-wide
 dtype). Whether torch's recompute runs through the shim's wrapper is seen, in a thread of its own, by
@@ -11,12 +12,15 @@ import contextlib
 import importlib
 import inspect
 import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import CodeType, ModuleType
 from typing import Any
 
+from _fsdp_shim import wrappers
+from _fsdp_shim.config import RECOMPUTE
 from _fsdp_shim.pins import checking, through_pin
-from _fsdp_shim.wrappers import Finding
 
 CHECKPOINT_MODULE = "torch.utils.checkpoint"
 COMPOSABLE_MODULE = "torch.distributed._composable.checkpoint_activation"
@@ -25,6 +29,76 @@ GENERATORS = ("_checkpoint_without_reentrant_generator_impl", "_checkpoint_witho
 REENTRANT, NON_REENTRANT, COMPOSABLE = "reentrant", "non-reentrant", "composable"
 TORCHS_OWN = "torch's own (its checkpoint restores the forward's default dtype itself)"
 CHECK_SECONDS = 30.0  # how long the check's thread may take (milliseconds here): past it, nothing was shown
+MAX_BACKOFF = 300.0
+
+
+@dataclass(frozen=True)
+class Finding:
+    """What the check found for one path: shown, or not and why; ``holds``: true of every later check too."""
+
+    shown: bool
+    why: str = ""
+    holds: bool = False
+
+
+findings: dict[str, Finding] = {}
+_ran = False
+_retry_at, _backoff = 0.0, 1.0
+_lock = threading.Lock()  # one check at a time
+
+
+def found(shown: bool, holds: bool = False) -> list[str]:
+    """The paths shown (``shown``), or not shown where the finding ``holds`` or not (to check again)."""
+    return [path for path, f in findings.items() if f.shown == shown and (shown or f.holds == holds)]
+
+
+def unsettled() -> bool:
+    """Whether a path is still to check: a checkpoint call pays this one look."""
+    return not _ran or any(not f.shown and not f.holds for f in findings.values())
+
+
+def check(force: bool) -> None:
+    """Check every path not settled yet (unless backing off, or another check runs and this must not wait), then
+    take off the wrappers of every path torch's call path passes by, and say so."""
+    global _ran, _retry_at, _backoff
+    if _lock.acquire(blocking=force or not _ran):
+        try:
+            if unsettled() and (force or not _ran or time.monotonic() >= _retry_at):
+                settled = frozenset(path for path, f in findings.items() if f.shown or f.holds)
+                try:
+                    findings.update(prove(settled))
+                except Exception as error:  # the check itself broke: nothing was shown
+                    why = f"its check failed ({type(error).__name__}: {error})"
+                    findings.update({path: Finding(False, why) for path in paths() if path not in settled})
+                _ran = True
+                if unsettled():
+                    _retry_at, _backoff = time.monotonic() + _backoff, min(2 * _backoff, MAX_BACKOFF)
+        finally:
+            _lock.release()
+    failed = found(shown=False, holds=True)
+    if failed:
+        wrappers.take_off(RECOMPUTE, failed)
+        from _fsdp_shim import failures
+
+        failures.report(
+            f"fsdp-shim: the recompute fix is not in effect on torch {wrappers.torch_version()} for "
+            f"{the_checkpoints(failed)} ({whys(failed)})",
+            "torch was left as it was there, so this fix is off for that checkpoint in this process",
+            key=f"proof:{','.join(failed)}",
+        )
+
+
+def the_checkpoints(names: list[str]) -> str:
+    """``the reentrant checkpoint``, ``the reentrant and composable checkpoints``."""
+    listed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+    return f"the {listed} checkpoint{'s' if len(names) > 1 else ''}"
+
+
+def whys(names: list[str]) -> str:
+    """What the check found for ``names``: one reason, or each path's."""
+    if len({findings[name].why for name in names}) == 1:
+        return findings[names[0]].why
+    return "; ".join(f"the {name} checkpoint: {findings[name].why}" for name in names)
 
 
 def generator_name(checkpoint: ModuleType) -> str:

@@ -14,6 +14,7 @@ from _fsdp_shim.config import (
     DISABLED_FIXES_VARIABLE,
     FIX_NAMES,
     FIXES,
+    RECOMPUTE,
     SHIM_VARIABLE,
     VARIABLES,
     Fix,
@@ -195,8 +196,9 @@ def _namespace(name: str, on: bool, late: bool) -> NamespaceStatus:
 def reading(namespace: str, fix: Fix) -> FixStatus:
     """The fix in the namespace, read from the classes now: another library's wrapper, a fallback or a
     namespace imported again changes it."""
+    from _fsdp_shim import recompute_check as check
     from _fsdp_shim import wrappers
-    from _fsdp_shim.wrappers import GONE, UNDER, _imported_again, found_on_top, placement, the_checkpoints, whys
+    from _fsdp_shim.wrappers import GONE, UNDER, _imported_again, found_on_top, placement
 
     module = sys.modules.get(namespace)
     if module is None:
@@ -228,24 +230,22 @@ def reading(namespace: str, fix: Fix) -> FixStatus:
         return FixStatus(fix.name, State.DEACTIVATED, True, "; ".join(problems), targets)
     if problems:
         return FixStatus(fix.name, State.FAILED, True, "; ".join(problems), targets)
-    check = record.check
-    if check is not None:
+    if fix is RECOMPUTE:
         where = f"on torch {wrappers.torch_version()}"
-        if not check.ran:
+        if not check._ran:
             return FixStatus(fix.name, State.NOT_SHOWN, True, f"{where}: its check has not run", targets)
-        failed, unchecked = check.paths(shown=False, holds=True), check.paths(shown=False, holds=False)
-        shown = check.paths(shown=True)
-        also = f"; in effect for {the_checkpoints(shown)}" if shown else ""
+        failed, unchecked, shown = check.found(False, holds=True), check.found(False), check.found(True)
+        also = f"; in effect for {check.the_checkpoints(shown)}" if shown else ""
         if failed:
-            detail = f"{where} for {the_checkpoints(failed)} ({whys(failed, check.findings)}){also}"
+            detail = f"{where} for {check.the_checkpoints(failed)} ({check.whys(failed)}){also}"
             return FixStatus(fix.name, State.NOT_IN_EFFECT, True, detail, targets)
         if unchecked:
             again = "checked again at a later checkpoint call, fsdp_shim.activate() or status()"
-            detail = f"{where} for {the_checkpoints(unchecked)} ({whys(unchecked, check.findings)}; {again}){also}"
+            detail = f"{where} for {check.the_checkpoints(unchecked)} ({check.whys(unchecked)}; {again}){also}"
             return FixStatus(fix.name, State.NOT_SHOWN, True, detail, targets)
         by_torch: dict[str, list[str]] = {}
         for path in shown:
             if check.findings[path].why:
                 by_torch.setdefault(check.findings[path].why, []).append(path)
-        notes += [f"{the_checkpoints(paths)}: {why}" for why, paths in by_torch.items()]
+        notes += [f"{check.the_checkpoints(paths)}: {why}" for why, paths in by_torch.items()]
     return FixStatus(fix.name, State.PATCHED, True, "; ".join(notes), targets)

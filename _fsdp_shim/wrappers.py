@@ -11,7 +11,6 @@ import importlib
 import inspect
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -61,18 +60,6 @@ class Target:
 
 
 Plan = Callable[[str, str], "tuple[Target, ...]"]  # (namespace, version) -> what a fix wraps there
-
-
-@dataclass(frozen=True)
-class Finding:
-    """What a fix's check found for one path: shown, or not and why; ``holds``: true of every later check too."""
-
-    shown: bool
-    why: str = ""
-    holds: bool = False
-
-
-Proof = Callable[[frozenset[str]], "dict[str, Finding]"]
 
 
 # ----------------------------------------------------------------------------- one wrapper
@@ -224,31 +211,6 @@ def _inherited_at_call_time(owner: type, attribute: str, found: Any) -> Callable
 
 
 # ----------------------------------------------------------------------------- one namespace, one fix
-MAX_BACKOFF = 300.0
-
-
-@dataclass
-class _Check:
-    """One fix's check of one set of wrapped functions, shared by every namespace holding them; a path that
-    could not be checked is tried again (``recheck``), from checkpoint calls at most every ``backoff`` s."""
-
-    fix: str
-    proof: Proof
-    findings: dict[str, Finding] = field(default_factory=dict)
-    ran: bool = False
-    retry_at: float = 0.0
-    backoff: float = 1.0
-
-    def settled(self) -> frozenset[str]:
-        return frozenset(path for path, found in self.findings.items() if found.shown or found.holds)
-
-    def unsettled(self) -> bool:
-        return not self.ran or any(not found.shown and not found.holds for found in self.findings.values())
-
-    def paths(self, shown: bool, holds: bool = False) -> list[str]:
-        return [p for p, f in self.findings.items() if f.shown == shown and (shown or f.holds == holds)]
-
-
 @dataclass
 class _Record:
     module: Any  # the namespace module checked: another one in sys.modules means it was imported again
@@ -258,20 +220,15 @@ class _Record:
     affected: bool | None = None
     wrappers: list[Any] = field(default_factory=list)
     disabled: bool = False
-    check: _Check | None = None
 
 
 _records: dict[tuple[str, str], _Record] = {}
-_checks: dict[tuple[tuple[Any, str, Any], ...], _Check] = {}
-_unsettled: set[int] = set()  # ids of checks with a path still to check: a checkpoint call pays one lookup
 _retired: list[Any] = []  # wrappers on the classes of a namespace imported again since: unpatch still restores them
 _lock = threading.Lock()  # guards the records and setattr, never an import
-_proof_lock = threading.Lock()  # one check at a time
 
 
-def patch(namespace: str, fix: Fix, plan: Plan, *, disabled: bool = False, proof: Proof | None = None) -> State:
-    """Apply ``fix`` where the namespace's release lacks it, all targets or none; idempotent. With ``proof`` (a fix
-    on torch's private names), a path's wrappers come off where it shows torch's call path passes them by."""
+def patch(namespace: str, fix: Fix, plan: Plan, *, disabled: bool = False) -> State:
+    """Apply ``fix`` where the namespace's release lacks it, all targets or none; idempotent."""
     module = sys.modules.get(namespace)
     if module is None:
         return state(namespace, fix)
@@ -293,11 +250,6 @@ def patch(namespace: str, fix: Fix, plan: Plan, *, disabled: bool = False, proof
             decided = _install_all(module, *decided)
         decided.disabled = disabled
         _records[key] = decided
-    if proof is not None and decided.state is State.PATCHED:
-        found = tuple((w.shim_state.owner, w.shim_state.attribute, w.__wrapped__) for w in decided.wrappers)
-        with _lock:
-            decided.check = _checks.setdefault(found, _Check(fix.name, proof))
-        _run_check(decided.check, force=False)
     if decided.state is State.FAILED:
         version = decided.version or "(unknown version)"
         which = f" ({fix.name} fix)" if decided.affected else ""
@@ -312,81 +264,12 @@ def patch(namespace: str, fix: Fix, plan: Plan, *, disabled: bool = False, proof
     return state(namespace, fix)
 
 
-def has_unsettled_checks() -> bool:
-    return bool(_unsettled)
-
-
-def recheck(force: bool = True) -> None:
-    """Check again every path that could not be checked before; ``force`` ignores the backoff."""
-    if not _unsettled:
-        return
-    with _lock:
-        live = {
-            id(r.check): r.check for r in _records.values() if r.check is not None and r.state is not State.DEACTIVATED
-        }
-    for check in live.values():
-        if check.unsettled():
-            _run_check(check, force)
-
-
-def _run_check(check: _Check, force: bool) -> None:
-    """Run ``check`` for its unsettled paths (unless backing off, or another check runs and this must not wait)."""
-    if _proof_lock.acquire(blocking=force or not check.ran):
-        try:
-            if check.unsettled() and (force or not check.ran or time.monotonic() >= check.retry_at):
-                before = check.settled()
-                try:
-                    check.findings.update(check.proof(before))
-                except Exception as error:  # the check itself broke: nothing was shown
-                    paths = {w.shim_state.path for r in _records.values() if r.check is check for w in r.wrappers}
-                    why = f"its check failed ({type(error).__name__}: {error})"
-                    check.findings.update({path: Finding(False, why) for path in paths - before})
-                check.ran = True
-                if check.unsettled():
-                    check.retry_at, check.backoff = (
-                        time.monotonic() + check.backoff,
-                        min(2 * check.backoff, MAX_BACKOFF),
-                    )
-                    _unsettled.add(id(check))
-                else:
-                    _unsettled.discard(id(check))
-        finally:
-            _proof_lock.release()
-    _take_off_failed(check)
-
-
-def _take_off_failed(check: _Check) -> None:
-    """Take off the wrappers of every path torch's call path passes by, in every namespace, and say so once."""
-    failed = check.paths(shown=False, holds=True)
-    if not failed:
-        return
-    with _lock:
-        for record in [r for r in _records.values() if r.check is check]:
-            for wrapper in [w for w in reversed(record.wrappers) if w.shim_state.path in failed]:
-                remove(wrapper)
-                record.wrappers.remove(wrapper)
-    from _fsdp_shim import failures
-
-    failures.report(
-        f"fsdp-shim: the {check.fix} fix is not in effect on torch {torch_version()} for {the_checkpoints(failed)} "
-        f"({whys(failed, check.findings)})",
-        "torch was left as it was there, so this fix is off for that checkpoint in this process",
-        key=f"proof:{check.fix}:{','.join(failed)}",
-    )
-
-
 def acting(namespace: str, fix: Fix) -> bool:
     """Whether the fix's wrappers act in the namespace now (shown, or still to check): what the rank check compares."""
     record = _records.get((namespace, fix.name))
     if record is None or record.state is not State.PATCHED:
         return False
     return any(w.shim_state.on and placement(w) != GONE for w in record.wrappers)
-
-
-def passed_by(namespace: str, fix: Fix) -> list[str]:
-    """The paths of the fix that torch's call path passes by, in this namespace's record."""
-    record = _records.get((namespace, fix.name))
-    return record.check.paths(shown=False, holds=True) if record is not None and record.check is not None else []
 
 
 def torch_version() -> str:
@@ -475,20 +358,13 @@ def unpatch(namespace: str, fix: Fix) -> list[tuple[Any, str]]:
     return results
 
 
-def joined(names: list[str]) -> str:
-    """``a``, ``a and b``, ``a, b and c``."""
-    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
-
-
-def the_checkpoints(paths: list[str]) -> str:
-    """``the reentrant checkpoint``, ``the reentrant and composable checkpoints``."""
-    return f"the {joined(paths)} checkpoint{'s' if len(paths) > 1 else ''}"
-
-
-def whys(paths: list[str], findings: dict[str, Finding]) -> str:
-    if len({findings[path].why for path in paths}) == 1:
-        return findings[paths[0]].why
-    return "; ".join(f"the {path} checkpoint: {findings[path].why}" for path in paths)
+def take_off(fix: Fix, paths: list[str]) -> None:
+    """Take off the fix's wrappers that serve ``paths``, in every namespace: torch's call path passes them by."""
+    with _lock:
+        for (_, name), held in _records.items():
+            for wrapper in [w for w in reversed(held.wrappers) if name == fix.name and w.shim_state.path in paths]:
+                remove(wrapper)
+                held.wrappers.remove(wrapper)
 
 
 def record(namespace: str, fix: Fix) -> _Record | None:
