@@ -136,10 +136,11 @@ def _patch(name: str) -> None:
             recompute_check.check(force=False)  # a fix on torch's private names: shown before it counts
         wrappers.patch(name, RANK_CHECK, fixes.PLANS[RANK_CHECK.name])  # says what this rank runs, whatever it is
         new = [fix for fix, was, now in zip(FIXES, before, after) if now is State.PATCHED and was is not State.PATCHED]
-        if log.process_rank() == 0:
+        if log.process_rank() == 0:  # once per decision: a namespace patched again logs nothing new
             version = getattr(sys.modules.get(name), "__version__", "")
-            for fix, now in zip(FIXES, after):
-                log.debug("fsdp-shim: %s %s, %s fix: %s", name, version, fix.name, now.value)
+            for fix, was, now in zip(FIXES, before, after):
+                if now is not was:
+                    log.debug("fsdp-shim: %s %s, %s fix: %s", name, version, fix.name, now.value)
         if name in _imported_before_activation and any(fix.name == "cast" for fix in new):
             from _fsdp_shim import late
 

@@ -259,7 +259,7 @@ def patch(namespace: str, fix: Fix, plan: Plan, *, disabled: bool = False) -> St
             f"fsdp-shim: cannot patch {namespace} {version}{which}: {decided.detail}",
             "Lightning was left unchanged, so "
             + (f"it runs without the {fix.name} fix" if decided.affected else "no fix applies"),
-            key=f"patch:{namespace}" + (f":{fix.name}" if decided.affected else ""),
+            key=f"patch:{namespace}:{fix.name}:{decided.detail}",
         )
     return state(namespace, fix)
 

@@ -1,6 +1,6 @@
 """Run one function of ``tests/children`` in this fresh interpreter and print its result as JSON.
 
-    python tests/child.py children.activation:import_order '{"imports": ["fsdp_shim", "lightning"]}'
+    python tests/child.py children.environment:layouts '{"namespaces": {...}}'
 
 The tests start every Lightning interaction in a new interpreter (import order, start-up files and
 activation are then exactly what users meet), and the code those interpreters run lives in real

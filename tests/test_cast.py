@@ -1,12 +1,9 @@
 """The cast fix, with real FSDP (gloo, CPU) through Lightning's own Trainer and Fabric, 1 and 2 processes.
 
-Every expectation is derived from another run of the same program: the shim switched off, plain
-PyTorch FSDP on the same layers cast to the precision's dtype, or a Lightning that has the fix. On
-an affected release the shim must match plain PyTorch (which is what 2.5.0+ gives, checked on the
-fixed layouts by the same assertions) and halve the unpatched run's bytes for "bf16-true" and
-"16-true"; on any other release the cast must change nothing at all. Then Lightning 2.5.0's own
-``convert_module`` tests, and two model shapes: #20239 (bfloat16 and float32 layers in one model),
-which the cast fixes, and BatchNorm under an auto-wrap policy, which it must not break.
+Numbers are compared with other runs of the same program: the shim off, plain PyTorch FSDP on the layers cast
+to the precision's dtype, or a Lightning that has the fix; which release gets what is the literal table of
+``children/classes.py``. Then Lightning 2.5.0's own ``convert_module`` cases, and two model shapes: #20239
+(bfloat16 and float32 layers in one model), which the cast fixes, and BatchNorm, which it must not break.
 """
 
 from __future__ import annotations
@@ -14,25 +11,16 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import (
-    BYTE_KEYS,
-    DTYPES,
-    NAMESPACES,
-    Layout,
-    OncePerRun,
-    Scenarios,
-    child_json,
-    installed_versions,
-    is_fixed_release,
-    layout_or_skip,
-)
+from children.classes import STATES
+from conftest import BYTE_KEYS, DTYPES, NAMESPACES, Layout, OncePerRun, Scenarios, code_json, layout_or_skip
 
-from _fsdp_shim.config import CAST, base_release
-from _fsdp_shim.fixes import converts_only_in_connect
-
-FIRST_AFFECTED = CAST.first_affected
-is_affected_release = CAST.affects
 pytestmark = pytest.mark.per_release
+
+
+def cast(version: str) -> str:
+    """``patched`` (2.1-2.4), ``built in`` (2.5+) or ``not affected`` (2.0.x): the literal table."""
+    return STATES[version][0]
+
 
 TRAINER_CASES = [
     "init:bf16-true",
@@ -54,14 +42,13 @@ FABRIC_CASES = [
 # Lightning 2.0.x rejects "true" half precisions and fails on float64 layers without the conversion.
 CASES_2_0 = ["init:32-true"]
 TWO_PROCESS_CASE = "init+pretrained:bf16-true"
-TWO_PROCESS_RELEASES = {(2, 1, 4), (2, 4, 0)}
+TWO_PROCESS_RELEASES = {"2.1.4", "2.4.0"}
 """Where two processes run: the last release of each affected line whose cast wraps other methods (2.1.x,
 which also wraps ``connect`` and ``setup``; 2.2-2.4). The others between share their code and targets."""
 
 
 def cases_for(api: str, version: str) -> list[str]:
-    release = base_release(version)
-    if release is not None and release < FIRST_AFFECTED:
+    if cast(version) == "not affected":
         return CASES_2_0
     return TRAINER_CASES if api == "trainer" else FABRIC_CASES
 
@@ -111,17 +98,17 @@ def check_layout(api: str, layout: Layout, scenarios: Scenarios, devices: int, c
     version = layout.version(api)
     off = scenarios.run(api, layout.package, "off", cases, devices=devices)
     on = scenarios.run(api, layout.package, "before", cases, devices=devices)
-    if not is_affected_release(version):
+    if cast(version) != "patched":
         for rank in on:
             assert_untouched(off[rank], on[rank])
-    if base_release(version) < FIRST_AFFECTED:
+    if cast(version) == "not affected":
         return
     reference = scenarios.run("torch", layout.package, "off", reference_cases(cases), devices=devices)
     for rank in on:
-        if is_affected_release(version):
+        if cast(version) == "patched":
             assert on[rank]["_shim"][f"{api}_convert_module"] is True
         for case in cases:
-            if is_affected_release(version):
+            if cast(version) == "patched":
                 assert_like_2_5(case, off[rank][case], on[rank][case], reference[rank][case])
             else:  # a fixed release, untouched, already equals plain PyTorch
                 assert measurements(on[rank][case]) == measurements(reference[rank][case]), case
@@ -149,9 +136,9 @@ def test_two_processes_behave_like_2_5(
     """
     layout = layout_or_skip(layouts, package)
     version = layout.version(api)
-    if not is_affected_release(version):
+    if cast(version) != "patched":
         pytest.skip("the shim changes nothing on this release: test_single_process_behaves_like_2_5 shows it")
-    if base_release(version) not in TWO_PROCESS_RELEASES:
+    if version not in TWO_PROCESS_RELEASES:
         pytest.skip(f"runs on {sorted(TWO_PROCESS_RELEASES)}, whose code and targets this release shares")
     case = TWO_PROCESS_CASE
     on = scenarios.run(api, package, "before", [case], devices=2)
@@ -179,29 +166,13 @@ def test_import_after_lightning_gives_the_same_result(
     assert after == before
 
 
-@pytest.mark.parametrize("package", ["lightning", "standalone"])
-def test_checkpoint_resume_keeps_dtypes_and_step(
-    package: str, layouts: dict[str, Layout], scenarios: Scenarios, tmp_path
-) -> None:
-    layout = layout_or_skip(layouts, package)
-    if base_release(layout.trainer_version) < FIRST_AFFECTED:
-        pytest.skip("no 'true' precisions for FSDP before Lightning 2.1")
-    case = TWO_PROCESS_CASE
-    run = scenarios.run("trainer", package, "before", [case], extra=("--checkpoint-dir", str(tmp_path)))[0][case]
-    resumed = run["resumed"]
-    assert run["global_step"] == 2
-    assert resumed["global_step"] == 4
-    assert resumed["module_dtype"] == run["module_dtype"] == "torch.bfloat16"
-    assert measurements(resumed) == measurements(run)
-
-
 def test_the_2_1_trainer_gets_the_setup_path(layouts: dict[str, Layout], scenarios: Scenarios) -> None:
     """On 2.1.x the method alone is not enough (DESIGN-FACTS): connect and setup are wrapped too,
     and only there."""
     for layout in layouts.values():
         cases = cases_for("trainer", layout.trainer_version)
         on = scenarios.run("trainer", layout.package, "before", cases)[0]["_shim"]
-        expected = is_affected_release(layout.trainer_version) and converts_only_in_connect(layout.trainer_version)
+        expected = layout.trainer_version in ("2.1.0", "2.1.4")
         assert on["trainer_setup"] is expected
         assert on["trainer_connect"] is expected
 
@@ -216,8 +187,8 @@ def test_patched_release_equals_the_fixed_release_next_to_it(
     if not {"lightning", "standalone"} <= set(layouts):
         pytest.skip("needs both layouts")
     versions = {package: layouts[package].version(api) for package in ("lightning", "standalone")}
-    affected = [p for p, v in versions.items() if is_affected_release(v)]
-    fixed = [p for p, v in versions.items() if is_fixed_release(v)]
+    affected = [p for p, v in versions.items() if cast(v) == "patched"]
+    fixed = [p for p, v in versions.items() if cast(v) == "built in"]
     if not (affected and fixed):
         pytest.skip(f"needs one affected and one fixed layout, have {versions}")
     # "seed" builds each release's own demo Transformer, whose size changed between 2.1 and 2.4.
@@ -239,19 +210,34 @@ CONVERT_CASES = [
 ]
 
 
-@pytest.fixture(scope="session")
-def converted(layouts: dict[str, Layout], once_per_run: OncePerRun) -> dict[str, dict[str, list[str]]]:
-    namespaces = [
-        ns
+def since_2_1(layouts: dict[str, Layout]) -> dict[str, str]:
+    """Every installed namespace with the "true" precisions (2.1 and later), and its release."""
+    return {
+        namespace: version
         for package, layout in layouts.items()
-        for ns, version in zip(NAMESPACES[package], (layout.trainer_version, layout.fabric_version))
-        if base_release(version) >= FIRST_AFFECTED
-    ]
-    arguments = {"namespaces": namespaces, "precisions": [p for p, _ in CONVERT_CASES]}
-    return once_per_run.get(
-        json.dumps(["convert_all", arguments]),
-        lambda: child_json("convert_module:convert_all", arguments, python_args=("-W", "ignore")),
-    )
+        for namespace, version in zip(NAMESPACES[package], (layout.trainer_version, layout.fabric_version))
+        if cast(version) != "not affected"
+    }
+
+
+@pytest.fixture(scope="session")
+def converted(layouts: dict[str, Layout], once_per_run: OncePerRun) -> dict[str, dict[str, list]]:
+    code = f"""
+        import json, torch
+        import fsdp_shim
+        from children.classes import precision_class
+
+        out = {{}}
+        for namespace in {sorted(since_2_1(layouts))!r}:
+            out[namespace] = {{}}
+            for precision, _ in {CONVERT_CASES!r}:
+                layer = torch.nn.Linear(2, 2)
+                before = [str(layer.weight.dtype), str(layer.bias.dtype)]
+                result = precision_class(namespace)(precision=precision).convert_module(layer)
+                out[namespace][precision] = [*before, str(result.weight.dtype), str(result.bias.dtype), result is layer]
+        print(json.dumps(out))
+    """
+    return once_per_run.get(json.dumps(["convert_all", code]), lambda: code_json(code, python_args=("-W", "ignore")))
 
 
 @pytest.mark.parametrize(("precision", "expected_dtype"), CONVERT_CASES)
@@ -259,46 +245,98 @@ def converted(layouts: dict[str, Layout], once_per_run: OncePerRun) -> dict[str,
     "namespace", ["lightning.pytorch", "lightning.fabric", "pytorch_lightning", "lightning_fabric"]
 )
 def test_lightning_2_5_convert_module(namespace: str, precision: str, expected_dtype: str, converted: dict) -> None:
-    """Lightning 2.5.0's own ``test_convert_module`` cases, rewritten as ours: with the shim active they
-    hold on every release from 2.1.0 on, affected ones included (2.1.0's Trainer class is
-    ``FSDPPrecisionPlugin``)."""
+    """Lightning 2.5.0's own ``test_convert_module`` cases: with the shim they hold on every release from 2.1."""
     if namespace not in converted:
         pytest.skip(f"{namespace} (2.1 or later) is not installed")
-    weight_before, bias_before, weight_after, bias_after, same_object = converted[namespace][precision]
-    assert weight_before == bias_before == "torch.float32"
-    assert weight_after == bias_after == expected_dtype
-    assert same_object is True  # Module.to converts in place, as in 2.5.0
+    assert converted[namespace][precision] == ["torch.float32"] * 2 + [expected_dtype] * 2 + [True]
 
 
 # ----------------------------------------------------------------------------- model shapes
 SHAPES = [("mixed", False), ("batchnorm", True), ("batchnorm", False)]
+FIT = """
+    import importlib, json, sys
+    import torch
+    from torch import nn
+    from _fsdp_shim.verify import cpu_guards
+
+    def fit(namespace, shape, auto_wrap):
+        \"\"\"Two steps of bf16-true FSDP through the Trainer or Fabric: the parameters' dtypes, or the error.\"\"\"
+        importlib.import_module(namespace)
+        cpu_guards.lift(namespace)
+
+        def model():
+            torch.manual_seed(0)
+            if shape == "batchnorm":
+                return nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 8))
+            return nn.Sequential(nn.Linear(8, 8).to(torch.bfloat16), nn.Linear(8, 8))  # #20239
+
+        policy = {"auto_wrap_policy": {nn.Linear, nn.BatchNorm1d}} if auto_wrap else {}
+        strategy = importlib.import_module(namespace + ".strategies").FSDPStrategy(**policy)
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(1))
+        try:
+            if namespace in ("lightning.fabric", "lightning_fabric"):
+                fabric = sys.modules[namespace].Fabric(
+                    accelerator="cpu", devices=1, strategy=strategy, precision="bf16-true"
+                )
+                fabric.launch()
+                wrapped = fabric.setup_module(model())
+                optimizer = fabric.setup_optimizers(torch.optim.SGD(wrapped.parameters(), lr=0.1))
+                for batch in x.split(8):
+                    fabric.backward(wrapped(batch).float().pow(2).mean())
+                    optimizer.step()
+                    optimizer.zero_grad()
+            else:
+                pl = sys.modules[namespace]
+
+                class Model(pl.LightningModule):
+                    def __init__(self):
+                        super().__init__()
+                        self.net = model()
+
+                    def training_step(self, batch, batch_idx):
+                        return self.net(batch[0]).float().pow(2).mean()
+
+                    def configure_optimizers(self):
+                        return torch.optim.SGD(self.trainer.model.parameters(), lr=0.1)
+
+                trainer = pl.Trainer(
+                    accelerator="cpu", devices=1, strategy=strategy, precision="bf16-true", max_steps=2, logger=False,
+                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                )
+                trainer.fit(Model(), torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x), batch_size=8))
+                wrapped = trainer.strategy.model
+        except Exception as error:
+            return {"error": f"{type(error).__name__}: {error}"}
+        dtypes = {name: str(p.dtype) for name, p in wrapped.named_parameters()}
+        norm = {name: dtype for name, dtype in dtypes.items() if ".1." in f".{name}."}  # the layer at index 1
+        return {"error": None, "dtypes": sorted(set(dtypes.values())), "batchnorm": sorted(set(norm.values()))}
+
+    IMPORT_SHIM
+    print(json.dumps([fit(*run) for run in RUNS]))
+"""
 
 
 @pytest.fixture(scope="session")  # a module fixture is set up again when xdist runs another file in between
 def shape_runs(layouts: dict[str, Layout], once_per_run: OncePerRun) -> dict[tuple[str, str, bool], dict[str, dict]]:
-    """Per installed namespace from 2.1.0 on and per shape: the run without the shim and the run with
-    it. One interpreter per layout and shim state trains them all (``children.cast:fit_all``), once in
-    the test run."""
+    """Per namespace from 2.1 on and per shape, the run without the shim and with it: one interpreter per layout
+    and shim state trains them all, once in the test run."""
     runs: dict[tuple[str, str, bool], dict[str, dict]] = {}
-    for package, layout in layouts.items():
-        namespaces = [
-            namespace
-            for namespace, version in zip(NAMESPACES[package], (layout.trainer_version, layout.fabric_version))
-            if base_release(version) >= FIRST_AFFECTED
-        ]
+    for package in layouts:
+        namespaces = [ns for ns in NAMESPACES[package] if ns in since_2_1(layouts)]
         requested = [(namespace, shape, auto_wrap) for namespace in namespaces for shape, auto_wrap in SHAPES]
         for shim in ("off", "on"):
-            arguments = {"runs": requested, "import_shim": shim == "on"}
+            code = FIT.replace("RUNS", repr(requested)).replace(
+                "IMPORT_SHIM", "import fsdp_shim" if shim == "on" else ""
+            )
             results = once_per_run.get(
-                json.dumps(["fit_all", arguments]),
-                lambda arguments=arguments: child_json("cast:fit_all", arguments, python_args=("-W", "ignore")),
+                json.dumps(["fit_all", code]), lambda code=code: code_json(code, python_args=("-W", "ignore"))
             )
             for run, result in zip(requested, results, strict=True):
                 runs.setdefault(run, {})[shim] = result
     return runs
 
 
-def runs_of(shape_runs: dict, layouts: dict[str, Layout], shape: str, auto_wrap: bool) -> dict[str, dict[str, dict]]:
+def runs_of(shape_runs: dict, shape: str, auto_wrap: bool) -> dict[str, dict[str, dict]]:
     """Namespace -> {"off": run, "on": run} for one shape; the test is skipped before Lightning 2.1."""
     found = {ns: runs for (ns, s, a), runs in shape_runs.items() if (s, a) == (shape, auto_wrap)}
     if not found:
@@ -307,33 +345,29 @@ def runs_of(shape_runs: dict, layouts: dict[str, Layout], shape: str, auto_wrap:
 
 
 def test_a_model_holding_bfloat16_and_float32_layers_trains(layouts: dict[str, Layout], shape_runs: dict) -> None:
-    """Lightning #20239: FSDP refuses a flat parameter of mixed dtypes ("Must flatten tensors with
-    uniform dtype"). The cast gives every layer the precision's dtype first, as 2.5.0 does, so such a
-    model trains with the shim on every release it casts, and on a fixed release as it is."""
-    for namespace, runs in runs_of(shape_runs, layouts, "mixed", auto_wrap=False).items():
-        version = installed_versions(layouts)[namespace]
-        if is_affected_release(version):
+    """Lightning #20239: FSDP refuses a flat parameter of mixed dtypes; the cast gives every layer the precision's
+    dtype first, as 2.5.0 does, so such a model trains with the shim on every release it casts."""
+    versions = since_2_1(layouts)
+    for namespace, runs in runs_of(shape_runs, "mixed", auto_wrap=False).items():
+        if cast(versions[namespace]) == "patched":
             assert "Must flatten tensors with uniform dtype" in (runs["off"]["error"] or ""), (namespace, runs["off"])
-        assert runs["on"]["error"] is None, (namespace, runs["on"])
-        assert runs["on"]["dtypes"] == ["torch.bfloat16"], namespace
+        assert runs["on"] == {"error": None, "dtypes": ["torch.bfloat16"], "batchnorm": ["torch.bfloat16"]}, namespace
 
 
 @pytest.mark.parametrize("auto_wrap", [True, False], ids=["auto-wrap-policy", "one-unit"])
 def test_batchnorm_trains_where_it_trained_before(
     auto_wrap: bool, layouts: dict[str, Layout], shape_runs: dict
 ) -> None:
-    """Under an auto-wrap policy FSDP runs BatchNorm in a unit of its own in float32: the shim leaves
-    its weights float32 there (unpatched 2.1-2.4 trained so; 2.5+ casts them and fails, which the
-    fixed releases show as they are). Without a policy it shares the root's flat parameter: bfloat16,
-    as on 2.5+."""
-    for namespace, runs in runs_of(shape_runs, layouts, "batchnorm", auto_wrap).items():
-        version = installed_versions(layouts)[namespace]
-        if is_affected_release(version):
+    """Under an auto-wrap policy FSDP runs BatchNorm in a unit of its own in float32: the shim leaves its weights
+    float32 there (unpatched 2.1-2.4 trained so; 2.5+ casts them and fails, as shipped). Without a policy it
+    shares the root's flat parameter: bfloat16, as on 2.5+."""
+    versions = since_2_1(layouts)
+    for namespace, runs in runs_of(shape_runs, "batchnorm", auto_wrap).items():
+        if cast(versions[namespace]) == "patched":
             assert runs["off"]["error"] is None, (namespace, runs["off"])
-            assert runs["on"]["error"] is None, (namespace, runs["on"])
-            expected = ["torch.float32"] if auto_wrap else ["torch.bfloat16"]
-            assert runs["on"]["batchnorm"] == expected, (namespace, runs["on"])
-            assert runs["on"]["dtypes"] == sorted({"torch.bfloat16", *expected}), (namespace, runs["on"])
+            norm = ["torch.float32"] if auto_wrap else ["torch.bfloat16"]
+            dtypes = sorted({"torch.bfloat16", *norm})
+            assert runs["on"] == {"error": None, "dtypes": dtypes, "batchnorm": norm}, namespace
         elif auto_wrap:  # Lightning 2.5+ as shipped, shim or not (the shim does not cast there)
             for shim in ("off", "on"):
                 assert "expect parameter to have scalar type of Float" in (runs[shim]["error"] or ""), runs[shim]

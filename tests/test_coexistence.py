@@ -1,214 +1,292 @@
-"""The shim next to other code that patches the same functions or imports Lightning itself, with real
-Lightning in fresh interpreters (``tests/children/coexistence.py`` and ``foreign.py``).
+"""The shim next to other code that patches the same functions (a tracer, a profiler, a hot-fix) or imports
+Lightning itself (an instrumenting import hook), in fresh interpreters with real Lightning, read by identity.
 
-Other wrappers: the shim composes with what was there, never takes another library's wrapper for its
-own, never removes one, and says so when it cannot simply remove its own. Each check runs in one
-process on a target of each kind the shim wraps: the cast's ``convert_module`` (inherited from
-``Precision``), and the recompute's ``CheckpointFunction.forward`` (a staticmethod in torch's class dict)
-and the non-reentrant generator (a function of the module ``torch.utils.checkpoint``, ``_impl`` from torch 2.14),
-which every namespace that needs the fix shares; the classes and the module are read directly, by
-identity. And a library that wraps the base class of an inherited target after the shim.
-
-A finder in front of the shim's that loads Lightning itself (instrumenting import hooks): the shim
-notices at the next import, patches then, and says so; a real FSDP fit shows the result.
-"""
+Each check runs on one target of each kind the shim wraps: the cast's ``convert_module`` (inherited from
+``Precision``), the recompute's ``CheckpointFunction.forward`` (a staticmethod in torch's class) and its
+non-reentrant generator (a function of ``torch.utils.checkpoint``), shared by every namespace."""
 
 from __future__ import annotations
 
-import json
-import sysconfig
-from pathlib import Path
 from typing import Any
 
 import pytest
-from children.classes import COMPOSABLE_MODULE, checkpoint_generator
-from conftest import ROOT, Layout, an_affected_namespace, child_json, clean_env, installed_versions, make_venv
+from children.classes import STATES
+from conftest import NAMESPACES, Layout, clean_env, code_json
 
-from _fsdp_shim.config import CAST, RECOMPUTE
-from _fsdp_shim.fixes import plan_of, precision_class
-from _fsdp_shim.startup_files import write_files
-
-pytest.importorskip("torch", reason="its targets are named after the torch in hand, read at import")
 QUIET = ("-W", "ignore::DeprecationWarning")
-DTYPE_ON, DTYPE_OFF = "torch.bfloat16", "torch.float32"
-"""What each target gives with the fix (a bf16-true plugin's cast dtype, or a checkpoint's recompute in
-its forward's bfloat16) and without it (Lightning's own: no cast; torch's own: recompute in float32)."""
-KINDS = {
-    "convert": (CAST, "convert_module"),
-    "reentrant": (RECOMPUTE, "forward"),
-    "non_reentrant": (RECOMPUTE, checkpoint_generator()),
-}
-"""Each kind of target: the fix that wraps it and the attribute (see ``children/coexistence.py``)."""
+ON, OFF = "torch.bfloat16", "torch.float32"
+"""What each target gives with the fix (a bf16-true plugin's cast, or a recompute in the forward's bfloat16) and
+without it (Lightning's own: no cast; torch's own: the recompute in float32)."""
+
+TARGETS = """
+    import importlib, json, os, sys, warnings
+    import torch.utils.checkpoint as checkpoint
+    from children.classes import *
+
+    class Target:
+        def __init__(self, kind):
+            importlib.import_module(FABRIC)
+            self.kind, self.calls = kind, []
+            self.fix = "cast" if kind == "convert" else "recompute"
+            self.owner, self.attribute, self.label = {
+                "convert": (precision_class(FABRIC), "convert_module", FABRIC + ".plugins.precision.fsdp"),
+                "reentrant": (checkpoint.CheckpointFunction, "forward", "torch.utils.checkpoint"),
+                "non_reentrant": (checkpoint, checkpoint_generator(), "torch.utils.checkpoint"),
+            }[kind]
+            owner = "" if kind == "non_reentrant" else f".{self.owner.__name__}"
+            self.label += f"{owner}.{self.attribute}"
+
+        def dtype(self):
+            return converted_dtype(self.owner) if self.kind == "convert" else recompute_dtype(self.kind == "reentrant")
+
+        def on_class(self):
+            return self.owner.__dict__.get(self.attribute)
+
+        def status(self):
+            return statuses()[FABRIC][self.fix]
+
+        def tracer(self, wrapped, instance, args, kwargs):
+            self.calls.append("theirs")
+            return wrapped(*args, **kwargs)
+
+        def wrap_with_wrapt(self):
+            import wrapt
+
+            wrapt.wrap_function_wrapper(self.owner, self.attribute, self.tracer)
+
+        def replace_with_plain_function(self):  # a hot-fix: calls what was there, a staticmethod where that was one
+            previous, calls = getattr(self.owner, self.attribute), self.calls
+
+            def theirs(*args, **kwargs):
+                calls.append("theirs")
+                return previous(*args, **kwargs)
+
+            static = isinstance(self.on_class(), staticmethod)
+            setattr(self.owner, self.attribute, staticmethod(theirs) if static else theirs)
+
+        def counted(self, what):
+            before = len(self.calls)
+            return [what(), len(self.calls) - before]
+
+    targets = {kind: Target(kind) for kind in ("convert", "reentrant", "non_reentrant")}
+    out = {kind: {"label": target.label} for kind, target in targets.items()}
+"""
 
 
-def child(target: str, arguments: dict) -> Any:
-    return child_json(f"coexistence:{target}", arguments, env=clean_env(), python_args=QUIET)
+def run(layouts: dict[str, Layout], code: str) -> dict[str, Any]:
+    """``TARGETS`` then ``code`` in a fresh interpreter, on the Fabric of a layout that lacks the cast."""
+    package = next((p for p, layout in layouts.items() if STATES[layout.fabric_version][0] == "patched"), None)
+    if package is None:
+        pytest.skip("needs a Lightning release that lacks the cast")
+    script = (TARGETS + code + "\n    print(json.dumps(out))\n").replace("FABRIC", repr(NAMESPACES[package][1]))
+    return code_json(script, env=clean_env(), python_args=QUIET)
 
 
-def targets(layouts: dict[str, Layout]) -> list[dict[str, Any]]:
-    """One target per kind, where an installed release lacks its fix, with the shim's label for it and
-    whether the shim wraps it where the class inherits it (from the fix's plan). Skips where there is
-    none (2.0.x)."""
-    versions = installed_versions(layouts)
-    found = []
-    for kind, (fix, attribute) in KINDS.items():
-        namespace = next((ns for ns, v in versions.items() if fix.affects(v)), None)
-        if namespace is not None:
-            planned = plan_of(fix)(namespace, versions[namespace])
-            [target] = [t for t in planned if t.attribute == attribute and t.module != COMPOSABLE_MODULE]
-            found.append(
-                {
-                    "fix": fix.name,
-                    "namespace": namespace,
-                    "kind": kind,
-                    "label": target.label(namespace),
-                    "inherited": target.inherited,
-                }
-            )
-    if not found:
-        pytest.skip("no installed Lightning lacks a fix")
-    return found
+def about(label: str, said: list[str]) -> list[str]:
+    return [message for message in said if f" {label} " in message]
 
 
-def about(target: dict[str, Any], warnings: list[str]) -> list[str]:
-    """The warnings about the shim's wrapper on ``target`` (they name it by its label)."""
-    return [w for w in warnings if f" {target['label']} " in w]
-
-
-# ----------------------------------------------------------------------------- other wrappers
-# Which class holds the cast's method and whether the cast applies differs per release (2.1.0, 2.1.x,
-# 2.2-2.4, 2.5+): the wrapt kind runs on every release; the rest of this file is the shim's own logic
-# and runs once, in the default session.
 @pytest.mark.parametrize("kind", ["plain", pytest.param("wrapt", marks=pytest.mark.per_release)])
-def test_a_wrapper_put_there_first_is_composed_with_not_mistaken_for_the_fix(
-    kind: str, layouts: dict[str, Layout]
-) -> None:
-    found = targets(layouts)
-    result = child("foreign_wrapper_first", {"targets": found, "kind": kind})
-    for target in found:
-        one = result[target["kind"]]
-        assert one["dtype_on"] == DTYPE_ON, target  # the fix applies...
-        assert one["their_calls_on"] == 1, target  # ...and their code still runs
-        status = one["status_on"]
-        assert status["affected"] is True and status["patched"] is True, (target, status)
-        if target["inherited"]:  # Lightning ships nothing there: the shim says whose object it wraps
-            assert "wraps" in status["reason"] and "which was there before" in status["reason"], (target, status)
-        else:  # the class or module defines it: a hot-fix there looks like the shipped function
-            assert status["reason"] == "patched", (target, status)
-        assert one["theirs_restored"] is True, target  # deactivate() puts back their object itself
-        assert one["dtype_off"] == DTYPE_OFF, target
-        assert one["their_calls_off"] == 1, target
+def test_a_wrapper_put_there_first_is_composed_with(kind: str, layouts: dict[str, Layout]) -> None:
+    """Their wrapper was there before the shim: the shim wraps it (both run), says whose object it wraps where
+    Lightning ships none (the inherited ``convert_module``), and ``deactivate()`` puts back their object itself."""
+    result = run(
+        layouts,
+        f"""
+    for target in targets.values():
+        target.{"wrap_with_wrapt" if kind == "wrapt" else "replace_with_plain_function"}()
+    theirs = {{kind: target.on_class() for kind, target in targets.items()}}
+    import fsdp_shim
+
+    for kind, target in targets.items():
+        out[kind]["on"] = target.counted(target.dtype) + [target.status()]
+    fsdp_shim.deactivate()
+    for kind, target in targets.items():
+        out[kind]["off"] = target.counted(target.dtype) + [target.on_class() is theirs[kind]]
+    """,
+    )
+    for kind, one in result.items():
+        label = one["label"]
+        composed = f"on {label} it wraps " if kind == "convert" else ""
+        (dtype, calls, (state, detail)) = one["on"]
+        assert (dtype, calls, state) == (ON, 1, "patched"), kind
+        assert detail.startswith(composed) and detail.endswith(", which was there before" if composed else ""), kind
+        assert one["off"] == [OFF, 1, True], kind
 
 
 def test_a_wrapper_put_on_top_is_never_taken_for_the_shims_own(layouts: dict[str, Layout]) -> None:
-    """Their wrapt wrapper on top of the shim's: ``deactivate()`` switches the shim's off in place (one
-    warning per target; for torch's, shared, when the last namespace lets it go) and every namespace's
-    status says it is deactivated, and one at least names the wrapper left in place; ``activate()``
-    switches it back on."""
-    found = targets(layouts)
-    result = child("foreign_wrapper_on_top", {"targets": found})
-    assert len(result["deactivate_warnings"]) == len(found), result["deactivate_warnings"]
-    for target in found:
-        [warning] = about(target, result["deactivate_warnings"])
-        assert "has wrapped it since" in warning and "passes every call through" in warning
-        one = result["targets"][target["kind"]]
-        assert one["foreign_counts_as_shim_wrapper"] is False
-        assert one["status_on"]["patched"] is True
-        assert "is under a " in one["status_on"]["reason"]
-        assert one["dtype_on"] == DTYPE_ON
-        assert one["foreign_still_on_class"] is True
-        assert one["dtype_off"] == DTYPE_OFF
-        assert one["status_off"]["patched"] is False
-        assert one["status_off"]["reason"].startswith("deactivated"), one["status_off"]
-        assert all(entry["patched"] is False for entry in one["statuses_off"])
-        saying = [e for e in one["statuses_off"] if target["label"] in e["reason"]]
-        assert saying and all(e["reason"].startswith("deactivated; ") for e in saying), one["statuses_off"]
-        assert all("passes calls through" in e["reason"] for e in saying)
-        # activate(): the buried wrapper is switched back on, nothing is stacked or adopted.
-        assert one["foreign_still_on_class_after_activate"] is True
-        assert one["shim_layers"] == 1
-        assert one["dtype_reactivated"] == DTYPE_ON
-        assert one["status_reactivated"]["patched"] is True
-        assert one["foreign_still_on_class_at_the_end"] is True
-        assert one["dtype_at_the_end"] == DTYPE_OFF
-        assert one["their_calls"] == 4  # each of the four calls above went through their wrapper
+    """Their wrapt wrapper on top of the shim's (which answers every attribute of what it wraps): ``deactivate()``
+    switches the shim's off in place, says so once per target and leaves theirs; ``activate()`` switches it back
+    on, stacking nothing."""
+    result = run(
+        layouts,
+        """
+    from _fsdp_shim.wrappers import is_shim_wrapper, wrapper_chain
+    import fsdp_shim
+
+    for kind, target in targets.items():
+        target.wrap_with_wrapt()
+        out[kind]["on"] = [is_shim_wrapper(target.on_class()), target.dtype(), target.status()]
+    theirs = {kind: target.on_class() for kind, target in targets.items()}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fsdp_shim.deactivate()
+    out["said"] = shim_warnings(caught)
+    for kind, target in targets.items():
+        out[kind]["off"] = [target.on_class() is theirs[kind], target.dtype(), target.status()[0]]
+    fsdp_shim.activate()
+    for kind, target in targets.items():
+        layers = sum(map(is_shim_wrapper, wrapper_chain(target.on_class())))
+        out[kind]["again"] = [target.on_class() is theirs[kind], layers, target.dtype(), target.status()[0]]
+    fsdp_shim.deactivate()
+    for kind, target in targets.items():
+        out[kind]["end"] = [target.on_class() is theirs[kind], target.dtype(), len(target.calls)]
+    """,
+    )
+    said = result.pop("said")
+    for kind, one in result.items():
+        [warning] = about(one["label"], said)
+        assert "has wrapped it since" in warning and "passes every call through" in warning, kind
+        foreign, dtype, (state, detail) = one["on"]
+        assert (foreign, dtype, state) == (False, ON, "patched"), kind
+        assert f"its wrapper on {one['label']} is under a " in detail, (kind, detail)
+        assert one["off"] == [True, OFF, "deactivated"], kind
+        assert one["again"] == [True, 1, ON, "patched"], kind
+        assert one["end"] == [True, OFF, 4], kind  # every call above went through theirs
+    assert len(said) == len(result)
 
 
 def test_a_replaced_wrapper_is_reported_and_the_replacement_kept(layouts: dict[str, Layout]) -> None:
-    found = targets(layouts)
-    result = child("shim_wrapper_replaced", {"targets": found})
-    assert len(result["deactivate_warnings"]) == len(found), result["deactivate_warnings"]
-    for target in found:
-        [warning] = about(target, result["deactivate_warnings"])
-        assert "already been replaced" in warning
-        one = result["targets"][target["kind"]]
-        assert one["status"]["patched"] is False
-        assert "other code replaced its wrapper" in one["status"]["reason"]
-        assert one["replacement_kept"] is True
+    """Other code replaces (not wraps) the shim's wrapper: status stops saying patched, and ``deactivate()``
+    says so and keeps the replacement."""
+    result = run(
+        layouts,
+        """
+    import fsdp_shim
+
+    replacements = {}
+    for kind, target in targets.items():
+        def replacement(*args, **kwargs):
+            raise AssertionError("never called")
+
+        replacements[kind] = staticmethod(replacement) if kind == "reentrant" else replacement
+        setattr(target.owner, target.attribute, replacements[kind])
+        out[kind]["status"] = target.status()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fsdp_shim.deactivate()
+    out["said"] = shim_warnings(caught)
+    for kind, target in targets.items():
+        out[kind]["kept"] = target.on_class() is replacements[kind]
+    """,
+    )
+    said = result.pop("said")
+    for kind, one in result.items():
+        [warning] = about(one["label"], said)
+        assert "had already been replaced by other code" in warning, kind
+        state, detail = one["status"]
+        assert state == "failed" and f"other code replaced its wrapper on {one['label']} (" in detail, kind
+        assert one["kept"] is True, kind
 
 
 def test_a_library_that_wraps_the_base_class_after_the_shim_still_runs(layouts: dict[str, Layout]) -> None:
-    """Review B2: the FSDP precision class inherits ``convert_module`` (2.1-2.4), the shim wrapped it on
-    that class, and then another library (a tracer) wraps the base class's ``Precision.convert_module``
-    with wrapt. Without the shim their wrapper would run for every FSDP plugin; with it, it still does,
-    and the shim's cast too (its wrapper looks the inherited method up at every call, not once).
-    ``deactivate()`` restores inheritance and leaves their wrapper alone. Trainer and Fabric: their
-    ``Precision`` classes differ (the Trainer's inherits the method from Fabric's)."""
-    layout = next((lay for lay in layouts.values() if CAST.affects(lay.trainer_version)), None)
-    if layout is None:
-        pytest.skip("needs a Lightning release that lacks the cast (its FSDP precision class inherits it)")
-    versions = {ns: v for ns, v in installed_versions({layout.package: layout}).items() if CAST.affects(v)}
-    result = child("base_class_wrapped_after", {"namespaces": list(versions)})
-    for namespace, version in versions.items():
-        one = result[namespace]
-        fsdp_class = precision_class(namespace, version)
-        assert one["inherited_as_shipped"] is True and one["derives_from_base"] is True, one
-        assert one["shim_on_the_class"] is True
-        assert (one["dtype_on"], one["their_calls_on"]) == (DTYPE_ON, [fsdp_class]), one
-        assert one["status_on"]["fix"] == CAST.name and one["status_on"]["patched"] is True
-        assert one["inherited_again"] is True and one["theirs_kept"] is True
-        assert (one["dtype_off"], one["their_calls_off"]) == (DTYPE_OFF, [fsdp_class]), one
+    """The FSDP precision class inherits ``convert_module`` (2.1-2.4) and the shim wrapped it there; a tracer then
+    wraps the base class's ``Precision.convert_module``: it runs for every FSDP plugin, with the shim's cast too
+    (its wrapper looks the inherited method up at each call); ``deactivate()`` restores inheritance, theirs kept."""
+    result = run(
+        layouts,
+        """
+    import wrapt
+    import fsdp_shim
+
+    fsdp_class = targets["convert"].owner
+    base = importlib.import_module(FABRIC + ".plugins.precision").Precision
+    calls = []
+    tracer = lambda wrapped, instance, args, kwargs: (calls.append(type(instance).__name__), wrapped(*args, **kwargs))
+    wrapt.wrap_function_wrapper(base, "convert_module", lambda *call: tracer(*call)[1])
+    theirs = base.__dict__["convert_module"]
+    out = {"on": [issubclass(fsdp_class, base), "convert_module" in fsdp_class.__dict__, converted_dtype(fsdp_class)]}
+    out["on"].append(list(calls))
+    fsdp_shim.deactivate()
+    calls.clear()
+    out["off"] = ["convert_module" in fsdp_class.__dict__, base.__dict__["convert_module"] is theirs]
+    out["off"] += [converted_dtype(fsdp_class), list(calls)]
+    """,
+    )
+    assert result == {"on": [True, True, ON, ["FSDPPrecision"]], "off": [False, True, OFF, ["FSDPPrecision"]]}
 
 
-# ----------------------------------------------------------------------------- a finder in front
-def check_fit(result: dict, namespace: str, sources: list[str]) -> None:
-    """The model trained in the precision's dtype: the shim patched the namespace when it noticed it,
-    and said once, naming the finder, that it could only do so then."""
-    assert result["loaded"] and result["sources"] == sources
-    assert result["param_dtypes"] == ["torch.bfloat16"], result
-    assert result["module_dtype"] == "torch.bfloat16"
-    assert result["status"]["patched"] is True, result["status"]
-    [warning] = [
-        w for w in result["warnings"] if f"loaded {namespace} without fsdp-shim's import watcher seeing it" in w
-    ]
+# ----------------------------------------------------------------------------- a finder in front of the shim's
+FIT_PAST_A_FINDER = """
+    import importlib, importlib.machinery, json, sys, warnings
+    import torch
+    from children.classes import PACKAGES, shim_warnings
+
+    class Instrumenter:  # answers for every Lightning module with the path finder's spec
+        def find_spec(self, name, path=None, target=None):
+            if name.partition(".")[0] in PACKAGES:
+                return importlib.machinery.PathFinder.find_spec(name, path)
+
+        def __repr__(self):
+            return "<test Instrumenter>"
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        IMPORT_SHIM
+        sys.meta_path.insert(0, Instrumenter())
+        pl = importlib.import_module(TRAINER)
+        from _fsdp_shim.verify import cpu_guards
+
+        cpu_guards.lift(TRAINER)
+
+        class Model(pl.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.layer = torch.nn.Linear(8, 8)
+
+            def training_step(self, batch, batch_idx):
+                return self.layer(batch[0].to(self.layer.weight.dtype)).float().pow(2).mean()
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.trainer.model.parameters(), lr=0.1)
+
+        model = Model()
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=1, strategy=pl.strategies.FSDPStrategy(), precision="bf16-true", max_steps=1,
+            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        )
+        data = torch.utils.data.TensorDataset(torch.randn(8, 8))
+        trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=4))
+    status = sys.modules["_fsdp_shim.activation"].status()
+    print(json.dumps({
+        "sources": list(status.sources),
+        "dtypes": sorted({str(p.dtype) for p in trainer.strategy.model.parameters()} | {str(model.dtype)}),
+        "patched": status.namespace(TRAINER).patched,
+        "said": shim_warnings(caught),
+    }))
+"""
+
+
+@pytest.mark.parametrize(
+    ("import_shim", "env", "source"),
+    [
+        ("import fsdp_shim", {"FSDP_SHIM_STRICT": "1"}, "import fsdp_shim"),
+        ("", {"FSDP_SHIM": "1"}, "FSDP_SHIM=1 (start-up file installed with the package)"),
+    ],
+    ids=["import-strict", "start-up-file"],
+)
+def test_a_finder_in_front_loads_lightning_and_the_shim_patches_it_late_and_says_so(
+    import_shim: str, env: dict[str, str], source: str, layouts: dict[str, Layout]
+) -> None:
+    """An instrumenting finder in front of the shim's loads Lightning itself: the shim notices at the next import,
+    patches then, names the finder once, and the model trains in bfloat16. Strict mode does not raise: the late
+    patch worked."""
+    package = next((p for p, layout in layouts.items() if STATES[layout.trainer_version][0] == "patched"), None)
+    if package is None:
+        pytest.skip("needs a Lightning release that lacks the cast")
+    trainer = NAMESPACES[package][0]
+    script = FIT_PAST_A_FINDER.replace("IMPORT_SHIM", import_shim or "pass").replace("TRAINER", repr(trainer))
+    result = code_json(script, env=clean_env(PYTHONWARNINGS="ignore", **env))
+    assert (result["sources"], result["dtypes"], result["patched"]) == ([source], ["torch.bfloat16"], True)
+    [warning] = [w for w in result["said"] if f"loaded {trainer} without fsdp-shim's import watcher seeing it" in w]
     assert "<test Instrumenter>" in warning and "so it was patched only then" in warning, warning
-
-
-@pytest.mark.parametrize("strict", [None, "1"], ids=["default", "strict"])
-def test_a_finder_in_front_in_import_mode(strict: str | None, layouts: dict[str, Layout]) -> None:
-    """``import fsdp_shim`` first, then an instrumenting finder in front of it. Strict mode does not
-    raise: the late patch worked, so there is nothing to fail."""
-    namespace = an_affected_namespace(layouts, "trainer")[0]
-    result = child_json(
-        "foreign:fit",
-        {"namespace": namespace, "import_shim": True},
-        python_args=("-W", "ignore"),
-        env=clean_env(FSDP_SHIM_STRICT=strict),
-    )
-    check_fit(result, namespace, ["import fsdp_shim"])
-
-
-def test_a_finder_in_front_in_start_up_file_mode(layouts: dict[str, Layout], tmp_path: Path) -> None:
-    """The start-up files ``fsdp-shim install`` writes arm the shim; the script never imports it."""
-    namespace = an_affected_namespace(layouts, "trainer")[0]
-    venv = make_venv(tmp_path / "venv", [str(ROOT), sysconfig.get_paths()["purelib"]])
-    write_files(venv.site_packages)
-    proc = venv.run(
-        "-W",
-        "ignore",
-        str(ROOT / "tests" / "child.py"),
-        "children.foreign:fit",
-        json.dumps({"namespace": namespace, "import_shim": False}),
-        env=clean_env(),
-    )
-    check_fit(json.loads(proc.stdout.strip().splitlines()[-1]), namespace, ["startup file"])

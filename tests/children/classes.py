@@ -16,7 +16,11 @@ MISSING = "<missing>"
 NAMESPACES = tuple(NAMESPACE_KINDS)
 PACKAGES = tuple(dict.fromkeys(name.partition(".")[0] for name in NAMESPACES))
 TARGETS = (
-    ("plugins.precision.fsdp", ("FSDPPrecision", "FSDPPrecisionPlugin", "FSDPMixedPrecisionPlugin"), ("convert_module",)),
+    (
+        "plugins.precision.fsdp",
+        ("FSDPPrecision", "FSDPPrecisionPlugin", "FSDPMixedPrecisionPlugin"),
+        ("convert_module",),
+    ),
     ("strategies.fsdp", ("FSDPStrategy",), ("setup", "connect", "_setup_model", "setup_module", "setup_environment")),
 )
 """Every class attribute a fix could touch, on every class of that family (2.2+ keeps the old names as deprecated

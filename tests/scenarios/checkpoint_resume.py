@@ -1,8 +1,11 @@
-"""Save an FSDP checkpoint with one setup and resume it with another, 1 process, and report exactly
-what the resumed run holds: the dtypes and every value of the flat parameters and of Adam's moments.
+"""Save FSDP checkpoints with one setup and resume them with another, 1 process, and report exactly what each
+run holds: the dtypes and every value of the flat parameters and of Adam's moments.
 
-    python checkpoint_resume.py save   --package lightning  --state-dict-type full --checkpoint DIR --out A.json
-    python checkpoint_resume.py resume --package standalone --state-dict-type full --checkpoint DIR --out B.json
+    python checkpoint_resume.py save   --package lightning  --checkpoints A --out A.json
+    python checkpoint_resume.py resume --package standalone --checkpoints A,B --out B.json
+
+Each checkpoint name is saved or resumed once per state dict type (``A-full.ckpt``, ``A-sharded.ckpt``); the
+report is ``{file name: {state_dict_type: figures}}``.
 
 ``FSDP_SHIM`` decides whether the shim acts; ``fsdp_shim`` is imported only when it is not "0", so a run
 with the shim off is Lightning as shipped. The tests compare the numbers across runs; nothing here
@@ -56,8 +59,7 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("mode", choices=("save", "resume"))
     parser.add_argument("--package", choices=("lightning", "standalone"), required=True)
-    parser.add_argument("--state-dict-type", choices=("full", "sharded"), required=True)
-    parser.add_argument("--checkpoint", required=True)
+    parser.add_argument("--checkpoints", required=True, help="comma-separated names (paths without suffix)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
 
@@ -83,29 +85,36 @@ def main(argv: list[str]) -> None:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.Adam(self.trainer.model.parameters(), lr=1e-2)
 
-    strategy = importlib.import_module(f"{namespace}.strategies").FSDPStrategy(state_dict_type=args.state_dict_type)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=strategy,
-        precision="bf16-true",
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
-    data = DataLoader(TensorDataset(torch.randn(8, FEATURES, generator=torch.Generator().manual_seed(0))), batch_size=4)
-    # Resuming at the saved step trains no further: what is measured is what was restored.
-    trainer.fit(Model(), data, ckpt_path=args.checkpoint if args.mode == "resume" else None)
-    if args.mode == "save":
-        trainer.save_checkpoint(args.checkpoint)
+    def run(checkpoint: str, state_dict_type: str) -> dict[str, Any]:
+        trainer = pl.Trainer(
+            accelerator="cpu",
+            devices=1,
+            strategy=importlib.import_module(f"{namespace}.strategies").FSDPStrategy(state_dict_type=state_dict_type),
+            precision="bf16-true",
+            max_steps=STEPS,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
+        x = torch.randn(8, FEATURES, generator=torch.Generator().manual_seed(0))
+        # Resuming at the saved step trains no further: what is measured is what was restored.
+        trainer.fit(
+            Model(), DataLoader(TensorDataset(x), batch_size=4), ckpt_path=checkpoint if args.mode == "resume" else None
+        )
+        if args.mode == "save":
+            trainer.save_checkpoint(checkpoint)
+        return {
+            "lightning": pl.__version__,
+            "global_step": trainer.global_step,
+            "module_dtype": str(trainer.lightning_module.dtype),
+            "params": describe(flat_values(trainer.strategy.model)),
+            **{key: describe(value) for key, value in adam_moments(trainer.optimizers[0]).items()},
+        }
+
     report = {
-        "lightning": pl.__version__,
-        "global_step": trainer.global_step,
-        "module_dtype": str(trainer.lightning_module.dtype),
-        "params": describe(flat_values(trainer.strategy.model)),
-        **{key: describe(value) for key, value in adam_moments(trainer.optimizers[0]).items()},
+        Path(name).name: {kind: run(f"{name}-{kind}.ckpt", kind) for kind in ("full", "sharded")}
+        for name in args.checkpoints.split(",")
     }
     Path(args.out).write_text(json.dumps(report))
     leave_process_group()
