@@ -94,7 +94,8 @@ def test_the_seed_model_gets_a_verdict_per_namespace_and_fix(layouts: dict[str, 
     proc = verify("--package", "all", "--devices", "2", "--json", cwd=planted)
     assert proc.returncode == 0, proc.stderr
     assert list(planted.glob("RAN-*")) == []
-    assert (document(proc)["verdict"], document(proc)["skipped"]) == ("fixed", [])
+    trained = any(base_release(version) >= (2, 1, 0) for version in versions.values())  # 2.0.x: nothing to fix
+    assert (document(proc)["verdict"], document(proc)["skipped"]) == ("fixed" if trained else "not needed", [])
     found = {section["namespace"]: section for section in document(proc)["sections"]}
     assert sorted(found) == sorted(versions)
     runs = 0
@@ -129,6 +130,8 @@ def test_the_seed_model_gets_a_verdict_per_namespace_and_fix(layouts: dict[str, 
     phases = [line for line in proc.stderr.splitlines() if line.startswith("fsdp-shim verify: ")]
     assert phases[0] == "fsdp-shim verify: reading the installed Lightning ..."
     assert [line.split("]")[0] for line in phases[1:]] == [f"fsdp-shim verify: [{i}/{runs}" for i in range(1, runs + 1)]
+    if not trained:
+        return
     text = render([as_section(section) for section in found.values()], Options(devices=2, package="all"))
     lines = text.splitlines()
     assert max(len(line) for line in lines) <= 100, text
