@@ -142,3 +142,29 @@ def test_every_way_the_source_arrives_builds_one_version_above_0_2_0(tmp_path: P
     assert run_command(command, env=env, cwd=tmp_path, check=True).stdout.strip() == said
     version = run_command([sys.executable, "-m", "fsdp_shim", "--version"], env=env, cwd=tmp_path, check=True)
     assert version.stdout.strip() == f"fsdp-shim {said}"
+
+
+def test_no_message_names_a_file_a_pip_user_does_not_have() -> None:
+    """What the package says names pages of the docs site, never ``docs/*.md`` of a clone (docstrings aside)."""
+    found = []
+    for name, path in MODULES.items():
+        tree = ast.parse(path.read_text())
+        docstrings = {
+            id(node.body[0].value)
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.body
+            and isinstance(node.body[0], ast.Expr)
+        }
+        strings = [n for n in ast.walk(tree) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+        for node in strings:
+            if id(node) not in docstrings and "docs/" in node.value.replace("fsdp-shim.github.io/fsdp-shim/", ""):
+                found.append(f"{name}:{node.lineno}: {node.value[:60]}")
+    assert found == []
+
+
+def test_the_readme_shows_how_to_install_and_activate_in_its_first_40_lines() -> None:
+    first = "\n".join((ROOT / "README.md").read_text().splitlines()[:40])
+    assert "pip install fsdp-shim" in first
+    for way in ("FSDP_SHIM=1 ", "fsdp-shim run ", "import fsdp_shim"):
+        assert way in first, way

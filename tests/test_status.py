@@ -228,3 +228,32 @@ def test_the_command_and_each_commands_help_on_an_ascii_terminal() -> None:
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
     hint = describe_import_failure("lightning", ["ModuleNotFoundError", "No module named 'x'", "pkg_resources"])
     assert "needs setuptools<81" in hint and hint.isascii()
+
+
+def test_fsdp_shim_status_text_says_what_stays_patched_only_where_something_is() -> None:
+    """``str(fsdp_shim.status())`` with the shim switched off: the note that what it patched stays patched, and how
+    to remove it, appears only where a fix is patched (switched off from the start, nothing ever was)."""
+    from _fsdp_shim.config import State
+    from _fsdp_shim.status import FixStatus, NamespaceStatus, ShimStatus
+
+    def shim(state: State) -> ShimStatus:
+        off = "FSDP_SHIM='0'"
+        fixes = (
+            FixStatus("cast", state, True, "" if state is State.PATCHED else off),
+            FixStatus("recompute", State.SWITCHED_OFF, True, off),
+        )
+        namespace = NamespaceStatus("lightning.pytorch", True, "2.4.0", fixes=fixes)
+        return ShimStatus("0.3.0", False, False, True, (), {}, (namespace,))
+
+    never = str(shim(State.SWITCHED_OFF)).splitlines()
+    assert never[0] == "fsdp-shim 0.3.0: switched off by FSDP_SHIM"
+    assert never[1:] == [
+        "  lightning.pytorch  2.4.0      switched off: FSDP_SHIM='0'",
+        "    cast       switched off: FSDP_SHIM='0'",
+        "    recompute  switched off: FSDP_SHIM='0'",
+    ]
+    before = str(shim(State.PATCHED)).splitlines()[0]
+    assert before == (
+        "fsdp-shim 0.3.0: switched off by FSDP_SHIM (what it patched before stays patched; "
+        "fsdp_shim.deactivate() removes it)"
+    )
