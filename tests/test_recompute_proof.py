@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from importlib.metadata import version
+from importlib.util import find_spec
 from pathlib import Path
 from string import Template
 from typing import Any
@@ -22,6 +24,8 @@ from packaging.version import Version
 PATHS = ["reentrant", "non-reentrant", "composable"]
 MOVED = "torch recomputed it without the shim's pinned function (its checkpoint calls other functions)"
 TORCH = version("torch")
+SAID = re.search(r"__version__ = '([^']+)'", (Path(find_spec("torch").origin).parent / "version.py").read_text())[1]
+"""What ``torch.__version__`` says, as the shim's messages do: ``2.3.1+cu121`` where the metadata says 2.3.1."""
 NEW, OLD = "_checkpoint_without_reentrant_generator_impl", "_checkpoint_without_reentrant_generator"
 GENERATOR, OTHERS = (NEW, [OLD]) if Version(TORCH).release >= (2, 14) else (OLD, [])
 """The non-reentrant generator this torch's ``checkpoint`` calls (renamed in torch 2.14, which keeps the old name)."""
@@ -125,7 +129,7 @@ def test_a_torch_whose_checkpoint_calls_other_names_is_reported_not_in_effect_an
     assert result["states"] == dict.fromkeys(namespaces, "not in effect")
     assert result["rank_check"] == {name: {"by": "fsdp-shim", "except": ["non-reentrant"]} for name in namespaces}
     (warning,) = [w for w in result["warnings"] if "recompute" in w]
-    assert f"not in effect on torch {TORCH} for the non-reentrant checkpoint ({MOVED})" in warning
+    assert f"not in effect on torch {SAID} for the non-reentrant checkpoint ({MOVED})" in warning
     assert result["held"] == {
         **dict.fromkeys([GENERATOR, *OTHERS], "function"),
         "CheckpointFunction.forward": "ShimWrapper",
@@ -288,7 +292,7 @@ def test_a_context_lightning_is_imported_in_switches_nothing_off(context: str, l
     state, detail, inside_dtype = result["inside"]
     if context == "checkpoint debug mode":
         assert state == "not shown yet", result["inside"]
-        assert detail.startswith(f"on torch {TORCH} for the composable checkpoint (its check could not")
+        assert detail.startswith(f"on torch {SAID} for the composable checkpoint (its check could not")
         assert "in effect for the reentrant and non-reentrant checkpoints" in detail, detail
     else:
         assert state == "patched", result["inside"]
