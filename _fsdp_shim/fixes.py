@@ -120,7 +120,7 @@ def convert_module_as_in_2_5(wrapped: Callable[..., Any], instance: Any, args: A
         namespace = namespace_of(instance)
         version = getattr(sys.modules.get(namespace), "__version__", "?")
         name = str(dtype).removeprefix("torch.")
-        log.confirm(f"cast acted ({namespace} {version}: the model cast to {name} before FSDP wraps it)")
+        log.confirm("cast", f"cast acted ({namespace} {version}: the model cast to {name} before FSDP wraps it)")
     return module
 
 

@@ -59,20 +59,21 @@ def announce(message: str, *args: object) -> None:
         log(INFO, message, *args, shown_anyway=True)
 
 
-_confirmed = False
+named: list[str] = []  # the fixes said to have acted (read first: a pin asks at every recompute)
 
 
-def confirm(what: str) -> None:
-    """The one confirmation line, on rank zero, the first time a fix changes something; it never raises."""
-    global _confirmed
-    if _confirmed:
+def confirm(fix: str, what: str) -> None:
+    """Name a fix, on rank zero, the first time it changes something: the first in the confirmation line, each
+    later one in a line of its own. It never raises."""
+    if fix in named or not first_time(f"acted:{fix}"):
         return
-    _confirmed = True
+    named.append(fix)
     if process_rank() == 0:
         from _fsdp_shim._version import __version__
 
+        line = "fsdp-shim %s: active; %s" if named == [fix] else "fsdp-shim %s: %s"
         with contextlib.suppress(Exception):  # inside the user's backward: a log line must not end the run
-            announce("fsdp-shim %s: active; %s", __version__, what)
+            announce(line, __version__, what)
 
 
 def warn_once_on_rank_zero(key: str, message: str, *args: object) -> None:

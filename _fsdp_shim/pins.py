@@ -59,10 +59,12 @@ class _Pins:
                     "https://fsdp-shim.github.io/fsdp-shim/how-it-works.html#threads",
                     key="recompute:threads",
                 )
-            if held and held[0].before is not None and held[0].before != dtype and not checking.get():
+            changed = held and held[0].before is not None and held[0].before != dtype
+            if changed and "recompute" not in log.named and not checking.get():
                 log.confirm(
+                    "recompute",
                     f"recompute acted (a checkpointed block recomputed in {_name(dtype)}, its forward's dtype, "
-                    f"not {_name(held[0].before)})"
+                    f"not {_name(held[0].before)})",
                 )
             return function(*args, **kwargs)
         finally:

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import NAMESPACES, ROOT, Layout, clean_env, free_port
+from conftest import NAMESPACES, ROOT, Layout, affected_layout, clean_env, free_port
 from test_recompute import assert_like_the_run_without_checkpointing, run_with_output, trainer_layout
 
 from _fsdp_shim import log
@@ -112,7 +112,7 @@ import torch.distributed as dist
 from _fsdp_shim import log
 dist.init_process_group("gloo", init_method=sys.argv[1], rank=int(sys.argv[2]), world_size=2,
                         timeout=datetime.timedelta(seconds=60))
-log.confirm(f"said by rank {dist.get_rank()}")
+log.confirm("cast", f"said by rank {dist.get_rank()}")
 dist.barrier()
 dist.destroy_process_group()
 """
@@ -138,3 +138,19 @@ def test_rank_zero_is_the_process_groups_where_no_variable_says_it() -> None:
     assert [proc.returncode for proc in procs] == [0, 0], outputs
     said = [[line.partition("active; ")[2] for line in err.splitlines()] for _, err in outputs]
     assert said == [["said by rank 0"], []], outputs
+
+
+def test_each_fix_that_acts_is_named_once(layouts: dict[str, Layout], tmp_path: Path) -> None:
+    """FSDP on a release that lacks both fixes, with checkpointing: the cast acts first (before the first forward),
+    in the confirmation line; the recompute acts at the first checkpointed backward, in a line of its own. Each
+    is named once, however many steps and recomputes follow."""
+    layout = affected_layout(layouts)
+    cases = ["ones:none", "ones:nonreentrant"]
+    results, output = run_with_output(tmp_path, "trainer", cases, package=layout.package)
+    assert_like_the_run_without_checkpointing(results, cases)
+    lines = [line for line in output.splitlines() if line.startswith("fsdp-shim")]
+    namespace = NAMESPACES[layout.package][0]
+    cast = f": active; cast acted ({namespace} {layout.trainer_version}: the model cast to bfloat16 before FSDP "
+    cast += "wraps it)"
+    assert len(lines) == 2 and lines[0].endswith(cast), output[-3000:]
+    assert lines[1] == lines[0].split(":")[0] + RECOMPUTE_ACTED.replace(";", ":", 1), lines
