@@ -102,10 +102,18 @@ def _parser() -> argparse.ArgumentParser:
         "judge the recompute fix (default: the seed model's own causal block; with --model, not checked)",
     )
     add(
+        "--auto-wrap",
+        type=_class_list,
+        default=[],
+        metavar="MODULE:CLASS[,...]",
+        help="with --model: FSDP's auto_wrap_policy, as your strategy sets it, each class an FSDP unit of its own "
+        "(default: Lightning's, one unit for the whole model)",
+    )
+    add(
         "--model-path",
         type=Path,
         metavar="DIR",
-        help="the folder --model, --datamodule and --activation-checkpointing are imported from (default: the "
+        help="the folder --model, --datamodule and the classes are imported from (default: the "
         "current folder; no other probe sees it)",
     )
     add(
@@ -180,8 +188,8 @@ def _verify(args: argparse.Namespace) -> int:
     from _fsdp_shim.verify import command
 
     problem = None
-    if args.model is None and (args.init_args or args.datamodule):
-        problem = "--init-args and --datamodule need --model"
+    if args.model is None and (args.init_args or args.datamodule or args.auto_wrap):
+        problem = "--init-args, --datamodule and --auto-wrap need --model"
     elif args.model is None and not args.activation_checkpointing and args.model_path is not None:
         problem = "--model-path needs --model or --activation-checkpointing"
     elif args.model is not None and args.package is not None:

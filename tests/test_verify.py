@@ -584,3 +584,36 @@ def test_ctrl_c_stops_every_process_the_probe_started(tmp_path: Path) -> None:
     )
     time.sleep(0.5)
     assert [pid for pid in pids if alive(pid)] == []
+
+
+def test_a_model_that_raised_without_the_shim_outside_a_recompute_gets_no_contradiction() -> None:
+    """The cast made it train (FSDP's "uniform dtype" error without the shim) and checkpointing was measured with the
+    shim: the recompute has no verdict, and its reason says what was measured, never "not checked" beside it."""
+    from _fsdp_shim.verify.report import judge_raised_without_shim
+
+    states = {fix: FixStatus(fix, State.PATCHED, True).as_dict() for fix in ("cast", "recompute")}
+    run = RankResult(rank=0, module_dtype=BF16, flat_param_dtypes=[BF16], losses=[2.5, 2.25], param_hashes={"w": "a"})
+    on = [replace(run, lightning="2.4.0", namespace="lightning.pytorch", fixes=states)]
+    raised = {"error": "ValueError: Must flatten tensors with uniform dtype", "in_recompute": False}
+    verdicts = judge_raised_without_shim(raised, on, on, "bf16-true", "Block")
+    assert verdicts["cast"][0] == "fixed"
+    assert verdicts["recompute"] == (
+        None,
+        "with the shim, checkpointing Block changes nothing, bit for bit; without the shim, training raised "
+        "ValueError: Must flatten tensors with uniform dtype, so no run without the shim shows the bug",
+    )
+
+
+def test_the_users_own_fsdp_units_are_used_with_auto_wrap(layouts: dict[str, Layout]) -> None:
+    """``--auto-wrap``: verify wraps the model as the user's strategy does, so a model that trains only with its
+    own units (a bfloat16 block beside a float32 one) trains with the shim off too, and the cast is measured (its
+    SGD keeps no optimizer state: nothing there to shrink, and no failure for it)."""
+    namespace, _ = an_affected_namespace(layouts, "trainer")
+    units = ("--auto-wrap", "user_models:OwnDtypeBlock")
+    proc = verify_model(namespace, "--model", "user_models:MixedDtypes", *units, "--json")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    section = only_section(proc)
+    assert section["shim_off_error"] is None and section["verdict"] == "fixed", section["reason"]
+    off, on = section["shim_off"][0], section["shim_on"][0]
+    assert off["flat_param_dtypes"] == [BF16, "torch.float32"] and on["flat_param_dtypes"] == [BF16]
+    assert on["param_bytes"] < off["param_bytes"] and on["optimizer_state_bytes"] == off["optimizer_state_bytes"] == 0

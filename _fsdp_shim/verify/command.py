@@ -90,7 +90,7 @@ def run_probe(request: ProbeRequest, shim: str, step: str) -> str | dict[str, An
     """Run one probe in a session of its own, SIGKILLed whatever happens (a rank hung in a collective survives
     SIGTERM): ``""``, why it failed, or the user's error record. Only user modules get a folder on its path."""
     options = request.options
-    user_modules = options.model or options.datamodule or options.activation_checkpointing
+    user_modules = options.model or options.datamodule or options.activation_checkpointing or options.auto_wrap
     probe = replace(
         request, options=replace(options, model_path=(options.model_path or os.getcwd()) if user_modules else None)
     )

@@ -130,9 +130,7 @@ def checked(spec: str, kind: str, init_args: dict[str, Any] | None) -> Any:
 
 def user_modules(options: Options, build: bool) -> tuple[Any, Any, set[type], list[str]]:
     """The user's model and datamodule (built, or their class or factory), checkpointed classes, and the model's
-    namespaces (its class's, or those imported with its factory); each refused unless usable."""
-    from torch.nn import Module
-
+    namespaces (its class's, or those imported with its factory); each refused unless usable (the FSDP units too)."""
     model, datamodule, namespaces = None, None, list[str]()
     if options.model is not None:
         model = checked(options.model, "LightningModule", options.init_args if build else None)
@@ -145,11 +143,19 @@ def user_modules(options: Options, build: bool) -> tuple[Any, Any, set[type], li
         ):
             raise usage_error(f"{options.model} has no train_dataloader; pass --datamodule module:attr")
         namespaces = [own] if own else [ns for ns in TRAINER_NAMESPACES if ns in sys.modules]
-    classes = [resolve(spec) for spec in options.activation_checkpointing]
-    for spec, cls in zip(options.activation_checkpointing, classes):
+    module_classes(options.auto_wrap, "--auto-wrap")
+    return model, datamodule, module_classes(options.activation_checkpointing, "--activation-checkpointing"), namespaces
+
+
+def module_classes(specs: list[str], option: str) -> set[type]:
+    """The ``torch.nn.Module`` classes ``option`` names (``MODULE:CLASS``), as Lightning's policies take them."""
+    from torch.nn import Module
+
+    classes = [resolve(spec) for spec in specs]
+    for spec, cls in zip(specs, classes):
         if not (isinstance(cls, type) and issubclass(cls, Module)):
-            raise usage_error(f"--activation-checkpointing: {spec} is not a torch.nn.Module class")
-    return model, datamodule, set(classes), namespaces
+            raise usage_error(f"{option}: {spec} is not a torch.nn.Module class")
+    return set(classes)
 
 
 def fix_states(namespace: str) -> dict[str, dict[str, Any]]:
@@ -248,6 +254,8 @@ def train_and_measure(request: ProbeRequest) -> None:
     if options.model is None:
         model, loader, strategy_options = seed_model(pl, options.steps, options.devices)
         classes = classes or {causal_block()}
+    elif options.auto_wrap:
+        strategy_options["auto_wrap_policy"] = module_classes(options.auto_wrap, "--auto-wrap")
     counted: tuple[type, ...] = tuple(classes)  # a checkpointed run counts the wrappers Lightning's policy put in
     if request.checkpointing:
         strategy_options["activation_checkpointing_policy"], counted = classes, (CheckpointWrapper,)

@@ -30,6 +30,7 @@ class Options:
     timeout: float = PROBE_TIMEOUT
     model_path: str | None = None
     activation_checkpointing: list[str] = field(default_factory=list)
+    auto_wrap: list[str] = field(default_factory=list)  # --model's FSDP units, as the user's auto_wrap_policy
     package: str | None = None  # the seed model's namespaces: None, every one but pip's standalone; or CHOICES
 
 
