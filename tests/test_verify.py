@@ -617,3 +617,21 @@ def test_the_users_own_fsdp_units_are_used_with_auto_wrap(layouts: dict[str, Lay
     off, on = section["shim_off"][0], section["shim_on"][0]
     assert off["flat_param_dtypes"] == [BF16, "torch.float32"] and on["flat_param_dtypes"] == [BF16]
     assert on["param_bytes"] < off["param_bytes"] and on["optimizer_state_bytes"] == off["optimizer_state_bytes"] == 0
+
+
+def test_a_model_that_needs_its_own_units_without_them_is_told_what_was_measured(layouts: dict[str, Layout]) -> None:
+    """Without ``--auto-wrap`` the same model raises without the shim (one unit of mixed dtypes) and trains with it;
+    checkpointed, the recompute gets no verdict and no contradiction, and the phase counter reaches its total: the
+    run it skips (checkpointed, without the shim) is counted and said."""
+    namespace, _ = an_affected_namespace(layouts, "trainer")
+    checkpointed = ("--activation-checkpointing", "user_models:OwnDtypeBlock")
+    proc = verify_model(namespace, "--model", "user_models:MixedDtypes", *checkpointed, "--json")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    recompute = fixes(only_section(proc))["recompute"]
+    assert recompute["verdict"] is None and "not checked" not in recompute["reason"], recompute["reason"]
+    assert recompute["reason"].startswith("with the shim, checkpointing OwnDtypeBlock changes nothing, bit for bit")
+    phases = [line.split("]")[0] + "]" for line in proc.stderr.splitlines() if line.startswith("fsdp-shim verify: [")]
+    assert phases == [f"fsdp-shim verify: [{i}/4]" for i in range(1, 5)], proc.stderr
+    assert proc.stderr.splitlines()[-1].endswith(
+        "with activation checkpointing: skipped, it raised without the shim already ..."
+    )

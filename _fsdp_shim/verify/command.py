@@ -166,10 +166,11 @@ def measured(
     (namespace, label, version), runs = target, dict[tuple[str, bool], Runs]()
     raised: dict[str, Any] | None = None  # the user's error record of the run without the shim
     for shim, ac in plan(options, version):
-        if raised is not None and (shim, ac) == ("0", True):
-            break
         step = f"{label}: training with the shim {'off' if shim == '0' else 'on'}"
         step += ", with activation checkpointing" if ac else ""
+        if raised is not None and (shim, ac) == ("0", True):  # the last run: the counter still reaches its total
+            say(f"{next(steps)} {step}: skipped, it raised without the shim already")
+            break
         say(f"{next(steps)} {step}")
         out = workdir / f"{namespace or 'model'}-shim{shim}{'-ac' if ac else ''}"
         failed = run_probe(ProbeRequest("measure", str(out), options, namespace, ac), shim, step)
@@ -242,7 +243,7 @@ def verify(options: Options, workdir: Path) -> tuple[list[Section], list[Skipped
             sections += [section for section in model_sections if section]
         else:
             targets.append((None, options.model, None))
-    total = sum(len(plan(options, version)) for _, _, version in targets)  # counted once: skipped runs skip a number
+    total = sum(len(plan(options, version)) for _, _, version in targets)  # counted once, skipped runs too
     steps = (f"[{number}/{total}]" for number in itertools.count(1))
     sections += [measured(options, workdir, steps, target) for target in targets]
     order = {name: index for index, name in enumerate(TRAINER_NAMESPACES)}
