@@ -132,12 +132,12 @@ def fixed_matrix_folder() -> tuple[Path, str]:
 # ----------------------------------------------------------------------------- ranks that agree
 def test_trainer_ranks_agree_once_per_process_group_waiting_for_a_late_rank(tmp_path, layouts):
     """Trainer, 2 ranks, on a Lightning with the cast built in (the shim leaves its ``convert_module`` alone), default
-    settings, lazy gloo (as NCCL: rank 0 joins the group at once); rank 1's interpreter starts the grace + 10 s late,
+    settings, lazy gloo (as NCCL: rank 0 joins the group at once); rank 1's interpreter starts the grace + 3 s late,
     and the wait's grace starts only once every rank joined. Fit, validate, test and predict run in the same process
     group, a Trainer each: rank zero's one line says the check ran once, and waited past the grace."""
     layout = fixed_layout(layouts)
     extra = ("--stages", "fit,validate,test,predict")
-    proc, out = torchrun_job(tmp_path, 2, layout, *extra, env={"TORCH_GLOO_LAZY_INIT": "1"}, late=(1, GRACE + 10))
+    proc, out = torchrun_job(tmp_path, 2, layout, *extra, env={"TORCH_GLOO_LAZY_INIT": "1"}, late=(1, GRACE + 3))
     assert_bf16(out, 2)
     results = scenario_results(out, 2)
     for rank in range(2):
