@@ -9,24 +9,11 @@ from typing import Any
 
 import pytest
 from children.classes import STATES, expected_wrappers
-from conftest import Layout, clean_env, code_json, installed_versions
+from conftest import Layout
+from test_activation import BF16, FP32, needing_a_fix, run
 
 from _fsdp_shim import FSDPShimWarning, activation, failures, switch_state
 from _fsdp_shim.config import disabled_fixes
-
-QUIET = ("-W", "ignore::DeprecationWarning")
-BF16, FP32 = ["torch.bfloat16"] * 2, ["torch.float32"] * 2
-
-
-def run(code: str, **env: str | None) -> Any:
-    return code_json(code, env=clean_env(**env), python_args=QUIET)
-
-
-def needing_a_fix(layouts: dict[str, Layout]) -> dict[str, str]:
-    versions = installed_versions(layouts)
-    if not any(STATES[v][1] == "patched" for v in versions.values()):
-        pytest.skip("no installed Lightning lacks a fix")
-    return versions
 
 
 # ============================================================================= the parsers
