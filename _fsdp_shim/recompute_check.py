@@ -42,7 +42,7 @@ class Finding:
 
 
 findings: dict[str, Finding] = {}
-_ran = False
+ran = False  # whether the check has run once in this process
 _retry_at, _backoff = 0.0, 1.0
 _lock = threading.Lock()  # one check at a time
 
@@ -54,23 +54,23 @@ def found(shown: bool, holds: bool = False) -> list[str]:
 
 def unsettled() -> bool:
     """Whether a path is still to check: a checkpoint call pays this one look."""
-    return not _ran or any(not f.shown and not f.holds for f in findings.values())
+    return not ran or any(not f.shown and not f.holds for f in findings.values())
 
 
 def check(force: bool) -> None:
     """Check every path not settled yet (unless backing off, or another check runs and this must not wait), then
     take off the wrappers of every path torch's call path passes by, and say so."""
-    global _ran, _retry_at, _backoff
-    if _lock.acquire(blocking=force or not _ran):
+    global ran, _retry_at, _backoff
+    if _lock.acquire(blocking=force or not ran):
         try:
-            if unsettled() and (force or not _ran or time.monotonic() >= _retry_at):
+            if unsettled() and (force or not ran or time.monotonic() >= _retry_at):
                 settled = frozenset(path for path, f in findings.items() if f.shown or f.holds)
                 try:
                     findings.update(prove(settled))
                 except Exception as error:  # the check itself broke: nothing was shown
                     why = f"its check failed ({type(error).__name__}: {error})"
                     findings.update({path: Finding(False, why) for path in paths() if path not in settled})
-                _ran = True
+                ran = True
                 if unsettled():
                     _retry_at, _backoff = time.monotonic() + _backoff, min(2 * _backoff, MAX_BACKOFF)
         finally:

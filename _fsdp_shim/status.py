@@ -198,7 +198,7 @@ def reading(namespace: str, fix: Fix) -> FixStatus:
     namespace imported again changes it."""
     from _fsdp_shim import recompute_check as check
     from _fsdp_shim import wrappers
-    from _fsdp_shim.wrappers import GONE, UNDER, _imported_again, found_on_top, placement
+    from _fsdp_shim.wrappers import GONE, UNDER, found_on_top, imported_again, placement
 
     module = sys.modules.get(namespace)
     if module is None:
@@ -206,7 +206,7 @@ def reading(namespace: str, fix: Fix) -> FixStatus:
     record = wrappers.record(namespace, fix)
     if record is None:
         return FixStatus(fix.name, State.NOT_CHECKED)
-    again = _imported_again(record, namespace, module)
+    again = imported_again(record, namespace, module)
     if again is not None:
         return FixStatus(fix.name, State.FAILED, record.affected, f"{again}, and its new classes were not checked yet")
     if record.state not in (State.PATCHED, State.DEACTIVATED):
@@ -232,7 +232,7 @@ def reading(namespace: str, fix: Fix) -> FixStatus:
         return FixStatus(fix.name, State.FAILED, True, "; ".join(problems), targets)
     if fix is RECOMPUTE:
         where = f"on torch {wrappers.torch_version()}"
-        if not check._ran:
+        if not check.ran:
             return FixStatus(fix.name, State.NOT_SHOWN, True, f"{where}: its check has not run", targets)
         failed, unchecked, shown = check.found(False, holds=True), check.found(False), check.found(True)
         also = f"; in effect for {check.the_checkpoints(shown)}" if shown else ""

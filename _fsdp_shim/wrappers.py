@@ -280,10 +280,10 @@ def _current(record: _Record | None, namespace: str, module: Any, disabled: bool
     """Whether ``record`` is in force for the namespace as imported now, with the fix switched off or not as now."""
     if record is None or record.state is State.DEACTIVATED or record.disabled != disabled:
         return False
-    return _imported_again(record, namespace, module) is None
+    return imported_again(record, namespace, module) is None
 
 
-def _imported_again(record: _Record, namespace: str, module: Any) -> str | None:
+def imported_again(record: _Record, namespace: str, module: Any) -> str | None:
     if record.module is not module:
         return f"{namespace} was imported again after fsdp-shim checked it"
     for wrapper in record.wrappers:
