@@ -132,7 +132,7 @@ def _patch(name: str) -> None:
                 failures.warn_once(f"fsdp-shim: {problem}", key=problem)
         before = [wrappers.state(name, fix) for fix in FIXES]
         after = [wrappers.patch(name, fix, fixes.PLANS[fix.name], disabled=fix.name in skipped) for fix in FIXES]
-        if wrappers.state(name, RECOMPUTE) is State.PATCHED:
+        if dict(zip(FIXES, after))[RECOMPUTE] is State.PATCHED:
             recompute_check.check(force=False)  # a fix on torch's private names: shown before it counts
         wrappers.patch(name, RANK_CHECK, fixes.PLANS[RANK_CHECK.name])  # says what this rank runs, whatever it is
         new = [fix for fix, was, now in zip(FIXES, before, after) if now is State.PATCHED and was is not State.PATCHED]

@@ -106,6 +106,11 @@ def valid_switch_values() -> str:
     return ", ".join((*ON_VALUES, *OFF_VALUES))
 
 
+def joined(names: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``: a list in a message."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
 def disabled_fixes(environ: Mapping[str, str] = os.environ) -> tuple[frozenset[str], list[str]]:
     """The fixes ``FSDP_SHIM_DISABLED_FIXES`` names (``*`` or ``all``: every fix), and its names that are no fix."""
     names = [name.strip().lower() for name in environ.get(DISABLED_FIXES_VARIABLE, "").split(",") if name.strip()]

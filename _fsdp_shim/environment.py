@@ -29,6 +29,7 @@ from _fsdp_shim.config import (
     Fix,
     State,
     disabled_fixes,
+    joined,
     log_setting,
     rank_check_timeout,
     switch_state,
@@ -91,10 +92,6 @@ def _releases(fix: Fix) -> str:
     return f"{fix.since} up to {fix.fixed_in} (exclusive)"
 
 
-def _joined(names: list[str]) -> str:
-    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
-
-
 def _still_needed(lightning: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per fix, whether this environment needs it (True, False, or None where it cannot tell) and why."""
     releases = [f"{row['namespace']} {row['version']}" for row in lightning]
@@ -106,11 +103,11 @@ def _still_needed(lightning: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     answers = {}
     if lacking[CAST.name]:
         later = "it can go once every environment runs Lightning 2.5.0 or later"
-        answers[CAST.name] = {"needed": True, "why": f"{_joined(lacking[CAST.name])} lack it; {later}"}
+        answers[CAST.name] = {"needed": True, "why": f"{joined(lacking[CAST.name])} lack it; {later}"}
     else:
         answers[CAST.name] = {
             "needed": False,
-            "why": f"every Lightning here has it or needs none ({_joined(releases)})",
+            "why": f"every Lightning here has it or needs none ({joined(releases)})",
         }
     if lacking[RECOMPUTE.name]:
         answers[RECOMPUTE.name] = _recompute_needed()

@@ -19,7 +19,7 @@ from types import CodeType, ModuleType
 from typing import Any
 
 from _fsdp_shim import wrappers
-from _fsdp_shim.config import RECOMPUTE
+from _fsdp_shim.config import RECOMPUTE, joined
 from _fsdp_shim.pins import checking, through_pin
 
 CHECKPOINT_MODULE = "torch.utils.checkpoint"
@@ -90,8 +90,7 @@ def check(force: bool) -> None:
 
 def the_checkpoints(names: list[str]) -> str:
     """``the reentrant checkpoint``, ``the reentrant and composable checkpoints``."""
-    listed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
-    return f"the {listed} checkpoint{'s' if len(names) > 1 else ''}"
+    return f"the {joined(names)} checkpoint{'s' if len(names) > 1 else ''}"
 
 
 def whys(names: list[str]) -> str:

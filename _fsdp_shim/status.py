@@ -220,8 +220,7 @@ def reading(namespace: str, fix: Fix) -> FixStatus:
         elif not state.on:
             problems.append(f"its wrapper on {state.label} stays under {top} and passes calls through")
         elif state.fallback is not None:
-            whose = "torch's own function" if state.shared else "Lightning's own method"
-            problems.append(f"{state.label} fell back to {whose} at call time ({state.fallback})")
+            problems.append(f"{state.label} fell back to {state.owners_own()} at call time ({state.fallback})")
         else:
             notes += [f"its wrapper on {state.label} is under {top}"] if where == UNDER else []
             if state.composed_with is not None:

@@ -83,18 +83,20 @@ class WrapperState:
     def __call__(self) -> bool:
         return self.on
 
+    def owners_own(self) -> str:
+        return "torch's own function" if self.shared else "Lightning's own method"
+
     def run(self, wrapped: Callable[..., Any], instance: Any, args: Args, kwargs: Kwargs) -> Any:
         try:
             return self.body(wrapped, instance, args, kwargs)
         except GlueError as error:
             self.fallback = str(error)
-            whose = "torch's own function" if self.shared else "Lightning's own method"
             what = "rank check" if self.fix == RANK_CHECK.name else f"{self.fix} fix"
             from _fsdp_shim import failures
 
             failures.report(
                 f"fsdp-shim: {self.label} could not read what it needs ({error})",
-                f"{whose} was used for this call, so it runs without the {what}",
+                f"{self.owners_own()} was used for this call, so it runs without the {what}",
                 key=f"glue:{self.label}",
                 cause=error,
             )
