@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 
 FIRST_CONVERTING_IN_SETUP = (2, 2, 0)  # PR #19061: 2.1.x converts in Strategy.connect, before configure_model
 FIRST_WITH_NEW_CLASS_NAMES = (2, 1, 1)  # 2.1.0's Trainer names it FSDPPrecisionPlugin
+FIRST_WITH_MODEL_PARALLEL = (2, 3, 0)
+TRUE_PRECISIONS = ("bf16-true", "16-true")
 
 
 def cast_targets(namespace: str, version: str) -> tuple[Target, ...]:
@@ -64,8 +66,17 @@ def recompute_targets(namespace: str, version: str) -> tuple[Target, ...]:
 
 
 def rank_check_targets(namespace: str, version: str) -> tuple[Target, ...]:
-    """The strategy's ``setup_environment``, which creates the process group."""
-    return (Target("strategies.fsdp", "FSDPStrategy", "setup_environment", confirm_every_rank_after_setup),)
+    """Each strategy's ``setup_environment``, which creates the process group (DeepSpeed's calls DDP's, which the
+    spawn and fork variants are); torch's ``rendezvous``, where a rank says it has the shim before it may pause."""
+    strategies = [("fsdp", "FSDPStrategy"), ("ddp", "DDPStrategy")]
+    if (base_release(version) or (0, 0, 0)) >= FIRST_WITH_MODEL_PARALLEL:
+        strategies.append(("model_parallel", "ModelParallelStrategy"))
+    setups = [
+        Target(f"strategies.{module}", name, "setup_environment", confirm_every_rank_after_setup)
+        for module, name in strategies
+    ]
+    rendezvous = Target("torch.distributed.distributed_c10d", "", "rendezvous", present_at_rendezvous, shared=True)
+    return (*setups, rendezvous)
 
 
 PLANS: dict[str, Plan] = {
@@ -188,17 +199,30 @@ def _check_again_if_due() -> None:
 
 # ----------------------------------------------------------------------------- the rank check
 def confirm_every_rank_after_setup(wrapped: Callable[..., Any], instance: Any, args: Args, kwargs: Kwargs) -> Any:
-    """The strategy's ``setup_environment``, then the check that every rank runs the same fixes ("bf16-true" and
-    "16-true" only); whether the group was created here decides whether a joined rank's silence ends the wait."""
+    """The strategy's ``setup_environment``, then the check that every rank runs the same fixes (a "true" precision
+    only); whether the group was created here decides whether a joined rank's silence ends the wait."""
     from _fsdp_shim import rank_check
 
     try:
         plugin = instance.precision_plugin if hasattr(instance, "precision_plugin") else instance.precision
-        dtype = plugin._desired_input_dtype if plugin.precision in ("bf16-true", "16-true") else None
+        true = plugin.precision in TRUE_PRECISIONS
+        dtype = (getattr(plugin, "_desired_input_dtype", None) or plugin._desired_dtype) if true else None
         namespace, joined_before = namespace_of(instance), rank_check.process_group_exists()
     except Exception as error:
         raise GlueError(error) from error
-    result = wrapped(*args, **kwargs)
+    token = rank_check.setting_up.set(dtype is not None and not joined_before)
+    try:
+        result = wrapped(*args, **kwargs)
+    finally:
+        rank_check.setting_up.reset(token)
     if dtype is not None:
         rank_check.confirm_every_rank(namespace, dtype, joined_here=not joined_before)
     return result
+
+
+def present_at_rendezvous(wrapped: Callable[..., Any], instance: Any, args: Args, kwargs: Kwargs) -> Any:
+    """torch's ``rendezvous``; in a set-up the rank check follows, its store gets this rank's presence first."""
+    from _fsdp_shim import rank_check
+
+    found = wrapped(*args, **kwargs)
+    return rank_check.say_present(found) if rank_check.setting_up.get() else found

@@ -1,9 +1,6 @@
 """The rank check (docs/cluster.md): every rank of a job runs the same fixes, or the job stops before any model is
-wrapped. Ranks meet in the process group's key-value store, which a rank without the shim never writes to.
-
-The wait is the process group's timeout, but ends ``GRACE_SECONDS`` after the store shows every rank joined the
-group (gloo's address keys): a rank with the shim reports moments after joining.
-"""
+wrapped. Ranks meet in the process group's store, which a rank without the shim never writes to: the wait ends
+``GRACE_SECONDS`` after every rank joined the group unless each silent rank said at the rendezvous it has the shim."""
 
 from __future__ import annotations
 
@@ -13,6 +10,8 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextvars import ContextVar
 from datetime import timedelta
 from typing import Any
 
@@ -26,6 +25,8 @@ EVIDENCE_POLL_SECONDS = 5.0
 _lock = threading.Lock()
 _checked: list[Any] = []  # the groups checked, in order (strong references: an id could be reused)
 _failed: list[tuple[Any, Exception]] = []  # a failed group fails again at every later call
+setting_up: ContextVar[bool] = ContextVar("fsdp_shim_setting_up", default=False)  # a set-up the check follows
+_present_in: list[Any] = []  # the rendezvous store this rank said it has the shim in, for the check that follows
 
 
 def confirm_every_rank(namespace: str, dtype: Any, joined_here: bool = False) -> None:
@@ -53,8 +54,9 @@ def confirm_every_rank(namespace: str, dtype: Any, joined_here: bool = False) ->
         return
     grace = None if explicit or not joined_here else GRACE_SECONDS
     decision, started = decide(namespace, dtype), time.monotonic()
+    present, _present_in[:] = (_present_in[-1] if _present_in and joined_here else None), []
     try:
-        reports, early = exchange(store, number, rank, world_size, decision, limit, grace)
+        reports, early = exchange(store, number, rank, world_size, decision, limit, grace, present=present)
     except Exception as error:
         _could_not_check(error)
         return
@@ -65,7 +67,8 @@ def confirm_every_rank(namespace: str, dtype: Any, joined_here: bool = False) ->
         from _fsdp_shim.failures import FSDPShimError
 
         reports = {r: {**report, "summary": summary(report)} for r, report in reports.items()}
-        text = messages.missing(missing, reports, world_size, waited, early) if missing else ""
+        paused = present_ranks(present, missing)
+        text = messages.missing(missing, reports, world_size, waited, early, paused) if missing else ""
         problem = FSDPShimError(text or messages.disagreement(reports, world_size))
         with _lock:
             _failed.append((group, problem))
@@ -139,6 +142,24 @@ def behaviour(report: dict[str, Any]) -> tuple[Any, ...]:
     return (report.get("dtype"), *((entry["by"] != "off", tuple(entry.get("except", []))) for entry in effect))
 
 
+def say_present(rendezvous: Iterator[tuple[Any, int, int]]) -> Iterator[tuple[Any, int, int]]:
+    """What torch's rendezvous yields, once this rank's presence is in its store: seen by the others, a silence
+    after joining is a pause, not a missing shim."""
+    for store, rank, world_size in rendezvous:
+        try:
+            store.set(_key("present", rank), "1")
+            _present_in.append(store)
+        except Exception as error:  # without it, this rank's pause could be taken for a missing shim, as before
+            log.debug("fsdp-shim: could not say at the rendezvous that rank %s has the shim: %s", rank, error)
+        yield store, rank, world_size
+
+
+def _key(what: str, rank: int) -> str:
+    """A rank's key for ``what``, per torchrun attempt: torchrun's store outlives a restart."""
+    attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', '-')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return f"fsdp_shim/rank_check/{attempt}/{what}/{rank}"
+
+
 def exchange(
     store: Any,
     number: int,
@@ -148,23 +169,36 @@ def exchange(
     limit: float,
     grace: float | None,
     poll: float = EVIDENCE_POLL_SECONDS,
+    present: Any = None,
 ) -> tuple[dict[int, dict[str, Any]], bool]:
-    """Write this rank's key (per torchrun attempt), wait ``limit`` s for the others', or ``grace`` s from when every
-    rank is seen to have joined the group; the reports, and whether the grace ended the wait."""
-    attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', '-')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    keys = [f"fsdp_shim/rank_check/{attempt}/{number}/{r}" for r in range(world_size)]
+    """Write this rank's report and wait ``limit`` s for the others', or ``grace`` s from when every rank joined the
+    group unless every silent rank's presence is in ``present`` (the rendezvous store); the reports, and whether
+    the grace ended the wait."""
+    keys = [_key(str(number), r) for r in range(world_size)]
     store.set(keys[rank], json.dumps(decision))
-    limit_end = end = time.monotonic() + limit
-    looking = grace is not None
+    end, grace_end, early = time.monotonic() + limit, None, False
     while True:
         now = time.monotonic()
-        if looking and grace is not None and every_rank_joined(store, world_size):
-            looking, end = False, min(limit_end, now + grace)
-        step = min(end - now, poll) if looking else end - now
+        if grace is not None and grace_end is None and every_rank_joined(store, world_size):
+            grace_end = now + grace
+        if grace_end is not None and now >= grace_end and not _silent_ones_present(store, keys, present):
+            early = True
+            break
+        step = min(end - now, poll)
         if step < 0.01 or _wait(store, keys, step):
             break
     reports = {r: json.loads(store.get(key)) for r, key in enumerate(keys) if r == rank or store.check([key])}
-    return reports, end < limit_end
+    return reports, early
+
+
+def _silent_ones_present(store: Any, keys: list[str], present: Any) -> bool:
+    silent = [r for r, key in enumerate(keys) if not store.check([key])]
+    return not silent or present_ranks(present, silent) == silent
+
+
+def present_ranks(present: Any, ranks: list[int]) -> list[int]:
+    """Those of ``ranks`` whose presence is in the rendezvous store ``present``."""
+    return [r for r in ranks if present is not None and present.check([_key("present", r)])]
 
 
 def _wait(store: Any, keys: list[str], seconds: float) -> bool:

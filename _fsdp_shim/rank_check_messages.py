@@ -2,23 +2,35 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from _fsdp_shim.config import DOCS, RANK_CHECK_TIMEOUT_VARIABLE, SHIM_VARIABLE
 
 
-def _ranks(ranks: list[int]) -> str:
+def _ranks(ranks: Sequence[int]) -> str:
     return f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(str(r) for r in ranks)}"
 
 
 def missing(
-    missing: list[int], reports: dict[int, dict[str, Any]], world_size: int, waited: float, joined: bool
+    missing: list[int],
+    reports: dict[int, dict[str, Any]],
+    world_size: int,
+    waited: float,
+    joined: bool,
+    paused: Sequence[int] = (),
 ) -> str:
     joined_but = "joined the process group but " if joined else ""
     busy = f"{waited:g} s after joining it" if joined else f"after {waited:g} s"
+    had = (
+        f" ({_ranks(paused)} had fsdp-shim when joining the group: stopped or busy since, as under a debugger or on a "
+        "suspended node)"
+        if paused
+        else ""
+    )
     return (
         f"fsdp-shim: {_ranks(missing)} of {world_size} {joined_but}did not report within {waited:g} s which fixes "
-        f"it runs, so this job may be half-patched ({described(reports)}). Stopping before any model is wrapped. "
+        f"it runs{had}, so this job may be half-patched ({described(reports)}). Stopping before any model is wrapped. "
         f"On the ranks that did not report, fsdp-shim may not be active ({SHIM_VARIABLE}=0 in their environment; a "
         "node whose Python environment lacks fsdp-shim or its start-up file; a launcher that dropped PYTHONPATH or "
         f"{SHIM_VARIABLE}: srun/sbatch --export=..., env -i, sudo, a job script that sets PYTHONPATH), they may run "

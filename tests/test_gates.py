@@ -4,7 +4,7 @@ against literal tables (Lightning's own classes are read against the same table 
 from __future__ import annotations
 
 import pytest
-from children.classes import CAST_WRAPS
+from children.classes import CAST_WRAPS, WITH_MODEL_PARALLEL
 
 from _fsdp_shim import NAMESPACES
 from _fsdp_shim.config import CAST, RECOMPUTE, base_release
@@ -57,6 +57,11 @@ def test_the_cast_and_the_rank_check_wrap_what_the_table_says(namespace: str, ve
     assert {t.attribute for t in cast if t.inherited} == {"convert_module"} | (
         {"connect"} if kind == "trainer" and version.startswith("2.1.") else set()
     )
+    parallel = ["model_parallel.ModelParallelStrategy"] if version in WITH_MODEL_PARALLEL else []
     assert [t.label(namespace) for t in rank_check_targets(namespace, version)] == [
-        f"{namespace}.strategies.fsdp.FSDPStrategy.setup_environment"
+        *(
+            f"{namespace}.strategies.{name}.setup_environment"
+            for name in ["fsdp.FSDPStrategy", "ddp.DDPStrategy", *parallel]
+        ),
+        "torch.distributed.distributed_c10d.rendezvous",
     ]

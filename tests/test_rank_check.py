@@ -33,7 +33,7 @@ from conftest import (
 
 from _fsdp_shim import rank_check_messages as messages
 from _fsdp_shim._version import __version__ as SHIM_VERSION
-from _fsdp_shim.config import rank_check_timeout
+from _fsdp_shim.config import base_release, rank_check_timeout
 
 CASE = "init+pretrained:bf16-true"
 """A layer built in ``__init__`` and an fp32 ``from_pretrained``-style one: float32 on 2.4.0 without the cast."""
@@ -281,6 +281,139 @@ def test_an_elastic_restart_without_the_shim_stops_the_job(tmp_path, layouts):
     (message,) = shim_errors(output[0])
     assert message.startswith("fsdp-shim: rank 1 of 2 did not report within 5 s which fixes it runs"), message
     assert not Path(f"{out}.rank1.json").exists()
+
+
+# ----------------------------------------------------------------------------- every strategy, a paused rank
+STRATEGY_JOB = """\
+import os, signal, subprocess, sys
+api, strategy = sys.argv[1:3]
+rank = os.environ["RANK"]
+if rank in os.environ.get("OFF_RANKS", "").split(","):
+    os.environ["FSDP_SHIM"] = "0"
+import fsdp_shim  # noqa: F401
+import torch
+import torch.distributed
+from torch.utils.checkpoint import checkpoint
+from lightning.fabric import Fabric, strategies as fabric_strategies
+from lightning.pytorch import LightningModule, Trainer, strategies as trainer_strategies
+
+pause = dict(item.split(":") for item in os.environ.get("PAUSE", "").split(",") if item)
+if rank in pause:  # stopped right after joining the process group, as by a debugger or a suspended node
+    joining = torch.distributed.init_process_group
+
+    def joined_then_stopped(*args, **kwargs):
+        joining(*args, **kwargs)
+        subprocess.Popen(["sh", "-c", f"sleep {pause[rank]}; kill -CONT {os.getpid()}"])
+        os.kill(os.getpid(), signal.SIGSTOP)
+
+    torch.distributed.init_process_group = joined_then_stopped
+
+
+class Block(torch.nn.Module):  # makes a default-dtype tensor, as rotary embeddings do
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return checkpoint(lambda x: self.linear(x) * torch.linspace(0, 1, 8), x, use_reentrant=False).float().sum()
+
+
+def fully_shard(module, mesh):
+    from torch.distributed._composable.fsdp import fully_shard
+
+    return fully_shard(module, mesh=mesh["data_parallel"])
+
+
+sizes = dict(data_parallel_size=2, tensor_parallel_size=1)
+if api == "fabric":
+    parallel = strategy == "model_parallel"
+    ddp = fabric_strategies.DDPStrategy
+    chosen = fabric_strategies.ModelParallelStrategy(fully_shard, **sizes) if parallel else ddp()
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=chosen, precision="bf16-true")
+    fabric.launch()
+    with fabric.init_module():
+        block = Block()
+    fabric.backward(fabric.setup(block)(torch.ones(4, 8)))
+else:
+    class Module(LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.block = Block()
+
+        def configure_model(self):
+            if strategy == "model_parallel":
+                fully_shard(self.block, self.device_mesh)
+
+        def training_step(self, batch, index):
+            return self.block(batch)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    parallel = strategy == "model_parallel"
+    chosen = trainer_strategies.ModelParallelStrategy(**sizes) if parallel else trainer_strategies.DDPStrategy()
+    options = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=chosen, precision="bf16-true", max_steps=1, **options)
+    trainer.fit(Module(), torch.utils.data.DataLoader(torch.ones(4, 8), batch_size=2))
+print("trained", flush=True)
+"""
+
+
+def strategy_job(
+    tmp_path: Path, api: str, strategy: str, expect_ok: bool, **env: str
+) -> tuple[subprocess.CompletedProcess[str], dict[int, str]]:
+    """``STRATEGY_JOB`` on two torchrun ranks (unified ``lightning``): a checkpointed block in bf16-true."""
+    script = tmp_path / "strategy_job.py"
+    script.write_text(STRATEGY_JOB)
+
+    def attempt(retry: bool) -> tuple[list[str], dict[str, str]]:
+        command = [*torchrun(2), "--tee", "3", str(script), api, strategy]
+        return command, clean_env(PYTHONWARNINGS="ignore,always:fsdp-shim", **env)
+
+    proc, command = run_on_a_free_port(attempt, timeout=300)
+    assert expect_ok == (proc.returncode == 0), f"exit {proc.returncode}: {command}\n{proc.stderr[-8000:]}"
+    return proc, by_rank(proc)
+
+
+@pytest.mark.parametrize("api", ["trainer", "fabric"])
+@pytest.mark.parametrize("strategy", ["ddp", "model_parallel"])
+@pytest.mark.parametrize("half", [True, False], ids=["half-patched", "fully-patched"])
+def test_every_strategy_that_runs_a_fix_checks_its_ranks(tmp_path, layouts, api, strategy, half):
+    """DDP and ModelParallel (FSDP2), Trainer and Fabric, bf16-true, a checkpointed block that makes a default-dtype
+    tensor. Rank 1 with ``FSDP_SHIM=0``: rank 0 names it and nobody trains (unchecked, rank 1 recomputed in float32:
+    a ``CheckpointError`` naming no cause). Every rank with the shim: one "patched on all" line, and both train."""
+    layout = affected_layout(layouts, "lightning", fix="recompute")
+    if strategy == "model_parallel" and (base_release(layout.version(api)) or (0,)) < (2, 3, 0):
+        pytest.skip(f"Lightning {layout.version(api)} has no ModelParallelStrategy")
+    env = {"FSDP_SHIM_RANK_CHECK_TIMEOUT": "5", "OFF_RANKS": "1" if half else ""}
+    proc, output = strategy_job(tmp_path, api, strategy, expect_ok=not half, **env)
+    namespace = "lightning.fabric" if api == "fabric" else "lightning.pytorch"
+    if half:
+        (message,) = shim_errors(output[0])
+        assert message.startswith(
+            f"fsdp-shim: rank 1 of 2 did not report within 5 s which fixes it runs, so this job may be half-patched "
+            f"(rank 0 on {HOST}: bfloat16; fixes: cast, recompute ({namespace} {layout.version(api)}, "
+        ), message
+        assert "trained" not in output[0] and "CheckpointError" not in proc.stdout + proc.stderr
+        return
+    assert [line.split("]:", 1)[1] for line in confirmations(proc)] == [
+        "fsdp-shim: patched on all 2 ranks (bfloat16; fixes: cast, recompute), confirmed in "
+        + confirmations(proc)[0].rpartition("confirmed in ")[2]
+    ]
+    assert all("trained" in output[rank] for rank in range(2)), proc.stdout[-3000:]
+
+
+def test_a_rank_stopped_right_after_joining_is_waited_for(tmp_path, layouts):
+    """Trainer, DDP, default settings: rank 1 is stopped (SIGSTOP) for the grace + 10 s right after
+    ``init_process_group`` returns. It said at the rendezvous that it has the shim, so rank 0 waits for it past the
+    grace, and the job trains; a rank without the shim is still named 30 s after joining (the FSDP test above)."""
+    affected_layout(layouts, "lightning", fix="recompute")
+    proc, output = strategy_job(tmp_path, "trainer", "ddp", expect_ok=True, PAUSE=f"1:{GRACE + 10}")
+    (line,) = confirmations(proc)
+    assert line.startswith("[default0]:fsdp-shim: patched on all 2 ranks (bfloat16; fixes: cast, recompute)"), line
+    assert GRACE + 5 < seconds_waited(line) < 120, line
+    assert all("trained" in output[rank] for rank in range(2)), proc.stdout[-3000:]
+    assert not shim_errors(proc.stdout + proc.stderr)
 
 
 # ----------------------------------------------------------------------------- the wait and the words, in process

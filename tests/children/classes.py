@@ -22,6 +22,8 @@ TARGETS = (
         ("convert_module",),
     ),
     ("strategies.fsdp", ("FSDPStrategy",), ("setup", "connect", "_setup_model", "setup_module", "setup_environment")),
+    ("strategies.ddp", ("DDPStrategy",), ("setup_environment",)),
+    ("strategies.model_parallel", ("ModelParallelStrategy",), ("setup_environment",)),
 )
 """Every class attribute a fix could touch, on every class of that family (2.2+ keeps the old names as deprecated
 subclasses: all are read, to show which is touched and which not)."""
@@ -34,6 +36,8 @@ TORCH_KEYS = (
 )
 """torch's checkpoint entry points (``generator``: the non-reentrant generator the torch in hand calls), one
 wrapper for every namespace that needs the recompute fix."""
+RENDEZVOUS_KEY = "torch.distributed.distributed_c10d:rendezvous"
+"""Where a rank says it has the shim (the rank check's), one wrapper for every namespace."""
 
 # ----------------------------------------------------------------------------- what each release must get
 CAST_2_1_TRAINER = ["FSDPStrategy._setup_model", "FSDPStrategy.connect", "FSDPStrategy.setup"]
@@ -44,6 +48,8 @@ CAST_WRAPS = {
     "2.3.3": {"trainer": ["FSDPPrecision.convert_module", "FSDPStrategy._setup_model"]},
     "2.4.0": {"trainer": ["FSDPPrecision.convert_module", "FSDPStrategy._setup_model"]},
 }
+WITH_MODEL_PARALLEL = ("2.3.3", "2.4.0", "2.5.0", "2.6.6")  # ModelParallelStrategy: Lightning 2.3 on
+RANK_CHECK_WRAPS = ["FSDPStrategy.setup_environment", "DDPStrategy.setup_environment"]
 for _release in CAST_WRAPS.values():
     _release["fabric"] = ["FSDPPrecision.convert_module", "FSDPStrategy.setup_module"]
 STATES = {  # release: (cast, recompute), as status says them
@@ -67,8 +73,10 @@ def expected_wrappers(versions: dict[str, str], without: tuple[str, ...] = ()) -
     for namespace, version in versions.items():
         if STATES[release(version)][0] == "patched" and "cast" not in without:
             keys.update(f"{namespace}:{key}" for key in CAST_WRAPS[version][NAMESPACE_KINDS[namespace]])
-        if version != "2.0.9":
-            keys.add(f"{namespace}:FSDPStrategy.setup_environment")  # the rank check, never switched off
+        if version != "2.0.9":  # the rank check, never switched off
+            parallel = ["ModelParallelStrategy.setup_environment"] if version in WITH_MODEL_PARALLEL else []
+            keys.update(f"{namespace}:{key}" for key in [*RANK_CHECK_WRAPS, *parallel])
+            keys.add(RENDEZVOUS_KEY)
             keys.update(TORCH_KEYS if "recompute" not in without else ())
     return sorted(keys)
 
@@ -102,11 +110,15 @@ def snapshot() -> dict[str, Any]:
         out[TORCH_KEYS[0]] = checkpoint.CheckpointFunction.__dict__["forward"]
         out[TORCH_KEYS[1]] = checkpoint.__dict__[generator]
         out[TORCH_KEYS[2]] = importlib.import_module(COMPOSABLE_MODULE).__dict__[generator]
+        out[RENDEZVOUS_KEY] = importlib.import_module("torch.distributed.distributed_c10d").__dict__["rendezvous"]
     for namespace in NAMESPACES:
         if namespace not in sys.modules:
             continue
         for module_name, classes, attributes in TARGETS:
-            module = importlib.import_module(f"{namespace}.{module_name}")
+            try:
+                module = importlib.import_module(f"{namespace}.{module_name}")
+            except ModuleNotFoundError:  # ModelParallelStrategy before Lightning 2.3
+                continue
             seen: set[int] = set()  # 2.1.1-2.1.4 keep FSDPPrecisionPlugin as an alias: one class, one entry
             for class_name in classes:
                 cls = module.__dict__.get(class_name)
