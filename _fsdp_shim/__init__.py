@@ -1,8 +1,5 @@
-"""The start-up module every armed interpreter imports: the switch parser, the namespace table and one finder.
-
-It imports only ``sys``, so an armed start costs nothing until Lightning is imported; ``import fsdp_shim``
-activates, importing ``_fsdp_shim`` does not. How the finder hands Lightning over: docs/how-it-works.md.
-"""
+"""The start-up module every armed interpreter imports (it imports only ``sys``): the switch parser, the namespace
+table and the finder that hands each executed Lightning namespace over (docs/how-it-works.md)."""
 
 import sys
 

@@ -12,8 +12,6 @@ from typing import TYPE_CHECKING
 import _fsdp_shim as startup
 from _fsdp_shim import NAMESPACES, SHIM_VARIABLE, log, switch_state
 from _fsdp_shim.config import (
-    DISABLED_FIXES_VARIABLE,
-    FIX_NAMES,
     FIXES,
     RANK_CHECK,
     RECOMPUTE,
@@ -121,15 +119,7 @@ def _patch(name: str) -> None:
         if unknown or problem is not None:
             from _fsdp_shim import failures
 
-            if unknown:
-                names = ", ".join(map(repr, unknown))
-                failures.warn_once(
-                    f"fsdp-shim: {DISABLED_FIXES_VARIABLE} names {names}, which is no fix of fsdp-shim (its fixes: "
-                    f"{', '.join(FIX_NAMES)}); that name is ignored",
-                    key=f"disabled:{','.join(unknown)}",
-                )
-            if problem is not None:
-                failures.warn_once(f"fsdp-shim: {problem}", key=problem)
+            failures.unreadable_settings(unknown, problem)
         before = [wrappers.state(name, fix) for fix in FIXES]
         after = [wrappers.patch(name, fix, fixes.PLANS[fix.name], disabled=fix.name in skipped) for fix in FIXES]
         if dict(zip(FIXES, after))[RECOMPUTE] is State.PATCHED:
@@ -152,19 +142,7 @@ def _patch(name: str) -> None:
     except Exception as error:
         from _fsdp_shim import failures
 
-        if isinstance(error, (failures.FSDPShimError, Warning)):
-            raise
-        if isinstance(error, ImportError):  # the shim's own dependencies (wrapt, packaging) are missing
-            problem = f"fsdp-shim: cannot patch {name}: {type(error).__name__}: {error}"
-            consequence = "Lightning was left unchanged, so no fix applies"
-            failures.report(problem, consequence, key=f"import:{name}", cause=error)
-            return
-        failures.report(
-            f"fsdp-shim: internal error while patching {name} ({type(error).__name__}: {error})",
-            "see fsdp_shim.status() for what is in effect",
-            key=f"internal:{name}",
-            cause=error,
-        )
+        failures.internal_error(error, doing=f"patching {name}", key=f"internal:{name}", cannot=f"patch {name}")
 
 
 def _check_again() -> None:
@@ -176,14 +154,7 @@ def _check_again() -> None:
         except Exception as error:
             from _fsdp_shim import failures
 
-            if isinstance(error, (failures.FSDPShimError, Warning)):
-                raise
-            failures.report(
-                f"fsdp-shim: internal error while checking a fix again ({type(error).__name__}: {error})",
-                "see fsdp_shim.status() for what is in effect",
-                key="internal:recheck",
-                cause=error,
-            )
+            failures.internal_error(error, doing="checking a fix again", key="internal:recheck")
 
 
 def status() -> ShimStatus:

@@ -8,7 +8,14 @@ import warnings
 from types import FrameType
 
 from _fsdp_shim import FSDPShimWarning
-from _fsdp_shim.config import LIGHTNING_PACKAGES, STRICT_VARIABLE, switch_state, valid_switch_values
+from _fsdp_shim.config import (
+    DISABLED_FIXES_VARIABLE,
+    FIX_NAMES,
+    LIGHTNING_PACKAGES,
+    STRICT_VARIABLE,
+    switch_state,
+    valid_switch_values,
+)
 from _fsdp_shim.log import first_time
 
 
@@ -30,6 +37,32 @@ def read_switch(name: str, meaning: str) -> str:
             key=f"toggle:{name}={raw}",
         )
     return state
+
+
+def unreadable_settings(unknown: list[str], problem: str | None) -> None:
+    """``FSDP_SHIM_DISABLED_FIXES`` names that are no fix, and an unreadable ``FSDP_SHIM_LOG``: a warning each."""
+    if unknown:
+        names = ", ".join(map(repr, unknown))
+        warn_once(
+            f"fsdp-shim: {DISABLED_FIXES_VARIABLE} names {names}, which is no fix of fsdp-shim (its fixes: "
+            f"{', '.join(FIX_NAMES)}); that name is ignored",
+            key=f"disabled:{','.join(unknown)}",
+        )
+    if problem is not None:
+        warn_once(f"fsdp-shim: {problem}", key=problem)
+
+
+def internal_error(error: Exception, *, doing: str, key: str, cannot: str | None = None) -> None:
+    """The shim's own error while ``doing``; what it raises on purpose (strict mode, the rank check) goes on.
+    ``cannot``: what a missing dependency of the shim (wrapt, packaging) stops."""
+    if isinstance(error, (FSDPShimError, Warning)):
+        raise error
+    if isinstance(error, ImportError) and cannot is not None:
+        consequence = "Lightning was left unchanged, so no fix applies"
+        report(f"fsdp-shim: cannot {cannot}: {type(error).__name__}: {error}", consequence, key=key, cause=error)
+        return
+    problem = f"fsdp-shim: internal error while {doing} ({type(error).__name__}: {error})"
+    report(problem, "see fsdp_shim.status() for what is in effect", key=key, cause=error)
 
 
 def strict_mode() -> bool:

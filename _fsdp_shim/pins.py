@@ -1,8 +1,5 @@
-"""The recompute fix's runtime: a checkpointed function pinned to the default dtype its forward had.
-
-torch's default dtype is one for the whole process: each pin notes the dtype it replaced, and the newest pin's end
-puts it back unless other code changed it meanwhile (docs/how-it-works.md, "Threads").
-"""
+"""The recompute fix's runtime: a checkpointed function pinned to the default dtype its forward had; torch's default
+dtype is one per process, so the newest pin's end puts back what it replaced (docs/how-it-works.md, "Threads")."""
 
 from __future__ import annotations
 

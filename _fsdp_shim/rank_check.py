@@ -16,7 +16,7 @@ from datetime import timedelta
 from typing import Any
 
 from _fsdp_shim import log, recompute_check, wrappers
-from _fsdp_shim.config import FIXES, RECOMPUTE, SHIM_VARIABLE, State, rank_check_timeout
+from _fsdp_shim.config import FIXES, RECOMPUTE, State, rank_check_timeout
 
 DEFAULT_TIMEOUT_SECONDS = 1800.0  # where the group's own timeout cannot be read (torch's default)
 GRACE_SECONDS = 30.0
@@ -104,12 +104,9 @@ def _wait_seconds(store: Any) -> tuple[float, bool]:
     except Exception:
         default = DEFAULT_TIMEOUT_SECONDS
     if problem is not None:
-        from _fsdp_shim import failures
+        from _fsdp_shim import rank_check_messages as messages
 
-        failures.warn_once(
-            f"fsdp-shim: {problem}; the cross-rank check waits as long as the process group's timeout ({default:g} s)",
-            key=f"rank-timeout:{problem}",
-        )
+        messages.unreadable_timeout(problem, default)
     return default, False
 
 
@@ -230,11 +227,6 @@ def summary(report: dict[str, Any]) -> str:
 
 
 def _could_not_check(error: BaseException) -> None:
-    from _fsdp_shim import failures
+    from _fsdp_shim import rank_check_messages as messages
 
-    failures.report(
-        f"fsdp-shim: could not check that every rank of this job runs the same fixes ({type(error).__name__}: {error})",
-        f"training goes on unchecked; make sure every rank has the shim ({SHIM_VARIABLE}=1 on every node)",
-        key="rank-check",
-        cause=error,
-    )
+    messages.could_not_check(error)

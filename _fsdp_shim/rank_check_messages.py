@@ -1,4 +1,5 @@
-"""What the rank check says when ranks do not agree: which ranks, on which hosts, with which fixes, and why."""
+"""What the rank check says when ranks do not agree (which ranks, on which hosts, with which fixes, and why), or when
+it cannot check."""
 
 from __future__ import annotations
 
@@ -57,3 +58,23 @@ def described(reports: dict[int, dict[str, Any]]) -> str:
         groups.setdefault(f"{report['summary']} ({releases})", []).append(r)
     hosts = {label: ", ".join(sorted({str(reports[r].get("host")) for r in ranks})) for label, ranks in groups.items()}
     return "; ".join(f"{_ranks(ranks)} on {hosts[label]}: {label}" for label, ranks in groups.items())
+
+
+def could_not_check(error: BaseException) -> None:
+    from _fsdp_shim import failures
+
+    failures.report(
+        f"fsdp-shim: could not check that every rank of this job runs the same fixes ({type(error).__name__}: {error})",
+        f"training goes on unchecked; make sure every rank has the shim ({SHIM_VARIABLE}=1 on every node)",
+        key="rank-check",
+        cause=error,
+    )
+
+
+def unreadable_timeout(problem: str, default: float) -> None:
+    from _fsdp_shim import failures
+
+    failures.warn_once(
+        f"fsdp-shim: {problem}; the cross-rank check waits as long as the process group's timeout ({default:g} s)",
+        key=f"rank-timeout:{problem}",
+    )

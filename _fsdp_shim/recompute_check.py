@@ -1,10 +1,5 @@
-"""The recompute fix's two readings of the running torch, neither of which another thread can observe, and the
-process-wide check that a path's wrappers work before the fix is called in effect there.
-
-Whether torch restores the default dtype itself is read from its code (trying would switch the process-wide
-dtype). Whether torch's recompute runs through the shim's wrapper is seen, in a thread of its own, by
-checkpointing ``x * x`` and recomputing it without running the autograd engine (docs/how-it-works.md).
-"""
+"""Whether torch restores the forward's default dtype itself (read from its code), and the process-wide check
+that torch's recompute goes through the shim's pin, in a thread of its own, before the fix counts in effect."""
 
 from __future__ import annotations
 

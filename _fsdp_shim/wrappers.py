@@ -1,8 +1,5 @@
-"""Wrap, unwrap and read back one fix in one namespace, beside other code that patches the same functions.
-
-A wrapper is known by its type, never an attribute (a wrapt proxy answers ``getattr`` for what it wraps); it
-carries what removing it needs; what is not the shim's is never removed; removal restores the very object.
-"""
+"""Wrap, unwrap and read back one fix in one namespace, beside other code that patches the same functions: a
+wrapper is known by its type, carries what removing it needs, and removal restores the very object."""
 
 from __future__ import annotations
 
