@@ -1,4 +1,4 @@
-"""The ``fsdp-shim`` command (also ``python -m fsdp_shim``)."""
+"""The ``fsdp-shim`` command (also ``python -m fsdp_shim``): its parser, ``run`` and what calls ``status``."""
 
 from __future__ import annotations
 
@@ -10,17 +10,18 @@ from pathlib import Path
 from typing import Any
 
 from _fsdp_shim._version import __version__
+from _fsdp_shim.config import SHIM_VARIABLE, switch_state
 from _fsdp_shim.verify.records import CHOICES, PROBE_TIMEOUT, Options
+
+BOOTSTRAP = str(Path(__file__).resolve().parent / "bootstrap")  # its sitecustomize arms the shim, then the user's
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
     """Descriptions as written; each option's default in its help, unless "absent" (its help says what)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if "(default:" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
-            return text
-        return f"{text} (default: %(default)s)"
+        text, shown = action.help or "", action.default not in (None, False, argparse.SUPPRESS)
+        return f"{text} (default: %(default)s)" if shown and action.option_strings and "(default:" not in text else text
 
 
 DESCRIPTIONS = {
@@ -46,13 +47,6 @@ DESCRIPTIONS = {
 }
 
 
-def _command(commands: Any, name: str, summary: str) -> argparse.ArgumentParser:
-    description, example = DESCRIPTIONS[name]
-    return commands.add_parser(
-        name, help=summary, description=description, epilog=f"example:\n  {example}", formatter_class=_Formatter
-    )
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fsdp-shim",
@@ -65,15 +59,20 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"fsdp-shim {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
 
-    run = _command(commands, "run", "run CMD with the shim active in every Python process it starts")
-    run.add_argument("cmd", nargs=argparse.REMAINDER, help="the command and its arguments")
+    def command(name: str, summary: str) -> Any:
+        description, example = DESCRIPTIONS[name]
+        epilog, formatter = f"example:\n  {example}", _Formatter
+        return commands.add_parser(
+            name, help=summary, description=description, epilog=epilog, formatter_class=formatter
+        )
 
-    add = _command(commands, "status", "what is installed and active, and whether it agrees").add_argument
+    run = command("run", "run CMD with the shim active in every Python process it starts")
+    run.add_argument("cmd", nargs=argparse.REMAINDER, help="the command and its arguments")
+    add = command("status", "what is installed and active, and whether it agrees").add_argument
     add("--json", action="store_true", help="machine-readable output")
     add("--python-check", action="store_true", help="also ask a fresh interpreter what importing Lightning gives")
 
-    verify = _command(commands, "verify", "train a model with the shim off and on, in fresh processes, and compare")
-    add = verify.add_argument
+    add = command("verify", "train a model with the shim off and on, in fresh processes, and compare").add_argument
     attr: dict[str, Any] = {"type": _module_attribute, "metavar": "MODULE:ATTR"}  # --model and --datamodule
     add(
         "--precision",
@@ -204,9 +203,23 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from _fsdp_shim.run import run
-
-    return run(args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd)
+    """Exec CMD with ``FSDP_SHIM=1`` where unset and the bootstrap first on PYTHONPATH, once (every other entry as
+    written); returns only where CMD cannot start: 127 or 126, as a shell."""
+    command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not command:
+        print("fsdp-shim run: no command given. Usage: fsdp-shim run CMD [ARGS...]", file=sys.stderr)
+        return 2
+    current = os.environ.get("PYTHONPATH", "")
+    entries = [e for e in current.split(os.pathsep) if current and not (e and os.path.realpath(e) == BOOTSTRAP)]
+    environ = {**os.environ, "PYTHONPATH": os.pathsep.join([BOOTSTRAP, *entries])}
+    if switch_state(environ.get(SHIM_VARIABLE)) == "unset":
+        environ[SHIM_VARIABLE] = "1"
+    try:
+        os.execvpe(command[0], command, environ)
+    except (FileNotFoundError, PermissionError) as error:
+        found = isinstance(error, PermissionError)
+        print(f"fsdp-shim run: {'permission denied' if found else 'command not found'}: {command[0]}", file=sys.stderr)
+        return 126 if found else 127
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,9 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command is None:  # a bare `fsdp-shim`, as a bare `git`: what there is to do
             parser.print_help()
-            code = 0
-        else:
-            code = {"run": _run, "status": _status, "verify": _verify}[args.command](args)
+        code = {"run": _run, "status": _status, "verify": _verify}[args.command](args) if args.command else 0
         sys.stdout.flush()
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the flush at exit is silent too
