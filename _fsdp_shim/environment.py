@@ -140,7 +140,9 @@ def _check_child(report: Report) -> None:
         raise NoTemporaryFolder(f"no usable temporary folder ({type(error).__name__}: {error}); set TMPDIR") from None
     out, problems, child = Path(folder, "report.json"), report["problems"], None
     try:
-        proc = subprocess.run([sys.executable, PYTHON_CHECK, out], capture_output=True, text=True, timeout=600)
+        proc = subprocess.run(
+            [sys.executable, PYTHON_CHECK, out, *installed_packages()], capture_output=True, text=True, timeout=600
+        )
         with contextlib.suppress(OSError, ValueError):
             child = json.loads(out.read_text())
     finally:
