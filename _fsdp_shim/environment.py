@@ -37,14 +37,10 @@ class NoTemporaryFolder(Exception):
     """``--python-check`` needs a temporary folder for its child's report, and has none."""
 
 
-def _shim() -> tuple[str, str]:
-    """``FSDP_SHIM``'s state (on, off, invalid, unset), and the variable as shown (``FSDP_SHIM='0'``)."""
-    return switch_state(os.environ.get(SHIM)), f"{SHIM}={os.environ.get(SHIM)!r}"
-
-
-def _switched_off() -> str | None:
-    state, shown = _shim()
-    return shown if state in ("off", "invalid") else None
+def _shim() -> tuple[str, str, str | None]:
+    """``FSDP_SHIM``'s state (on, off, invalid, unset), as shown (``FSDP_SHIM='0'``), and that where it is off."""
+    state, shown = switch_state(os.environ.get(SHIM)), f"{SHIM}={os.environ.get(SHIM)!r}"
+    return state, shown, shown if state in ("off", "invalid") else None
 
 
 def _verdict(fix: config.Fix, version: str, off: str | None) -> str:
@@ -55,7 +51,7 @@ def _verdict(fix: config.Fix, version: str, off: str | None) -> str:
 
 def _lightning() -> list[dict[str, Any]]:
     """Per installed namespace, from metadata: its release, and what the shim would do to each fix there."""
-    off, skipped, rows = _switched_off(), config.disabled_fixes()[0], []
+    off, skipped, rows = _shim()[2], config.disabled_fixes()[0], []
     for namespace in sorted(config.NAMESPACES):
         found = distribution_of(namespace.partition(".")[0])
         if found is not None:
@@ -67,10 +63,8 @@ def _lightning() -> list[dict[str, Any]]:
 
 
 def _releases(fix: config.Fix) -> str:
-    return (
-        f"{fix.since} up to {fix.fixed_in} (exclusive)"
-        if fix.fixed_in
-        else f"{fix.since} and later (no release has it yet)"
+    return f"{fix.since} " + (
+        f"up to {fix.fixed_in} (exclusive)" if fix.fixed_in else "and later (no release has it yet)"
     )
 
 
@@ -153,7 +147,7 @@ def _check_child(report: Report) -> None:
         return
     report["child"] = child
     problems += [describe_import_failure(package, failure) for package, failure in child.get("failed", {}).items()]
-    if _switched_off():
+    if _shim()[2]:
         return
     if report["armed"]["state"] == "armed" and child["imported"] and not child["shim_loaded"]:
         problems.append("a start-up activation is present but a fresh interpreter did not load the shim")
@@ -167,7 +161,7 @@ def _check_child(report: Report) -> None:
 
 def collect(python_check: bool = False) -> Report:
     """What ``status --json`` prints, in this key order; ``render`` writes it as text."""
-    (state, shown), skipped = _shim(), config.disabled_fixes()[0]
+    (state, shown, off), skipped = _shim(), config.disabled_fixes()[0]
     user = [site.getusersitepackages()] if site.ENABLE_USER_SITE else []
     found = next((p for d in [*user, *site.getsitepackages()] if (p := Path(d) / ENVIRONMENT_FILE).is_file()), None)
     entries = os.environ.get("PYTHONPATH", "").split(os.pathsep)  # any fsdp-shim's bootstrap, existing or not
@@ -188,7 +182,7 @@ def collect(python_check: bool = False) -> Report:
         "lightning": lightning,
         "still_needed": _still_needed(lightning),
         "nothing_to_patch": not installed_packages() and importlib.util.find_spec("torch") is None,
-        "armed": {"state": "off" if _switched_off() else "armed" if by else "not armed", "by": by},
+        "armed": {"state": "off" if off else "armed" if by else "not armed", "by": by},
         "child": None,
         "problems": _problems_of_the_variables(),
     }
@@ -213,7 +207,7 @@ def _table(rows: list[tuple[str, str]]) -> list[str]:
 
 def _armed_lines(report: Report) -> list[str]:
     """The first lines: armed or not, by what, and what would arm it."""
-    armed, env, (state, shown) = report["armed"], report["environment_file"], _shim()
+    armed, env, (state, shown, _) = report["armed"], report["environment_file"], _shim()
     how = {"fsdp-shim run": "its bootstrap is first on PYTHONPATH"}
     sources = [(source, how.get(source, f"read by {env['path']}")) for source in armed["by"]]
     if armed["state"] == "off":
@@ -233,7 +227,7 @@ def _armed_lines(report: Report) -> list[str]:
 
 
 def render(report: Report) -> str:
-    off, env, child = _switched_off(), report["environment_file"], report["child"]
+    off, env, child = _shim()[2], report["environment_file"], report["child"]
     lines = [f"fsdp-shim {report['shim_version']}  (python: {report['python']})", "", *_armed_lines(report), ""]
     unset = {SHIM: "1 arms the shim, 0 switches it off", STRICT: "strict mode off"}
     unset[SHIM] = "nothing to arm here" if report["nothing_to_patch"] else unset[SHIM]
@@ -242,10 +236,8 @@ def render(report: Report) -> str:
         if value is not None or name in unset:
             lines.append(f"{name}={value!r}{is_off}" if value is not None else f"{name} unset ({unset[name]})")
     lines += ["", "Activations:"]
-    if env["read"]:
-        lines.append(f"  FSDP_SHIM=1    {env['path']}  (arms every interpreter where {SHIM}=1)")
-    else:
-        lines.append(f"  FSDP_SHIM=1    arms nothing here: {_why_not_read()}")
+    where = f"{env['path']}  (arms every interpreter where {SHIM}=1)" if env["read"] else ""
+    lines.append(f"  FSDP_SHIM=1    {where or f'arms nothing here: {_why_not_read()}'}")
     bootstraps = [f"  fsdp-shim run  bootstrap on PYTHONPATH: {entry}" for entry in report["bootstrap_on_pythonpath"]]
     lines += bootstraps or ["  fsdp-shim run  not active in this shell"]
     lines += ["", f"Fixes (switch one off with {DISABLED}=NAME):"]
