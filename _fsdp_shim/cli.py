@@ -46,6 +46,23 @@ DESCRIPTIONS = {
     ),
 }
 
+VERIFY_HELP = {  # the longer ones
+    "--precision": "the Lightning precision both runs use",
+    "--model": "your LightningModule class (built with no arguments) or a factory returning one "
+    "(default: verify's seed model)",
+    "--activation-checkpointing": "also train with Lightning's FSDP activation checkpointing of these classes, each "
+    "MODULE:CLASS as activation_checkpointing_policy={...} takes them (torch.nn:TransformerEncoderLayer), shim off "
+    "and on, and judge the recompute fix (default: the seed model's own causal block; with --model, not checked)",
+    "--auto-wrap": "with --model: FSDP's auto_wrap_policy, as your strategy sets it, each class an FSDP unit of its "
+    "own (default: Lightning's, one unit for the whole model)",
+    "--model-path": "the folder --model, --datamodule and the classes are imported from (default: the current "
+    "folder; no other probe sees it)",
+    "--timeout": "how long one probe (reading Lightning, or one training run) may take before verify stops it and "
+    "every process it started, and exits 1",
+    "--package": "the Lightning package(s) the seed model trains with (default: every one installed, but not "
+    "pytorch_lightning next to lightning, which pip brings it along with)",
+}
+
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -74,61 +91,19 @@ def _parser() -> argparse.ArgumentParser:
 
     add = command("verify", "train a model with the shim off and on, in fresh processes, and compare").add_argument
     attr: dict[str, Any] = {"type": _module_attribute, "metavar": "MODULE:ATTR"}  # --model and --datamodule
-    add(
-        "--precision",
-        choices=("bf16-true", "16-true"),
-        default="bf16-true",
-        help="the Lightning precision both runs use",
-    )
+    classes: dict[str, Any] = {"type": _class_list, "metavar": "MODULE:CLASS[,...]"}  # a default list each
+    add("--precision", choices=("bf16-true", "16-true"), default="bf16-true", help=VERIFY_HELP["--precision"])
     add("--devices", type=_positive(int), default=1, metavar="N", help="processes (GPUs with CUDA)")
     add("--steps", type=_positive(int), default=3, metavar="N", help="training steps per run")
     add("--measure", action="store_true", help="train even where the installed Lightning already has the fix")
-    add(
-        "--model",
-        **attr,
-        help="your LightningModule class (built with no arguments) or a factory returning one "
-        "(default: verify's seed model)",
-    )
+    add("--model", **attr, help=VERIFY_HELP["--model"])
     add("--init-args", type=_json_object, default={}, metavar="JSON", help="keyword arguments for --model")
     add("--datamodule", **attr, help="LightningDataModule class or factory (default: the model's own train_dataloader)")
-    add(
-        "--activation-checkpointing",
-        type=_class_list,
-        default=[],
-        metavar="MODULE:CLASS[,...]",
-        help="also train with Lightning's FSDP activation checkpointing of these classes, each MODULE:CLASS as "
-        "activation_checkpointing_policy={...} takes them (torch.nn:TransformerEncoderLayer), shim off and on, and "
-        "judge the recompute fix (default: the seed model's own causal block; with --model, not checked)",
-    )
-    add(
-        "--auto-wrap",
-        type=_class_list,
-        default=[],
-        metavar="MODULE:CLASS[,...]",
-        help="with --model: FSDP's auto_wrap_policy, as your strategy sets it, each class an FSDP unit of its own "
-        "(default: Lightning's, one unit for the whole model)",
-    )
-    add(
-        "--model-path",
-        type=Path,
-        metavar="DIR",
-        help="the folder --model, --datamodule and the classes are imported from (default: the "
-        "current folder; no other probe sees it)",
-    )
-    add(
-        "--timeout",
-        type=_positive(float),
-        default=PROBE_TIMEOUT,
-        metavar="SECONDS",
-        help="how long one probe (reading Lightning, or one training run) may take before verify stops it and "
-        "every process it started, and exits 1",
-    )
-    add(
-        "--package",
-        choices=CHOICES,
-        help="the Lightning package(s) the seed model trains with (default: every one installed, but not "
-        "pytorch_lightning next to lightning, which pip brings it along with)",
-    )
+    add("--activation-checkpointing", **classes, default=[], help=VERIFY_HELP["--activation-checkpointing"])
+    add("--auto-wrap", **classes, default=[], help=VERIFY_HELP["--auto-wrap"])
+    add("--model-path", type=Path, metavar="DIR", help=VERIFY_HELP["--model-path"])
+    add("--timeout", type=_positive(float), default=PROBE_TIMEOUT, metavar="SECONDS", help=VERIFY_HELP["--timeout"])
+    add("--package", choices=CHOICES, help=VERIFY_HELP["--package"])
     add("--json", action="store_true", dest="as_json", help="machine-readable output, every figure per rank")
     return parser
 
