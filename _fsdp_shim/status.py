@@ -138,17 +138,11 @@ class ShimStatus:
 
 def collect(on: bool, active: bool, late: set[str]) -> ShimStatus:
     """The shim in this process: ``on`` by FSDP_SHIM, ``active`` here, ``late`` the namespaces imported before it."""
-    skipped = config.disabled_fixes()[0]
-    return ShimStatus(
-        shim_version=__version__,
-        enabled=on,
-        strict=failures.strict_mode(),
-        active=active,
-        sources=tuple(startup.ARMED_BY),
-        environment={name: os.environ.get(name) for name in config.VARIABLES[:4]},
-        namespaces=tuple(_namespace(name, on, name in late) for name in NAMESPACES),
-        disabled_fixes=tuple(name for name in config.FIX_NAMES if name in skipped),
-    )
+    skipped, environment = config.disabled_fixes()[0], {name: os.environ.get(name) for name in config.VARIABLES[:4]}
+    namespaces = tuple(_namespace(name, on, name in late) for name in NAMESPACES)
+    disabled = tuple(name for name in config.FIX_NAMES if name in skipped)
+    strict, sources = failures.strict_mode(), tuple(startup.ARMED_BY)
+    return ShimStatus(__version__, on, strict, active, sources, environment, namespaces, disabled)
 
 
 def _namespace(name: str, on: bool, late: bool) -> NamespaceStatus:
