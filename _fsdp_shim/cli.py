@@ -1,4 +1,4 @@
-"""The ``fsdp-shim`` command (also ``python -m fsdp_shim``)."""
+"""The ``fsdp-shim`` command (also ``python -m fsdp_shim``): its parser, ``run`` and what calls ``status``."""
 
 from __future__ import annotations
 
@@ -10,17 +10,18 @@ from pathlib import Path
 from typing import Any
 
 from _fsdp_shim._version import __version__
+from _fsdp_shim.config import SHIM_VARIABLE, switch_state
 from _fsdp_shim.verify.records import CHOICES, PROBE_TIMEOUT, Options
+
+BOOTSTRAP = str(Path(__file__).resolve().parent / "bootstrap")  # its sitecustomize arms the shim, then the user's
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
     """Descriptions as written; each option's default in its help, unless "absent" (its help says what)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        text = action.help or ""
-        if "(default:" in text or action.default in (None, False, argparse.SUPPRESS) or not action.option_strings:
-            return text
-        return f"{text} (default: %(default)s)"
+        text, shown = action.help or "", action.default not in (None, False, argparse.SUPPRESS)
+        return f"{text} (default: %(default)s)" if shown and action.option_strings and "(default:" not in text else text
 
 
 DESCRIPTIONS = {
@@ -45,12 +46,22 @@ DESCRIPTIONS = {
     ),
 }
 
-
-def _command(commands: Any, name: str, summary: str) -> argparse.ArgumentParser:
-    description, example = DESCRIPTIONS[name]
-    return commands.add_parser(
-        name, help=summary, description=description, epilog=f"example:\n  {example}", formatter_class=_Formatter
-    )
+VERIFY_HELP = {  # the longer ones
+    "--precision": "the Lightning precision both runs use",
+    "--model": "your LightningModule class (built with no arguments) or a factory returning one "
+    "(default: verify's seed model)",
+    "--activation-checkpointing": "also train with Lightning's FSDP activation checkpointing of these classes, each "
+    "MODULE:CLASS as activation_checkpointing_policy={...} takes them (torch.nn:TransformerEncoderLayer), shim off "
+    "and on, and judge the recompute fix (default: the seed model's own causal block; with --model, not checked)",
+    "--auto-wrap": "with --model: FSDP's auto_wrap_policy, as your strategy sets it, each class an FSDP unit of its "
+    "own (default: Lightning's, one unit for the whole model)",
+    "--model-path": "the folder --model, --datamodule and the classes are imported from (default: the current "
+    "folder; no other probe sees it)",
+    "--timeout": "how long one probe (reading Lightning, or one training run) may take before verify stops it and "
+    "every process it started, and exits 1",
+    "--package": "the Lightning package(s) the seed model trains with (default: every one installed, but not "
+    "pytorch_lightning next to lightning, which pip brings it along with)",
+}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -65,71 +76,34 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"fsdp-shim {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
 
-    run = _command(commands, "run", "run CMD with the shim active in every Python process it starts")
-    run.add_argument("cmd", nargs=argparse.REMAINDER, help="the command and its arguments")
+    def command(name: str, summary: str) -> Any:
+        description, example = DESCRIPTIONS[name]
+        epilog, formatter = f"example:\n  {example}", _Formatter
+        return commands.add_parser(
+            name, help=summary, description=description, epilog=epilog, formatter_class=formatter
+        )
 
-    add = _command(commands, "status", "what is installed and active, and whether it agrees").add_argument
+    run = command("run", "run CMD with the shim active in every Python process it starts")
+    run.add_argument("cmd", nargs=argparse.REMAINDER, help="the command and its arguments")
+    add = command("status", "what is installed and active, and whether it agrees").add_argument
     add("--json", action="store_true", help="machine-readable output")
     add("--python-check", action="store_true", help="also ask a fresh interpreter what importing Lightning gives")
 
-    verify = _command(commands, "verify", "train a model with the shim off and on, in fresh processes, and compare")
-    add = verify.add_argument
+    add = command("verify", "train a model with the shim off and on, in fresh processes, and compare").add_argument
     attr: dict[str, Any] = {"type": _module_attribute, "metavar": "MODULE:ATTR"}  # --model and --datamodule
-    add(
-        "--precision",
-        choices=("bf16-true", "16-true"),
-        default="bf16-true",
-        help="the Lightning precision both runs use",
-    )
+    classes: dict[str, Any] = {"type": _class_list, "metavar": "MODULE:CLASS[,...]"}  # a default list each
+    add("--precision", choices=("bf16-true", "16-true"), default="bf16-true", help=VERIFY_HELP["--precision"])
     add("--devices", type=_positive(int), default=1, metavar="N", help="processes (GPUs with CUDA)")
     add("--steps", type=_positive(int), default=3, metavar="N", help="training steps per run")
     add("--measure", action="store_true", help="train even where the installed Lightning already has the fix")
-    add(
-        "--model",
-        **attr,
-        help="your LightningModule class (built with no arguments) or a factory returning one "
-        "(default: verify's seed model)",
-    )
+    add("--model", **attr, help=VERIFY_HELP["--model"])
     add("--init-args", type=_json_object, default={}, metavar="JSON", help="keyword arguments for --model")
     add("--datamodule", **attr, help="LightningDataModule class or factory (default: the model's own train_dataloader)")
-    add(
-        "--activation-checkpointing",
-        type=_class_list,
-        default=[],
-        metavar="MODULE:CLASS[,...]",
-        help="also train with Lightning's FSDP activation checkpointing of these classes, each MODULE:CLASS as "
-        "activation_checkpointing_policy={...} takes them (torch.nn:TransformerEncoderLayer), shim off and on, and "
-        "judge the recompute fix (default: the seed model's own causal block; with --model, not checked)",
-    )
-    add(
-        "--auto-wrap",
-        type=_class_list,
-        default=[],
-        metavar="MODULE:CLASS[,...]",
-        help="with --model: FSDP's auto_wrap_policy, as your strategy sets it, each class an FSDP unit of its own "
-        "(default: Lightning's, one unit for the whole model)",
-    )
-    add(
-        "--model-path",
-        type=Path,
-        metavar="DIR",
-        help="the folder --model, --datamodule and the classes are imported from (default: the "
-        "current folder; no other probe sees it)",
-    )
-    add(
-        "--timeout",
-        type=_positive(float),
-        default=PROBE_TIMEOUT,
-        metavar="SECONDS",
-        help="how long one probe (reading Lightning, or one training run) may take before verify stops it and "
-        "every process it started, and exits 1",
-    )
-    add(
-        "--package",
-        choices=CHOICES,
-        help="the Lightning package(s) the seed model trains with (default: every one installed, but not "
-        "pytorch_lightning next to lightning, which pip brings it along with)",
-    )
+    add("--activation-checkpointing", **classes, default=[], help=VERIFY_HELP["--activation-checkpointing"])
+    add("--auto-wrap", **classes, default=[], help=VERIFY_HELP["--auto-wrap"])
+    add("--model-path", type=Path, metavar="DIR", help=VERIFY_HELP["--model-path"])
+    add("--timeout", type=_positive(float), default=PROBE_TIMEOUT, metavar="SECONDS", help=VERIFY_HELP["--timeout"])
+    add("--package", choices=CHOICES, help=VERIFY_HELP["--package"])
     add("--json", action="store_true", dest="as_json", help="machine-readable output, every figure per rank")
     return parser
 
@@ -204,9 +178,23 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from _fsdp_shim.run import run
-
-    return run(args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd)
+    """Exec CMD with ``FSDP_SHIM=1`` where unset and the bootstrap first on PYTHONPATH, once (every other entry as
+    written); returns only where CMD cannot start: 127 or 126, as a shell."""
+    command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+    if not command:
+        print("fsdp-shim run: no command given. Usage: fsdp-shim run CMD [ARGS...]", file=sys.stderr)
+        return 2
+    current = os.environ.get("PYTHONPATH", "")
+    entries = [e for e in current.split(os.pathsep) if current and not (e and os.path.realpath(e) == BOOTSTRAP)]
+    environ = {**os.environ, "PYTHONPATH": os.pathsep.join([BOOTSTRAP, *entries])}
+    if switch_state(environ.get(SHIM_VARIABLE)) == "unset":
+        environ[SHIM_VARIABLE] = "1"
+    try:
+        os.execvpe(command[0], command, environ)
+    except (FileNotFoundError, PermissionError) as error:
+        found = isinstance(error, PermissionError)
+        print(f"fsdp-shim run: {'permission denied' if found else 'command not found'}: {command[0]}", file=sys.stderr)
+        return 126 if found else 127
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -220,9 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.command is None:  # a bare `fsdp-shim`, as a bare `git`: what there is to do
             parser.print_help()
-            code = 0
-        else:
-            code = {"run": _run, "status": _status, "verify": _verify}[args.command](args)
+        code = {"run": _run, "status": _status, "verify": _verify}[args.command](args) if args.command else 0
         sys.stdout.flush()
     except BrokenPipeError:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # so the flush at exit is silent too

@@ -1,5 +1,5 @@
-"""Which Lightning packages are installed, and why one fails to import, for ``status`` and ``verify``: a broken
-``lightning`` next to a working ``pytorch_lightning`` once got a "not needed" verdict for the wrong package."""
+"""Which Lightning packages are installed, and why one fails to import (``status``, ``verify``): from metadata, so a
+broken ``lightning`` next to a working ``pytorch_lightning`` is named as such."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import contextlib
 import importlib.util
 from importlib import metadata
 
-from _fsdp_shim.config import LIGHTNING_PACKAGES, NAMESPACES
+from _fsdp_shim.config import LIGHTNING_PACKAGES
 
 
 def installed_packages() -> list[str]:
@@ -15,8 +15,7 @@ def installed_packages() -> list[str]:
     found = []
     for package in LIGHTNING_PACKAGES:
         with contextlib.suppress(ImportError, ValueError):  # a broken entry on sys.path: not importable either
-            if importlib.util.find_spec(package) is not None:
-                found.append(package)
+            found += [package] if importlib.util.find_spec(package) is not None else []
     return found
 
 
@@ -28,10 +27,6 @@ def distribution_of(package: str) -> tuple[str, str] | None:
         with contextlib.suppress(metadata.PackageNotFoundError):
             return name, metadata.version(name)
     return None
-
-
-def namespaces_of(package: str) -> list[str]:
-    return [name for name in NAMESPACES if name.partition(".")[0] == package]
 
 
 def import_failure(error: BaseException) -> list[str | None]:

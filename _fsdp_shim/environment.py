@@ -3,6 +3,7 @@ Lightning is not imported (versions from package metadata); ``--python-check`` h
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -15,161 +16,105 @@ from pathlib import Path
 from typing import Any
 
 import _fsdp_shim
+from _fsdp_shim import config
 from _fsdp_shim._version import __version__
-from _fsdp_shim.config import (
-    CAST,
-    DISABLED_FIXES_VARIABLE,
-    FIXES,
-    LIGHTNING_PACKAGES,
-    NAMESPACES,
-    RECOMPUTE,
-    SHIM_VARIABLE,
-    STRICT_VARIABLE,
-    VARIABLES,
-    Fix,
-    State,
-    disabled_fixes,
-    joined,
-    log_setting,
-    rank_check_timeout,
-    switch_state,
-    valid_switch_values,
-)
+from _fsdp_shim.config import CAST, FIXES, RECOMPUTE, State, joined, switch_state
 from _fsdp_shim.distributions import describe_import_failure, distribution_of, installed_packages
-from _fsdp_shim.run import bootstrap_on_pythonpath
 
+SHIM, STRICT, DISABLED = config.SHIM_VARIABLE, config.STRICT_VARIABLE, config.DISABLED_FIXES_VARIABLE
 PYTHON_CHECK = Path(__file__).resolve().parent / "children" / "python_check.py"
 ENVIRONMENT_FILE = "fsdp_shim_env.pth"
 OWN_ENVIRONMENT_FILE = Path(_fsdp_shim.__file__).resolve().parent.parent / ENVIRONMENT_FILE
-Report = dict[str, Any]
 NOTHING_TO_PATCH = (
     "NOTHING TO PATCH HERE: neither torch nor Lightning is installed beside this fsdp-shim ({python}): an "
     "isolated install (pipx, `uv tool`) cannot reach your training. Install fsdp-shim into the environment that "
     "runs the training instead (`pip install fsdp-shim` there), and run `fsdp-shim status` with its Python."
 )
+Report = dict[str, Any]
 
 
 class NoTemporaryFolder(Exception):
     """``--python-check`` needs a temporary folder for its child's report, and has none."""
 
 
-def _shim() -> str:
-    return switch_state(os.environ.get(SHIM_VARIABLE))
+def _shim() -> tuple[str, str, str | None]:
+    """``FSDP_SHIM``'s state (on, off, invalid, unset), as shown (``FSDP_SHIM='0'``), and that where it is off."""
+    state, shown = switch_state(os.environ.get(SHIM)), f"{SHIM}={os.environ.get(SHIM)!r}"
+    return state, shown, shown if state in ("off", "invalid") else None
 
 
-def _switched_off() -> str | None:
-    """``FSDP_SHIM='0'`` (as written) where the variable switches the shim off."""
-    return f"{SHIM_VARIABLE}={os.environ.get(SHIM_VARIABLE)!r}" if _shim() in ("off", "invalid") else None
+def _verdict(fix: config.Fix, version: str, off: str | None) -> str:
+    if fix.built_in(version) or not fix.affects(version):
+        return f"left untouched ({'fixed upstream' if fix.built_in(version) else 'nothing to fix'})"
+    return f"not patched: {off} switches it off" if off else "would be patched"
 
 
-def _installed_lightning() -> list[dict[str, Any]]:
-    off, (skipped, _) = _switched_off(), disabled_fixes()
-    rows = []
-    for package in LIGHTNING_PACKAGES:
-        found = distribution_of(package)
-        if found is None:
-            continue
-        distribution, version = found
-        verdicts = {}
-        for fix in FIXES:
-            if fix.built_in(version):
-                verdicts[fix.name] = "left untouched (fixed upstream)"
-            elif not fix.affects(version):
-                verdicts[fix.name] = "left untouched (nothing to fix)"
-            elif off or fix.name in skipped:
-                verdicts[fix.name] = f"not patched: {off or DISABLED_FIXES_VARIABLE} switches it off"
-            else:
-                verdicts[fix.name] = "would be patched"
-        facts = {"distribution": distribution, "version": version, "affected": any(f.affects(version) for f in FIXES)}
-        namespaces = [name for name in NAMESPACES if name.partition(".")[0] == package]
-        rows += [{"namespace": namespace, **facts, "fixes": verdicts} for namespace in namespaces]
-    return sorted(rows, key=lambda row: row["namespace"])
+def _lightning() -> list[dict[str, Any]]:
+    """Per installed namespace, from metadata: its release, and what the shim would do to each fix there."""
+    off, skipped, rows = _shim()[2], config.disabled_fixes()[0], []
+    for namespace in sorted(config.NAMESPACES):
+        found = distribution_of(namespace.partition(".")[0])
+        if found is not None:
+            (distribution, version), affected = found, any(fix.affects(found[1]) for fix in FIXES)
+            fixes = {f.name: _verdict(f, version, off or (DISABLED if f.name in skipped else None)) for f in FIXES}
+            rows.append(dict(namespace=namespace, distribution=distribution, version=version, affected=affected))
+            rows[-1]["fixes"] = fixes
+    return rows
 
 
-def _releases(fix: Fix) -> str:
-    if fix.fixed_in is None:
-        return f"{fix.since} and later (no release has it yet)"
-    return f"{fix.since} up to {fix.fixed_in} (exclusive)"
+def _releases(fix: config.Fix) -> str:
+    return f"{fix.since} " + (
+        f"up to {fix.fixed_in} (exclusive)" if fix.fixed_in else "and later (no release has it yet)"
+    )
 
 
 def _still_needed(lightning: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """Per fix, whether this environment needs it (True, False, or None where it cannot tell) and why."""
-    releases = [f"{row['namespace']} {row['version']}" for row in lightning]
-    if not releases:
+    if not lightning:
         return {fix.name: {"needed": None, "why": "no Lightning in this environment"} for fix in FIXES}
-    lacking = {
-        fix.name: [f"{r['namespace']} {r['version']}" for r in lightning if fix.affects(r["version"])] for fix in FIXES
-    }
-    answers = {}
-    if lacking[CAST.name]:
-        later = "it can go once every environment runs Lightning 2.5.0 or later"
-        answers[CAST.name] = {"needed": True, "why": f"{joined(lacking[CAST.name])} lack it; {later}"}
-    else:
-        answers[CAST.name] = {
-            "needed": False,
-            "why": f"every Lightning here has it or needs none ({joined(releases)})",
-        }
-    if lacking[RECOMPUTE.name]:
-        answers[RECOMPUTE.name] = _recompute_needed()
-    else:
-        answers[RECOMPUTE.name] = {"needed": False, "why": "no Lightning here has 'true' precisions for FSDP"}
-    return answers
+    releases = [f"{row['namespace']} {row['version']}" for row in lightning]
+    lacking = [release for release, row in zip(releases, lightning) if CAST.affects(row["version"])]
+    cast = (False, f"every Lightning here has it or needs none ({joined(releases)})")
+    if lacking:
+        cast = (True, f"{joined(lacking)} lack it; it can go once every environment runs Lightning 2.5.0 or later")
+    recompute: tuple[bool | None, str] = (False, "no Lightning here has 'true' precisions for FSDP")
+    if any(RECOMPUTE.affects(row["version"]) for row in lightning):
+        recompute = _recompute_needed()
+    return {fix.name: {"needed": needed, "why": why} for fix, (needed, why) in zip(FIXES, (cast, recompute))}
 
 
-def _recompute_needed() -> dict[str, Any]:
+def _recompute_needed() -> tuple[bool | None, str]:
     """Whether this environment's torch restores the forward's default dtype in every recompute itself."""
     if importlib.util.find_spec("torch") is None:
-        return {"needed": None, "why": "cannot tell: no torch in this environment"}
+        return None, "cannot tell: no torch in this environment"
     try:
         import torch
 
-        from _fsdp_shim import recompute_check
+        from _fsdp_shim import recompute_check as check
 
-        left = [path for path in recompute_check.paths() if path not in recompute_check.restored_by_torch()]
+        left = [path for path in check.paths() if path not in check.restored_by_torch()]
     except Exception as error:
-        return {
-            "needed": None,
-            "why": f"cannot tell: torch's checkpoint cannot be read ({type(error).__name__}: {error})",
-        }
+        return None, f"cannot tell: torch's checkpoint cannot be read ({type(error).__name__}: {error})"
     if not left:
-        return {"needed": False, "why": f"torch {torch.__version__}'s checkpoint restores the default dtype itself"}
-    return {
-        "needed": True,
-        "why": f"with activation checkpointing: no Lightning release restores the default dtype for a recompute, nor "
-        f"does torch {torch.__version__}'s checkpoint for {recompute_check.the_checkpoints(left)}; it can go once "
-        "torch's does, or where you train without activation checkpointing",
-    }
+        return False, f"torch {torch.__version__}'s checkpoint restores the default dtype itself"
+    return True, (
+        "with activation checkpointing: no Lightning release restores the default dtype for a recompute, nor does "
+        f"torch {torch.__version__}'s checkpoint for {check.the_checkpoints(left)}; it can go once torch's does, or "
+        "where you train without activation checkpointing"
+    )
 
 
 def _problems_of_the_variables() -> list[str]:
-    problems = []
-    for name, state, meaning in (
-        (SHIM_VARIABLE, _shim(), "the shim is OFF"),
-        (STRICT_VARIABLE, switch_state(os.environ.get(STRICT_VARIABLE)), "strict mode is ON"),
-    ):
-        if state == "invalid":
-            problems.append(
-                f"{name}={os.environ.get(name)!r} is not a valid value ({valid_switch_values()}); {meaning}"
-            )
-    unknown = disabled_fixes()[1]
-    if unknown:
-        names = ", ".join(fix.name for fix in FIXES)
-        problems.append(
-            f"{DISABLED_FIXES_VARIABLE} names {', '.join(map(repr, unknown))}, no fix of fsdp-shim ({names})"
-        )
-    problem = rank_check_timeout()[1]
-    if problem is not None:
-        problems.append(f"{problem}; the rank check waits as long as the process group's timeout")
-    problem = log_setting()[1]
-    return problems + ([problem] if problem is not None else [])
-
-
-def _environment_file() -> dict[str, Any]:
-    """Where ``fsdp_shim_env.pth`` is, and whether this interpreter reads it (never from PYTHONPATH or a clone)."""
-    user = [site.getusersitepackages()] if site.ENABLE_USER_SITE else []
-    read = [Path(d) / ENVIRONMENT_FILE for d in [*user, *site.getsitepackages()]]
-    found = next((path for path in read if path.is_file()), None)
-    return {"path": str(found or OWN_ENVIRONMENT_FILE), "read": found is not None}
+    problems = [
+        f"{name}={os.environ.get(name)!r} is not a valid value ({config.valid_switch_values()}); {meaning}"
+        for name, meaning in ((SHIM, "the shim is OFF"), (STRICT, "strict mode is ON"))
+        if switch_state(os.environ.get(name)) == "invalid"
+    ]
+    unknown = ", ".join(map(repr, config.disabled_fixes()[1]))
+    problems += [f"{DISABLED} names {unknown}, no fix of fsdp-shim ({', '.join(config.FIX_NAMES)})"] if unknown else []
+    timeout, log = config.rank_check_timeout()[1], config.log_setting()[1]
+    problems += [f"{timeout}; the rank check waits as long as the process group's timeout"] if timeout else []
+    return problems + ([log] if log else [])
 
 
 def _why_not_read() -> str:
@@ -187,132 +132,115 @@ def _check_child(report: Report) -> None:
         folder = tempfile.mkdtemp(prefix="fsdp-shim-status-")
     except OSError as error:
         raise NoTemporaryFolder(f"no usable temporary folder ({type(error).__name__}: {error}); set TMPDIR") from None
-    out = Path(folder, "report.json")
+    out, problems, child = Path(folder, "report.json"), report["problems"], None
     try:
         proc = subprocess.run(
-            [sys.executable, str(PYTHON_CHECK), str(out)], capture_output=True, text=True, timeout=600
+            [sys.executable, PYTHON_CHECK, out, *installed_packages()], capture_output=True, text=True, timeout=600
         )
-        try:
+        with contextlib.suppress(OSError, ValueError):
             child = json.loads(out.read_text())
-        except (OSError, ValueError):
-            child = None
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     if proc.returncode != 0 or child is None:
         tail = proc.stderr.strip()[-500:] or f"exit {proc.returncode}, no report"
-        report["problems"].append(f"a fresh interpreter failed to import Lightning: {tail}")
+        problems.append(f"a fresh interpreter failed to import Lightning: {tail}")
         return
     report["child"] = child
-    report["problems"] += [
-        describe_import_failure(package, failure) for package, failure in child.get("failed", {}).items()
-    ]
-    if _switched_off():
+    problems += [describe_import_failure(package, failure) for package, failure in child.get("failed", {}).items()]
+    if _shim()[2]:
         return
     if report["armed"]["state"] == "armed" and child["imported"] and not child["shim_loaded"]:
-        report["problems"].append("a start-up activation is present but a fresh interpreter did not load the shim")
-    for namespace in (child.get("status") or {}).get("namespaces", []):
-        for fix in namespace.get("fixes", []):
-            if (
-                namespace["imported"]
-                and fix["affected"]
-                and not fix["patched"]
-                and fix["state"] != State.DISABLED.value
-            ):
-                report["problems"].append(
-                    f"{namespace['namespace']} {namespace['version']} lacks the {fix['fix']} fix, and it was not "
-                    f"applied: {fix['reason']}"
-                )
+        problems.append("a start-up activation is present but a fresh interpreter did not load the shim")
+    problems += [
+        f"{ns['namespace']} {ns['version']} lacks the {fix['fix']} fix, and it was not applied: {fix['reason']}"
+        for ns in (child.get("status") or {}).get("namespaces", [])
+        for fix in ns.get("fixes", [])
+        if ns["imported"] and fix["affected"] and not fix["patched"] and fix["state"] != State.DISABLED.value
+    ]
 
 
 def collect(python_check: bool = False) -> Report:
     """What ``status --json`` prints, in this key order; ``render`` writes it as text."""
-    skipped = disabled_fixes()[0]
-    environment_file, bootstraps = _environment_file(), bootstrap_on_pythonpath(os.environ)
-    by = [f"{SHIM_VARIABLE}={os.environ.get(SHIM_VARIABLE)!r}"] if environment_file["read"] and _shim() == "on" else []
+    (state, shown, off), skipped = _shim(), config.disabled_fixes()[0]
+    user = [site.getusersitepackages()] if site.ENABLE_USER_SITE else []
+    found = next((p for d in [*user, *site.getsitepackages()] if (p := Path(d) / ENVIRONMENT_FILE).is_file()), None)
+    entries = os.environ.get("PYTHONPATH", "").split(os.pathsep)  # any fsdp-shim's bootstrap, existing or not
+    bootstraps = [e for e in entries if e and Path(e).name == "bootstrap" and Path(e).parent.name == "_fsdp_shim"]
+    by = [shown] if found and state == "on" else []
     by += ["fsdp-shim run"] if bootstraps else []
-    lightning = _installed_lightning()
+    lightning = _lightning()
     report: Report = {
         "shim_version": __version__,
         "python": sys.executable,
-        "toggles": {name: os.environ.get(name) for name in VARIABLES},
-        "environment_file": environment_file,
+        "toggles": {name: os.environ.get(name) for name in config.VARIABLES},
+        "environment_file": {"path": str(found or OWN_ENVIRONMENT_FILE), "read": found is not None},
         "bootstrap_on_pythonpath": bootstraps,
         "fixes": [
-            {"name": fix.name, "releases": _releases(fix), "changes": fix.changes, "switched_off": fix.name in skipped}
+            dict(name=fix.name, releases=_releases(fix), changes=fix.changes, switched_off=fix.name in skipped)
             for fix in FIXES
         ],
         "lightning": lightning,
         "still_needed": _still_needed(lightning),
         "nothing_to_patch": not installed_packages() and importlib.util.find_spec("torch") is None,
-        "armed": {"state": "off" if _switched_off() else "armed" if by else "not armed", "by": by},
+        "armed": {"state": "off" if off else "armed" if by else "not armed", "by": by},
         "child": None,
         "problems": _problems_of_the_variables(),
     }
-    if not environment_file["read"] and _shim() == "on" and not bootstraps:
+    if not found and state == "on" and not bootstraps:
         report["problems"].append(
-            f"{SHIM_VARIABLE}={os.environ.get(SHIM_VARIABLE)!r} arms nothing in this interpreter: no folder it reads "
-            f"start-up files from holds {ENVIRONMENT_FILE} ({_why_not_read()}). Install fsdp-shim into this "
-            "environment with pip, or use `fsdp-shim run`"
+            f"{shown} arms nothing in this interpreter: no folder it reads start-up files from holds "
+            f"{ENVIRONMENT_FILE} ({_why_not_read()}). Install fsdp-shim into this environment with pip, or use "
+            "`fsdp-shim run`"
         )
-    for entry in bootstraps:
-        if not os.path.isdir(entry):
-            report["problems"].append(f"PYTHONPATH holds an fsdp-shim bootstrap folder that does not exist: {entry}")
+    missing = [entry for entry in bootstraps if not os.path.isdir(entry)]
+    report["problems"] += [f"PYTHONPATH holds an fsdp-shim bootstrap folder that does not exist: {e}" for e in missing]
     if python_check:
         _check_child(report)
     report["consistent"] = not report["problems"]
     return report
 
 
+def _table(rows: list[tuple[str, str]]) -> list[str]:
+    width = max(len(name) for name, _ in rows)
+    return [f"  {name:<{width}}  {what}" for name, what in rows]
+
+
 def _armed_lines(report: Report) -> list[str]:
     """The first lines: armed or not, by what, and what would arm it."""
-    armed, env = report["armed"], report["environment_file"]
+    armed, env, (state, shown, _) = report["armed"], report["environment_file"], _shim()
     how = {"fsdp-shim run": "its bootstrap is first on PYTHONPATH"}
     sources = [(source, how.get(source, f"read by {env['path']}")) for source in armed["by"]]
-
-    def table(rows: list[tuple[str, str]]) -> list[str]:
-        width = max(len(name) for name, _ in rows)
-        return [f"  {name:<{width}}  {what}" for name, what in rows]
-
     if armed["state"] == "off":
-        lines = [f"Shim: OFF. {_switched_off()} switches off every activation: Lightning runs as shipped."]
-        return lines + (["  Without it, this would arm the shim:", *table(sources)] if sources else [])
+        lines = [f"Shim: OFF. {shown} switches off every activation: Lightning runs as shipped."]
+        return lines + (["  Without it, this would arm the shim:", *_table(sources)] if sources else [])
     if armed["state"] == "armed":
-        return ["Shim: ARMED in every Python started from here, by:", *table(sources)]
-    if report["nothing_to_patch"] and _shim() != "on":
+        return ["Shim: ARMED in every Python started from here, by:", *_table(sources)]
+    if report["nothing_to_patch"] and state != "on":
         return ["Shim: NOT ARMED, and there is nothing to arm it for: no torch, no Lightning here (see below)."]
-    ways = [(f"{SHIM_VARIABLE}=1 python train.py", "one command and every process it starts")] if env["read"] else []
+    ways = [(f"{SHIM}=1 python train.py", "one command and every process it starts")] if env["read"] else []
     ways += [
         ("fsdp-shim run python train.py", "the same, also for interpreters of another environment"),
         ("import fsdp_shim", "in the training script: that script only (status cannot see it)"),
     ]
-    value = os.environ.get(SHIM_VARIABLE)
-    nothing = f"{SHIM_VARIABLE}={value!r} arms nothing here (see PROBLEM)" if _shim() == "on" else "nothing arms it"
-    return [f"Shim: NOT ARMED in a Python started from here: {nothing}. Any one of these arms it:", *table(ways)]
+    nothing = f"{shown} arms nothing here (see PROBLEM)" if state == "on" else "nothing arms it"
+    return [f"Shim: NOT ARMED in a Python started from here: {nothing}. Any one of these arms it:", *_table(ways)]
 
 
 def render(report: Report) -> str:
+    off, env, child = _shim()[2], report["environment_file"], report["child"]
     lines = [f"fsdp-shim {report['shim_version']}  (python: {report['python']})", "", *_armed_lines(report), ""]
-    off = _switched_off()
-    unset = {SHIM_VARIABLE: "1 arms the shim, 0 switches it off", STRICT_VARIABLE: "strict mode off"}
-    if report["nothing_to_patch"]:
-        unset[SHIM_VARIABLE] = "nothing to arm here"
+    unset = {SHIM: "1 arms the shim, 0 switches it off", STRICT: "strict mode off"}
+    unset[SHIM] = "nothing to arm here" if report["nothing_to_patch"] else unset[SHIM]
     for name, value in report["toggles"].items():
-        if value is not None:
-            lines.append(
-                f"{name}={value!r}"
-                + (" (the shim is OFF: Lightning runs as shipped)" if off and name == SHIM_VARIABLE else "")
-            )
-        elif name in unset:
-            lines.append(f"{name} unset ({unset[name]})")
-    env = report["environment_file"]
+        is_off = " (the shim is OFF: Lightning runs as shipped)" if off and name == SHIM else ""
+        if value is not None or name in unset:
+            lines.append(f"{name}={value!r}{is_off}" if value is not None else f"{name} unset ({unset[name]})")
     lines += ["", "Activations:"]
-    if env["read"]:
-        lines.append(f"  FSDP_SHIM=1    {env['path']}  (arms every interpreter where {SHIM_VARIABLE}=1)")
-    else:
-        lines.append(f"  FSDP_SHIM=1    arms nothing here: {_why_not_read()}")
+    where = f"{env['path']}  (arms every interpreter where {SHIM}=1)" if env["read"] else ""
+    lines.append(f"  FSDP_SHIM=1    {where or f'arms nothing here: {_why_not_read()}'}")
     bootstraps = [f"  fsdp-shim run  bootstrap on PYTHONPATH: {entry}" for entry in report["bootstrap_on_pythonpath"]]
     lines += bootstraps or ["  fsdp-shim run  not active in this shell"]
-    lines += ["", f"Fixes (switch one off with {DISABLED_FIXES_VARIABLE}=NAME):"]
+    lines += ["", f"Fixes (switch one off with {DISABLED}=NAME):"]
     for fix in report["fixes"]:
         mark = "  [switched off]" if fix["switched_off"] else ""
         lines += [f"  {fix['name']:<10} Lightning {fix['releases']}{mark}", f"  {'':<10} {fix['changes']}"]
@@ -324,19 +252,17 @@ def render(report: Report) -> str:
     lines += ["", "Still needed here? (https://fsdp-shim.github.io/fsdp-shim/removal.html)"]
     answer = {True: "needed", False: "not needed", None: "unknown"}
     lines += [f"  {name:<10} {answer[a['needed']]}: {a['why']}" for name, a in report["still_needed"].items()]
-    child = report["child"]
     if child is not None:
+        status = child.get("status") or {}
+        why = f"{off} switches it off" if off else "nothing armed it at start-up"
+        loaded = f"shim loaded, armed by: {'; '.join(status.get('sources') or []) or 'unknown'}"
         lines += ["", "A fresh interpreter (imports Lightning, not fsdp_shim):"]
-        if not child["shim_loaded"]:
-            lines.append(f"  shim not loaded: {f'{off} switches it off' if off else 'nothing armed it at start-up'}")
-        else:
-            sources = (child.get("status") or {}).get("sources") or []
-            lines.append(f"  shim loaded, armed by: {'; '.join(sources) or 'unknown'}")
-        for namespace in (child.get("status") or {}).get("namespaces", []):
-            if namespace["imported"]:
-                lines.append(f"  {namespace['namespace']:<18} {namespace['version'] or '-':<10} {namespace['reason']}")
+        lines.append(f"  {loaded if child['shim_loaded'] else f'shim not loaded: {why}'}")
+        lines += [
+            f"  {ns['namespace']:<18} {ns['version'] or '-':<10} {ns['reason']}"
+            for ns in status.get("namespaces", [])
+            if ns["imported"]
+        ]
     ok = "OK: no problem found" + (f"; the shim is OFF ({off}), so nothing is patched" if off else "")
-    if report["nothing_to_patch"]:
-        ok = NOTHING_TO_PATCH.format(python=report["python"])
-    lines += ["", *([f"PROBLEM: {p}" for p in report["problems"]] or [ok])]
-    return "\n".join(lines)
+    ok = NOTHING_TO_PATCH.format(python=report["python"]) if report["nothing_to_patch"] else ok
+    return "\n".join([*lines, "", *([f"PROBLEM: {p}" for p in report["problems"]] or [ok])])

@@ -9,18 +9,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import _fsdp_shim as startup
-from _fsdp_shim import NAMESPACES, failures
-from _fsdp_shim.config import (
-    DISABLED_FIXES_VARIABLE,
-    FIX_NAMES,
-    FIXES,
-    RECOMPUTE,
-    SHIM_VARIABLE,
-    VARIABLES,
-    Fix,
-    State,
-    disabled_fixes,
-)
+from _fsdp_shim import NAMESPACES, config, failures
+from _fsdp_shim._version import __version__
+from _fsdp_shim.config import FIXES, RECOMPUTE, SHIM_VARIABLE, Fix, State
 
 _SAID = {
     State.NOT_IMPORTED: "not imported yet; it is checked when it is imported",
@@ -31,7 +22,7 @@ _SAID = {
     State.NOT_AFFECTED: "no 'true' precisions for FSDP in this release; nothing to fix",
     State.BUILT_IN: "left untouched: this release contains it",
     State.TORCH_HAS_IT: "not needed: torch left untouched",
-    State.DISABLED: f"switched off by {DISABLED_FIXES_VARIABLE}",
+    State.DISABLED: f"switched off by {config.DISABLED_FIXES_VARIABLE}",
     State.SWITCHED_OFF: "switched off",
     State.DEACTIVATED: "deactivated",
     State.FAILED: "not patched",
@@ -55,10 +46,9 @@ class FixStatus:
     @property
     def reason(self) -> str:
         """The state in words, with its detail."""
-        said = _SAID[self.state]
-        if not self.detail:
-            return said
-        return f"{said} ({self.detail})" if self.state in (State.PATCHED, State.BUILT_IN) else f"{said}: {self.detail}"
+        if self.detail and self.state in (State.PATCHED, State.BUILT_IN):
+            return f"{_SAID[self.state]} ({self.detail})"
+        return f"{_SAID[self.state]}: {self.detail}" if self.detail else _SAID[self.state]
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "state": self.state.value, "patched": self.patched, "reason": self.reason}
@@ -147,41 +137,30 @@ class ShimStatus:
 
 
 def collect(on: bool, active: bool, late: set[str]) -> ShimStatus:
-    """The shim in this process, per namespace and per fix: ``on`` by FSDP_SHIM, ``active`` in this process,
-    ``late`` the namespaces imported before it was."""
-    from _fsdp_shim._version import __version__
-
-    skipped = disabled_fixes()[0]
-    return ShimStatus(
-        shim_version=__version__,
-        enabled=on,
-        strict=failures.strict_mode(),
-        active=active,
-        sources=tuple(startup.ARMED_BY),
-        environment={name: os.environ.get(name) for name in VARIABLES[:4]},
-        namespaces=tuple(_namespace(name, on, name in late) for name in NAMESPACES),
-        disabled_fixes=tuple(name for name in FIX_NAMES if name in skipped),
-    )
+    """The shim in this process: ``on`` by FSDP_SHIM, ``active`` here, ``late`` the namespaces imported before it."""
+    skipped, environment = config.disabled_fixes()[0], {name: os.environ.get(name) for name in config.VARIABLES[:4]}
+    namespaces = tuple(_namespace(name, on, name in late) for name in NAMESPACES)
+    disabled = tuple(name for name in config.FIX_NAMES if name in skipped)
+    strict, sources = failures.strict_mode(), tuple(startup.ARMED_BY)
+    return ShimStatus(__version__, on, strict, active, sources, environment, namespaces, disabled)
 
 
 def _namespace(name: str, on: bool, late: bool) -> NamespaceStatus:
     module = sys.modules.get(name)
     if module is None:
         return NamespaceStatus(name, fixes=tuple(FixStatus(fix.name) for fix in FIXES))
-    version = getattr(module, "__version__", None)
-    version = version if isinstance(version, str) else None
+    version = module.__version__ if isinstance(getattr(module, "__version__", None), str) else None
     try:
         from _fsdp_shim import wrappers  # noqa: F401 - its patching code (wrapt) may be missing
     except ImportError as error:
         detail = f"fsdp-shim's patching code cannot be imported ({error})"
-        return NamespaceStatus(
-            name, True, version, late, tuple(FixStatus(f.name, State.FAILED, True, detail) for f in FIXES)
-        )
+        fixes = tuple(FixStatus(f.name, State.FAILED, True, detail) for f in FIXES)
+        return NamespaceStatus(name, True, version, late, fixes)
     fixes = tuple(reading(name, fix) for fix in FIXES)
-    if not on:
-        off = f"{SHIM_VARIABLE}={os.environ.get(SHIM_VARIABLE, '')!r}"
+    off = f"{SHIM_VARIABLE}={os.environ.get(SHIM_VARIABLE, '')!r}"
+    if not on:  # what stays patched, or needs nothing, says so
         fixes = tuple(
-            FixStatus(f.fix, State.SWITCHED_OFF, f.affected, off) if not f.patched and f.affected is not False else f
+            f if f.patched or f.affected is False else FixStatus(f.fix, State.SWITCHED_OFF, f.affected, off)
             for f in fixes
         )
     note = ""
@@ -198,15 +177,12 @@ def reading(namespace: str, fix: Fix) -> FixStatus:
     namespace imported again changes it."""
     from _fsdp_shim import recompute_check as check
     from _fsdp_shim import wrappers
-    from _fsdp_shim.wrappers import GONE, UNDER, found_on_top, imported_again, placement
 
     module = sys.modules.get(namespace)
-    if module is None:
-        return FixStatus(fix.name, State.NOT_IMPORTED)
-    record = wrappers.record(namespace, fix)
-    if record is None:
-        return FixStatus(fix.name, State.NOT_CHECKED)
-    again = imported_again(record, namespace, module)
+    record = None if module is None else wrappers.record(namespace, fix)
+    if module is None or record is None:
+        return FixStatus(fix.name, State.NOT_IMPORTED if module is None else State.NOT_CHECKED)
+    again = wrappers.imported_again(record, namespace, module)
     if again is not None:
         return FixStatus(fix.name, State.FAILED, record.affected, f"{again}, and its new classes were not checked yet")
     if record.state not in (State.PATCHED, State.DEACTIVATED):
@@ -214,21 +190,20 @@ def reading(namespace: str, fix: Fix) -> FixStatus:
     targets = tuple(wrapper.shim_state.label for wrapper in record.wrappers)
     problems, notes = [], []
     for wrapper in record.wrappers:
-        state, where, top = wrapper.shim_state, placement(wrapper), found_on_top(wrapper)
-        if where == GONE:
+        state, where, top = wrapper.shim_state, wrappers.placement(wrapper), wrappers.found_on_top(wrapper)
+        if where == wrappers.GONE:
             problems.append(f"other code replaced its wrapper on {state.label} (the class holds {top})")
         elif not state.on:
             problems.append(f"its wrapper on {state.label} stays under {top} and passes calls through")
         elif state.fallback is not None:
             problems.append(f"{state.label} fell back to {state.owners_own()} at call time ({state.fallback})")
         else:
-            notes += [f"its wrapper on {state.label} is under {top}"] if where == UNDER else []
+            notes += [f"its wrapper on {state.label} is under {top}"] if where == wrappers.UNDER else []
             if state.composed_with is not None:
                 notes.append(f"on {state.label} it wraps {state.composed_with}, which was there before")
-    if record.state is State.DEACTIVATED:
-        return FixStatus(fix.name, State.DEACTIVATED, True, "; ".join(problems), targets)
-    if problems:
-        return FixStatus(fix.name, State.FAILED, True, "; ".join(problems), targets)
+    if record.state is State.DEACTIVATED or problems:
+        off = State.DEACTIVATED if record.state is State.DEACTIVATED else State.FAILED
+        return FixStatus(fix.name, off, True, "; ".join(problems), targets)
     if fix is RECOMPUTE:
         where = f"on torch {wrappers.torch_version()}"
         if not check.ran:

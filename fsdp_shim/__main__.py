@@ -1,5 +1,3 @@
-"""``python -m fsdp_shim``: the same as the ``fsdp-shim`` command."""
-
 from _fsdp_shim.cli import main
 
-raise SystemExit(main())
+raise SystemExit(main())  # python -m fsdp_shim: the fsdp-shim command

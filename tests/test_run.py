@@ -39,8 +39,8 @@ installed with the package (read first, by ``site``), then the bootstrap ``sitec
 @pytest.mark.per_python
 def test_run_sets_the_switch_unless_set_puts_the_bootstrap_first_and_execs_the_command(tmp_path: Path) -> None:
     """The command gets ``FSDP_SHIM=1`` where it is unset (a value set stays, ``0`` too) and the bootstrap first
-    on ``PYTHONPATH``, in the same process (exec): its exit code and signal are the command's; a command that
-    cannot start exits 127 or 126, as a shell's, and none at all is a usage error."""
+    on ``PYTHONPATH``, in the same process (exec): its exit code and signal are the command's (also after ``--``);
+    a command that cannot start exits 127 or 126, as a shell's, and none at all is a usage error."""
     code = "import json, os; print(json.dumps([os.environ.get('FSDP_SHIM'), os.environ['PYTHONPATH'], os.getpid()]))"
     seen = {}
     for value in (None, "0", "on"):
@@ -54,6 +54,7 @@ def test_run_sets_the_switch_unless_set_puts_the_bootstrap_first_and_execs_the_c
         return run_command([FSDP_SHIM, "run", *command], cwd=tmp_path)
 
     assert run(sys.executable, "-c", "import sys; sys.exit(7)").returncode == 7
+    assert run("--", sys.executable, "-c", "import sys; sys.exit(8)").returncode == 8  # `--` ends fsdp-shim's options
     killed = run(sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGTERM)")
     assert killed.returncode == -signal.SIGTERM
     not_executable = tmp_path / "job.sh"

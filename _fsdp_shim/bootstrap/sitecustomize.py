@@ -5,17 +5,6 @@ it shadows, once. Every process the command starts runs it, old Pythons too: it 
 import os
 import sys
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _arm_shim():
-    try:
-        import _fsdp_shim
-
-        _fsdp_shim.arm("fsdp-shim run")
-    except Exception as error:  # never stop an interpreter from starting: say so at its first Lightning import
-        sys.meta_path.insert(0, _NotArmed(error))
-
 
 class _NotArmed(object):
     """A finder that says, once, at the first Lightning import, that the shim could not be armed."""
@@ -38,22 +27,23 @@ class _NotArmed(object):
         return None
 
 
-def _run_shadowed_sitecustomize():
-    """Import the next ``sitecustomize``, with only this folder off ``sys.path``."""
-    here = os.path.realpath(_HERE)
-    this_module = sys.modules.pop(__name__, None)
-    sys.path[:] = [entry for entry in sys.path if os.path.realpath(entry or os.curdir) != here]
-    try:
-        import sitecustomize  # noqa: F401 - the shadowed one, if there is one
-    except Exception as error:  # none to shadow is fine; where the user's fails, say what `site` says
-        if not isinstance(error, ImportError) or getattr(error, "name", "sitecustomize") != "sitecustomize":
-            sys.stderr.write(
-                "Error in sitecustomize; set PYTHONVERBOSE for traceback:\n%s: %s\n" % (type(error).__name__, error)
-            )
-    if __name__ not in sys.modules and this_module is not None:
-        sys.modules[__name__] = this_module
-
-
 if sys.version_info >= (3, 9):
-    _arm_shim()
-_run_shadowed_sitecustomize()
+    try:
+        import _fsdp_shim
+
+        _fsdp_shim.arm("fsdp-shim run")
+    except Exception as _error:  # never stop an interpreter from starting: say so at its first Lightning import
+        sys.meta_path.insert(0, _NotArmed(_error))
+
+# The shadowed sitecustomize, if any, with only this folder off sys.path; this module stays if it is the last.
+_here, _this_module = os.path.realpath(os.path.dirname(os.path.abspath(__file__))), sys.modules.pop(__name__, None)
+sys.path[:] = [entry for entry in sys.path if os.path.realpath(entry or os.curdir) != _here]
+try:
+    import sitecustomize  # noqa: F401
+except Exception as _error:  # none to shadow is fine; where the user's fails, say what `site` says
+    if not isinstance(_error, ImportError) or getattr(_error, "name", "sitecustomize") != "sitecustomize":
+        sys.stderr.write(
+            "Error in sitecustomize; set PYTHONVERBOSE for traceback:\n%s: %s\n" % (type(_error).__name__, _error)
+        )
+if __name__ not in sys.modules and _this_module is not None:
+    sys.modules[__name__] = _this_module
