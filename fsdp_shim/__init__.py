@@ -5,6 +5,7 @@ activates the shim, as ``import ddtrace.auto`` does (``FSDP_SHIM=0`` switches it
 from __future__ import annotations
 
 import sys
+from types import FrameType
 
 from _fsdp_shim import FSDPShimWarning
 from _fsdp_shim._version import __version__
@@ -15,12 +16,19 @@ __all__ = ["FSDPShimError", "FSDPShimWarning", "__version__", "activate", "deact
 
 
 def _runs_the_command() -> bool:
-    """Whether this is ``python -m fsdp_shim``, which imports this package first and must not activate: runpy's
-    frame that is locating the module says which module ``-m`` runs."""
-    frame = sys._getframe() if sys.argv[:1] == ["-m"] else None  # "-m" only while -m locates its module
-    while frame is not None and not (frame.f_code.co_name == "_run_module_as_main" and "mod_name" in frame.f_locals):
+    """Whether this is ``python -m fsdp_shim``, which imports this package first and must not activate."""
+    if sys.argv[:1] != ["-m"]:  # while -m locates its module, on every Python
+        return False
+    argv = getattr(sys, "orig_argv", None)  # Python 3.10+
+    if argv is not None:
+        before_arguments = argv[: len(argv) - len(sys.argv) + 1]
+        return before_arguments[-2:] == ["-m", __name__] or before_arguments[-1:] == [f"-m{__name__}"]
+    frame: FrameType | None = sys._getframe()
+    while frame is not None:  # Python 3.9: runpy's frame that is locating it
+        if frame.f_code.co_name == "_run_module_as_main" and frame.f_globals.get("__name__") == "runpy":
+            return frame.f_locals.get("mod_name") == __name__
         frame = frame.f_back
-    return frame is not None and frame.f_locals["mod_name"] == __name__
+    return False
 
 
 if not _runs_the_command():
