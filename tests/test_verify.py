@@ -31,8 +31,8 @@ from conftest import (
 
 from _fsdp_shim.config import State, base_release
 from _fsdp_shim.status import FixStatus
+from _fsdp_shim.verify.command import Section, fix_entries, judge_raised_without_shim, judge_recompute, render
 from _fsdp_shim.verify.records import Options, RankResult, select
-from _fsdp_shim.verify.report import Section, fix_entries, judge_recompute, render
 
 MODELS = ROOT / "tests" / "verify_models"
 BYTE_KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes")
@@ -590,12 +590,10 @@ def test_ctrl_c_stops_every_process_the_probe_started(tmp_path: Path) -> None:
 def test_a_model_that_raised_without_the_shim_outside_a_recompute_gets_no_contradiction() -> None:
     """The cast made it train (FSDP's "uniform dtype" error without the shim) and checkpointing was measured with the
     shim: the recompute has no verdict, and its reason says what was measured, never "not checked" beside it."""
-    from _fsdp_shim.verify.report import judge_raised_without_shim
-
     states = {fix: FixStatus(fix, State.PATCHED, True).as_dict() for fix in ("cast", "recompute")}
     run = RankResult(rank=0, module_dtype=BF16, flat_param_dtypes=[BF16], losses=[2.5, 2.25], param_hashes={"w": "a"})
     on = [replace(run, lightning="2.4.0", namespace="lightning.pytorch", fixes=states)]
-    raised = {"error": "ValueError: Must flatten tensors with uniform dtype", "in_recompute": False}
+    raised = {"message": "ValueError: Must flatten tensors with uniform dtype", "in_recompute": False}
     verdicts = judge_raised_without_shim(raised, on, on, "bf16-true", "Block")
     assert verdicts["cast"][0] == "fixed"
     assert verdicts["recompute"] == (
