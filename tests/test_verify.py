@@ -85,13 +85,14 @@ def assert_exactly_half(section: dict[str, Any], devices: int) -> None:
 # ----------------------------------------------------------------------------- the seed model
 @pytest.mark.per_release
 def test_the_seed_model_gets_a_verdict_per_namespace_and_fix(layouts: dict[str, Layout], planted: Path) -> None:
-    """``--package all --devices 2``: a section per installed Trainer namespace, its fixes' states, exact figures
-    per rank, the recompute measured with the seed's causal block, and the phases counted once. Run from a folder
-    holding a ``yaml.py`` and a ``packaging.py``: the probes run none of it (only ``--model`` gets that folder)."""
+    """``--package all``: a section per installed Trainer namespace, its fixes' states, exact figures, the recompute
+    measured with the seed's causal block, and the phases counted once. Run from a folder holding a ``yaml.py`` and a
+    ``packaging.py``: the probes run none of it (only ``--model`` gets that folder). One process per run: every
+    rank's figures are checked with ``--devices 2`` once, in the common session (the checkpointed ``Block`` test)."""
     versions = trainer_versions(layouts)
     if not versions:
         pytest.skip("no Lightning installed")
-    proc = verify("--package", "all", "--devices", "2", "--json", cwd=planted)
+    proc = verify("--package", "all", "--json", cwd=planted)
     assert proc.returncode == 0, proc.stderr
     assert list(planted.glob("RAN-*")) == []
     trained = any(base_release(version) >= (2, 1, 0) for version in versions.values())  # 2.0.x: nothing to fix
@@ -132,10 +133,10 @@ def test_the_seed_model_gets_a_verdict_per_namespace_and_fix(layouts: dict[str, 
     assert [line.split("]")[0] for line in phases[1:]] == [f"fsdp-shim verify: [{i}/{runs}" for i in range(1, runs + 1)]
     if not trained:
         return
-    text = render([as_section(section) for section in found.values()], Options(devices=2, package="all"))
+    text = render([as_section(section) for section in found.values()], Options(package="all"))
     lines = text.splitlines()
     assert max(len(line) for line in lines) <= 100, text
-    assert "  CPU check with gloo, 2 process(es); GPU guards lifted (see Terms)." in lines
+    assert "  CPU check with gloo, 1 process(es); GPU guards lifted (see Terms)." in lines
     for row in ("model loaded in float32 (from_pretrained)", "sharded gradient bytes", "losses (3 steps)"):
         assert row in text
     for term in ("GPU guards lifted:", "flat parameter:", "seed model:"):
@@ -168,23 +169,23 @@ def test_a_block_that_makes_a_tensor_without_a_dtype_is_fixed(layouts: dict[str,
     """``user_models.Block`` multiplies by a tensor made without a dtype: the precision's in the forward, float32
     in the recompute. With the shim the checkpointed run equals the plain one bit for bit; without it, unpatched
     2.1-2.4's float32 weights with ``cast=True`` (``--init-args``) train on other values, and verify names the
-    first difference (2.5+ raises). Run from elsewhere with ``--model-path``."""
+    first difference (2.5+ raises). Run from elsewhere with ``--model-path``, with two ranks: each rank's figures."""
     layout = layout_or_skip(layouts, "lightning")
     if base_release(layout.trainer_version) < (2, 1, 0):
         pytest.skip("needs a release that lacks the recompute fix")
     args = ("--model", "user_models:Checkpointed", "--init-args", '{"cast": true}', "--model-path", str(MODELS))
-    proc = verify_model(
-        "lightning.pytorch", *args, "--activation-checkpointing", "user_models:Block", "--json", cwd=tmp_path
-    )
+    checkpointed = ("--activation-checkpointing", "user_models:Block", "--devices", "2")
+    proc = verify_model("lightning.pytorch", *args, *checkpointed, "--json", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     section = only_section(proc)
+    assert [[r["rank"] for r in section[run]] for run in ("shim_on", "checkpointed_shim_on")] == [[0, 1]] * 2
     recompute = fixes(section)["recompute"]
     assert recompute["verdict"] == "fixed", recompute["reason"]
     assert recompute["reason"].startswith("with the shim, checkpointing Block (2 modules) changes nothing")
     assert same_bits(section["shim_on"], section["checkpointed_shim_on"])
     off, off_checkpointed = section["shim_off"], section["checkpointed_shim_off"]
     if off[0]["flat_param_dtypes"] == ["torch.float32"]:  # unpatched 2.1-2.4: the same dtype in the recompute
-        assert_exactly_half(section, 1)
+        assert_exactly_half(section, 2)
         assert off_checkpointed[0]["error"] is None and not same_bits(off, off_checkpointed)
         assert "with the shim off, the checkpointed run differs first in the loss of step " in recompute["reason"]
     else:
