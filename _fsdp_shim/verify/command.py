@@ -82,7 +82,9 @@ def main(options: Options) -> int:
         try:
             workdir = tempfile.mkdtemp(prefix="fsdp-shim-verify-")
         except OSError as error:
-            raise Stop(f"no usable temporary folder ({one_line(error)}); set TMPDIR to a writable folder", 2) from None
+            raise Stop(
+                f"no usable temporary folder ({type(error).__name__}: {error}); set TMPDIR to a writable folder", 2
+            ) from None
         try:
             sections, skipped = verify(options, Path(workdir))
         finally:
@@ -100,10 +102,6 @@ def main(options: Options) -> int:
     return 1 if verdict == "FAILED" else 0
 
 
-def one_line(error: BaseException) -> str:
-    return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
-
-
 def say(step: str) -> None:
     print(f"fsdp-shim verify: {step} ...", file=sys.stderr, flush=True)  # with --json, stdout is the document
 
@@ -111,19 +109,15 @@ def say(step: str) -> None:
 def run_probe(request: ProbeRequest, shim: str, step: str) -> str | dict[str, Any]:
     """Run one probe in a session of its own, SIGKILLed whatever happens (a rank hung in a collective survives
     SIGTERM): ``""``, why it failed, or the user's error record. Only user modules get a folder on its path."""
-    options = request.options
+    options, out = request.options, Path(request.out)
     path = (options.model_path or os.getcwd()) if options.model or options.activation_checkpointing else None
     argument = json.dumps(asdict(replace(request, options=replace(options, model_path=path))))
-    proc = subprocess.Popen(
-        [sys.executable, str(PROBE_SCRIPT), argument],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=dict(os.environ, FSDP_SHIM=shim, PYTHONWARNINGS="ignore"),
-        start_new_session=True,
-    )
+    command = [sys.executable, str(PROBE_SCRIPT), argument]
+    with open(f"{out}.stderr", "w") as log:
+        env = dict(os.environ, FSDP_SHIM=shim, PYTHONWARNINGS="ignore")
+        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, env=env, start_new_session=True)
     try:
-        stderr = proc.communicate(timeout=options.timeout)[1]
+        proc.wait(options.timeout)
     except subprocess.TimeoutExpired:
         message = f"{step} did not finish within {options.timeout:g} s, so verify stopped it and every process it"
         raise Stop(f"{message} started; --timeout SECONDS allows longer") from None
@@ -132,14 +126,13 @@ def run_probe(request: ProbeRequest, shim: str, step: str) -> str | dict[str, An
     finally:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)  # its own session: the group's id is its pid
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            proc.communicate(timeout=30)
-    for error in sorted(Path(request.out).parent.glob(f"{Path(request.out).name}.rank*.error.json"))[:1]:
+        proc.wait()
+    for error in sorted(out.parent.glob(f"{out.name}.rank*.error.json"))[:1]:
         record: dict[str, Any] = json.loads(error.read_text())
         if record["kind"] == "usage":
             raise Stop(record["message"], 2)
         return record
-    last = (stderr.strip().splitlines() or ["(no output)"])[-1]
+    last = (Path(f"{out}.stderr").read_text(errors="replace").strip().splitlines() or ["(no output)"])[-1]
     return "" if proc.returncode == 0 else f"failed (exit {proc.returncode}): {last}"
 
 
@@ -268,13 +261,8 @@ def unaffected_reason(fix: Fix, version: str) -> str:
 
 def unapplied(state: dict[str, Any], namespace: str) -> list[str]:
     """Nothing where the shim applied the fix (its ``FixStatus.as_dict()``), else why it did not."""
-    if state["state"] == State.NOT_IN_EFFECT.value:
-        return [f"the shim's fix is {state['reason']}"]
-    return (
-        []
-        if state["state"] == State.PATCHED.value
-        else [f"the shim did not apply it to {namespace}: {state['reason']}"]
-    )
+    said = {State.PATCHED.value: [], State.NOT_IN_EFFECT.value: [f"the shim's fix is {state['reason']}"]}
+    return said.get(state["state"], [f"the shim did not apply it to {namespace}: {state['reason']}"])
 
 
 def fix_entries(states: dict[str, dict[str, Any]], verdicts: dict[str, Verdict]) -> list[dict[str, Any]]:
@@ -403,23 +391,20 @@ def judge_raised_without_shim(
             f"with the shim, {p}" for p in dtype_problems(on, want)
         ]
         right = f"with the shim, LightningModule.dtype and every flat parameter are {want[6:]} on every rank"
-        verdicts[CAST.name] = (
-            ("FAILED", "; ".join(problems))
-            if problems
-            else (None, f"not checked: {without}, so there is nothing to compare with; {right}")
-            if by_recompute
-            else ("fixed", f"{without}; with the shim it trains, and {right}")
-        )
+        if problems:
+            verdicts[CAST.name] = ("FAILED", "; ".join(problems))
+        elif by_recompute:
+            verdicts[CAST.name] = (None, f"not checked: {without}, so there is nothing to compare with; {right}")
+        else:
+            verdicts[CAST.name] = ("fixed", f"{without}; with the shim it trains, and {right}")
     changed = what_changed(on, on_ac) if on_ac else None
-    checked = f"with the shim, checkpointing {classes} changes nothing, bit for bit" if on_ac and not changed else ""
-    unpatched = unapplied(on[0].fixes[RECOMPUTE.name], namespace) if by_recompute else []
-    if changed or unpatched:
-        verdicts[RECOMPUTE.name] = (
-            "FAILED",
-            f"{f'with the shim, the checkpointed run {changed}' if changed else unpatched[0]} ({without})",
-        )
+    problems = [f"with the shim, the checkpointed run {changed}"] if changed else []
+    problems += unapplied(on[0].fixes[RECOMPUTE.name], namespace) if by_recompute else []
+    checked = f"with the shim, checkpointing {classes} changes nothing, bit for bit" if on_ac else ""
+    if problems:
+        verdicts[RECOMPUTE.name] = ("FAILED", f"{problems[0]} ({without})")
     elif by_recompute:
-        verdicts[RECOMPUTE.name] = ("fixed", f"{without}; with the shim it trains" + f"; {checked}" * bool(checked))
+        verdicts[RECOMPUTE.name] = ("fixed", "; ".join(filter(None, [without, "with the shim it trains", checked])))
     elif on_ac:  # measured with the shim only: no verdict, and no "not checked" beside what was measured
         verdicts[RECOMPUTE.name] = (None, f"{checked}; {without}, so no run without the shim shows the bug")
     return verdicts
@@ -450,9 +435,8 @@ def cell(key: str, value: Any) -> str:
 
 def row(label: str, key: str, off: Any, on: Any, indent: int = 2) -> str:
     change = f"{(on - off) / off:+.0%}" if isinstance(off, int) and isinstance(on, int) and off else ""
-    return (
-        f"{'':<{indent}}{label:<{LABEL - indent}}{cell(key, off):>{VALUE}}{cell(key, on):>{VALUE}}  {change}".rstrip()
-    )
+    cells = f"{cell(key, off):>{VALUE}}{cell(key, on):>{VALUE}}"
+    return f"{'':<{indent}}{label:<{LABEL - indent}}{cells}  {change}".rstrip()
 
 
 def wrapped(text: str, indent: str = "  ") -> list[str]:
@@ -461,17 +445,13 @@ def wrapped(text: str, indent: str = "  ") -> list[str]:
 
 def table(off: RankResult, on: RankResult, options: Options, used: set[str]) -> list[str]:
     """Rank 0's figures, shim off and on; the seed's units indented under the parameter bytes."""
-    used.update(
-        ["flat parameter", *["GPU guards lifted"] * (on.device != "cuda"), *["seed model"] * (not options.model)]
-    )
+    cpu, seed = on.device != "cuda", options.model is None
+    used.update(["flat parameter", *["GPU guards lifted"] * cpu, *["seed model"] * seed])
     lines = [f"  CPU check with gloo, {options.devices} process(es); GPU guards lifted (see Terms)."]
-    lines = [f"  CUDA with NCCL, {options.devices} GPU(s)."] if on.device == "cuda" else lines
+    lines = lines if cpu else [f"  CUDA with NCCL, {options.devices} GPU(s)."]
     lines += ["  Figures are rank 0's; --json has every rank.", "", row("", "", "shim off", "shim on")]
     rows = [("LightningModule.dtype", "module_dtype"), ("flat-parameter dtypes", "flat_param_dtypes")]
-    rows += [
-        ("sharded parameter bytes", "param_bytes"),
-        *((text, unit) for unit, text in UNITS.items() if not options.model),
-    ]
+    rows += [("sharded parameter bytes", "param_bytes"), *((text, unit) for unit, text in UNITS.items() if seed)]
     rows += [("sharded gradient bytes", "grad_bytes"), ("optimizer-state bytes", "optimizer_state_bytes")]
     rows += [("peak memory", "peak_memory_bytes"), (f"losses ({len(on.losses)} steps)", "losses")]
     for label, key in rows:

@@ -246,18 +246,14 @@ def train_and_measure(request: ProbeRequest) -> None:
     if not cuda:
         cpu_guards.lift(namespace)
     callback = measure.measuring_callback(pl, counted)
-    off = dict.fromkeys(("logger", "enable_checkpointing", "enable_progress_bar", "enable_model_summary"), False)
+    flags: dict[str, Any] = dict.fromkeys(
+        ("logger", "enable_checkpointing", "enable_progress_bar", "enable_model_summary"), False
+    )
+    flags.update(precision=options.precision, max_steps=options.steps, limit_val_batches=0, num_sanity_val_steps=0)
+    flags.update(deterministic=bool(classes))  # compared bit for bit, also on CUDA
+    strategy = importlib.import_module(f"{namespace}.strategies").FSDPStrategy(**strategy_options)
     trainer = pl.Trainer(
-        accelerator="cuda" if cuda else "cpu",
-        devices=options.devices,
-        strategy=importlib.import_module(f"{namespace}.strategies").FSDPStrategy(**strategy_options),
-        precision=options.precision,
-        max_steps=options.steps,
-        deterministic=bool(classes),  # compared bit for bit, also on CUDA
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        callbacks=[callback],
-        **off,
+        accelerator="cuda" if cuda else "cpu", devices=options.devices, strategy=strategy, callbacks=[callback], **flags
     )
     error = None
     try:
