@@ -31,8 +31,8 @@ from conftest import (
 
 from _fsdp_shim.config import State, base_release
 from _fsdp_shim.status import FixStatus
+from _fsdp_shim.verify.command import Section, fix_entries, judge_raised_without_shim, judge_recompute, render
 from _fsdp_shim.verify.records import Options, RankResult, select
-from _fsdp_shim.verify.report import Section, fix_entries, judge_recompute, render
 
 MODELS = ROOT / "tests" / "verify_models"
 BYTE_KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes")
@@ -85,13 +85,14 @@ def assert_exactly_half(section: dict[str, Any], devices: int) -> None:
 # ----------------------------------------------------------------------------- the seed model
 @pytest.mark.per_release
 def test_the_seed_model_gets_a_verdict_per_namespace_and_fix(layouts: dict[str, Layout], planted: Path) -> None:
-    """``--package all --devices 2``: a section per installed Trainer namespace, its fixes' states, exact figures
-    per rank, the recompute measured with the seed's causal block, and the phases counted once. Run from a folder
-    holding a ``yaml.py`` and a ``packaging.py``: the probes run none of it (only ``--model`` gets that folder)."""
+    """``--package all``: a section per installed Trainer namespace, its fixes' states, exact figures, the recompute
+    measured with the seed's causal block, and the phases counted once. Run from a folder holding a ``yaml.py`` and a
+    ``packaging.py``: the probes run none of it (only ``--model`` gets that folder). One process per run: every
+    rank's figures are checked with ``--devices 2`` once, in the common session (the checkpointed ``Block`` test)."""
     versions = trainer_versions(layouts)
     if not versions:
         pytest.skip("no Lightning installed")
-    proc = verify("--package", "all", "--devices", "2", "--json", cwd=planted)
+    proc = verify("--package", "all", "--json", cwd=planted)
     assert proc.returncode == 0, proc.stderr
     assert list(planted.glob("RAN-*")) == []
     trained = any(base_release(version) >= (2, 1, 0) for version in versions.values())  # 2.0.x: nothing to fix
@@ -132,14 +133,15 @@ def test_the_seed_model_gets_a_verdict_per_namespace_and_fix(layouts: dict[str, 
     assert [line.split("]")[0] for line in phases[1:]] == [f"fsdp-shim verify: [{i}/{runs}" for i in range(1, runs + 1)]
     if not trained:
         return
-    text = render([as_section(section) for section in found.values()], Options(devices=2, package="all"))
+    text = render([as_section(section) for section in found.values()], Options(package="all"))
     lines = text.splitlines()
     assert max(len(line) for line in lines) <= 100, text
-    assert "  CPU check with gloo, 2 process(es); GPU guards lifted (see Terms)." in lines
+    tabled = any(section["shim_off"] for section in found.values())  # 2.5+ alone: trained for the recompute only
+    assert ("  CPU check with gloo, 1 process(es); GPU guards lifted (see Terms)." in lines) is tabled
     for row in ("model loaded in float32 (from_pretrained)", "sharded gradient bytes", "losses (3 steps)"):
-        assert row in text
+        assert (row in text) is tabled
     for term in ("GPU guards lifted:", "flat parameter:", "seed model:"):
-        assert sum(line.startswith(f"  {term}") for line in lines) == 1, term
+        assert sum(line.startswith(f"  {term}") for line in lines) == tabled, term
 
 
 def test_which_namespaces_the_seed_model_trains() -> None:
@@ -166,29 +168,28 @@ def test_which_namespaces_the_seed_model_trains() -> None:
 # ----------------------------------------------------------------------------- activation checkpointing
 def test_a_block_that_makes_a_tensor_without_a_dtype_is_fixed(layouts: dict[str, Layout], tmp_path: Path) -> None:
     """``user_models.Block`` multiplies by a tensor made without a dtype: the precision's in the forward, float32
-    in the recompute. With the shim the checkpointed run equals the plain one bit for bit; without it, unpatched
-    2.1-2.4's float32 weights with ``cast=True`` (``--init-args``) train on other values, and verify names the
-    first difference (2.5+ raises). Run from elsewhere with ``--model-path``."""
+    in the recompute. With the shim the checkpointed run equals the plain one bit for bit; without it, with
+    ``cast=True`` (``--init-args``: the same dtype, other values) it trains on other values, and verify names the
+    first difference. Run from elsewhere with ``--model-path``, with two ranks: each rank's figures, and on
+    unpatched 2.1-2.4 (float32 weights) exactly half on each."""
     layout = layout_or_skip(layouts, "lightning")
     if base_release(layout.trainer_version) < (2, 1, 0):
         pytest.skip("needs a release that lacks the recompute fix")
     args = ("--model", "user_models:Checkpointed", "--init-args", '{"cast": true}', "--model-path", str(MODELS))
-    proc = verify_model(
-        "lightning.pytorch", *args, "--activation-checkpointing", "user_models:Block", "--json", cwd=tmp_path
-    )
+    checkpointed = ("--activation-checkpointing", "user_models:Block", "--devices", "2")
+    proc = verify_model("lightning.pytorch", *args, *checkpointed, "--json", cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     section = only_section(proc)
+    assert [[r["rank"] for r in section[run]] for run in ("shim_on", "checkpointed_shim_on")] == [[0, 1]] * 2
     recompute = fixes(section)["recompute"]
     assert recompute["verdict"] == "fixed", recompute["reason"]
     assert recompute["reason"].startswith("with the shim, checkpointing Block (2 modules) changes nothing")
     assert same_bits(section["shim_on"], section["checkpointed_shim_on"])
     off, off_checkpointed = section["shim_off"], section["checkpointed_shim_off"]
-    if off[0]["flat_param_dtypes"] == ["torch.float32"]:  # unpatched 2.1-2.4: the same dtype in the recompute
-        assert_exactly_half(section, 1)
-        assert off_checkpointed[0]["error"] is None and not same_bits(off, off_checkpointed)
-        assert "with the shim off, the checkpointed run differs first in the loss of step " in recompute["reason"]
-    else:
-        assert f"with the shim off, the checkpointed run raised {off_checkpointed[0]['error']}" in recompute["reason"]
+    assert off_checkpointed[0]["error"] is None and not same_bits(off, off_checkpointed)
+    assert "with the shim off, the checkpointed run differs first in the loss of step " in recompute["reason"]
+    if base_release(layout.trainer_version) < (2, 5, 0):  # unpatched, the weights stay float32
+        assert_exactly_half(section, 2)
     # As if the shim had done nothing: its runs replaced by the shim-off ones, whose state is "switched off".
     record = as_section(section)
     assert record.shim_off and record.checkpointed_shim_off
@@ -321,9 +322,9 @@ def test_a_model_that_casts_itself_is_told_the_shim_changes_nothing(layouts: dic
 def test_a_model_that_raises_only_without_the_shim_is_judged(layouts: dict[str, Layout]) -> None:
     """``ChecksItsOwnForward`` calls ``torch.utils.checkpoint`` in its forward: without the shim the recompute
     raises, so there is no run to compare with; with the shim it trains: the recompute is "fixed", by what it
-    raised, and on 2.1-2.4 the cast is "not checked" (its dtypes shown)."""
+    raised, and on 2.1-2.4 the cast is "not checked" (its dtypes shown). ``--measure``: 2.5+ trains too."""
     namespace, version = an_affected_namespace(layouts, "trainer", fix="recompute")
-    proc = verify_model(namespace, "--model", "user_models:ChecksItsOwnForward", "--json")
+    proc = verify_model(namespace, "--model", "user_models:ChecksItsOwnForward", "--measure", "--json")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "your code raised" not in proc.stderr
     section = only_section(proc)
@@ -590,12 +591,10 @@ def test_ctrl_c_stops_every_process_the_probe_started(tmp_path: Path) -> None:
 def test_a_model_that_raised_without_the_shim_outside_a_recompute_gets_no_contradiction() -> None:
     """The cast made it train (FSDP's "uniform dtype" error without the shim) and checkpointing was measured with the
     shim: the recompute has no verdict, and its reason says what was measured, never "not checked" beside it."""
-    from _fsdp_shim.verify.report import judge_raised_without_shim
-
     states = {fix: FixStatus(fix, State.PATCHED, True).as_dict() for fix in ("cast", "recompute")}
     run = RankResult(rank=0, module_dtype=BF16, flat_param_dtypes=[BF16], losses=[2.5, 2.25], param_hashes={"w": "a"})
     on = [replace(run, lightning="2.4.0", namespace="lightning.pytorch", fixes=states)]
-    raised = {"error": "ValueError: Must flatten tensors with uniform dtype", "in_recompute": False}
+    raised = {"message": "ValueError: Must flatten tensors with uniform dtype", "in_recompute": False}
     verdicts = judge_raised_without_shim(raised, on, on, "bf16-true", "Block")
     assert verdicts["cast"][0] == "fixed"
     assert verdicts["recompute"] == (

@@ -1,7 +1,5 @@
-"""``python <this file> REQUEST_JSON``: verify's probe, run by its path (see ``__init__.py``). Lightning's launcher
-re-runs ``sys.argv``, this same file with the same request, on every other rank, so every rank starts here."""
-
-from __future__ import annotations
+"""``python <this file> REQUEST_JSON``: verify's probe, by its path, so no module of the current folder runs in it.
+Lightning's launcher re-runs ``sys.argv`` (this file, the same request) on every other rank."""
 
 import os
 import sys
@@ -9,18 +7,12 @@ import sys
 HERE = os.path.dirname(os.path.realpath(__file__))
 PACKAGE_ROOT = os.path.dirname(os.path.dirname(HERE))  # site-packages, or a clone's root (uninstalled)
 
-
-def main() -> None:
+if __name__ == "__main__":
     sys.path[:] = [entry for entry in sys.path if os.path.realpath(entry or os.curdir) != HERE]
-    # A clone first, so the probe imports the fsdp_shim that started it; by real path, as an environment under
-    # a symbolic link is already there, and its site-packages first would shadow the stdlib.
+    # A clone first, so the probe imports the fsdp_shim that started it; by real path, as an environment under a
+    # symbolic link is already there, and its site-packages first would shadow the stdlib.
     if PACKAGE_ROOT not in {os.path.realpath(entry or os.curdir) for entry in sys.path}:
         sys.path.insert(0, PACKAGE_ROOT)
-    os.environ.setdefault("PYTHONWARNINGS", "ignore")
-    from _fsdp_shim.verify.probe import main as probe
+    from _fsdp_shim.verify.probe import main
 
-    probe(sys.argv[1:])
-
-
-if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -13,43 +13,34 @@ from torch.distributed.fsdp import FullyShardedDataParallel
 
 from _fsdp_shim import NAMESPACES
 
-_LIFTED = "_fsdp_shim_cpu_guard_lifted"
-CONNECTORS = {  # per kind of namespace (``_fsdp_shim.NAMESPACES``): its connector's module and class
+CONNECTORS = {
     "trainer": ("trainer.connectors.accelerator_connector", "_AcceleratorConnector"),
     "fabric": ("connector", "_Connector"),
 }
 
 
 def lift(*namespaces: str) -> None:
-    """Lift both guards for the given Lightning namespaces (``lightning.pytorch``, ``lightning_fabric``...)."""
+    """Lift both guards for the given Lightning namespaces (``lightning.pytorch``, ``lightning_fabric``...), once."""
 
-    def device_cpu(original: Callable[..., None]) -> Callable[..., None]:
-        def __init__(self: FullyShardedDataParallel, *args: Any, device_id: Any = None, **kwargs: Any) -> None:
-            if device_id is None and not torch.cuda.is_available():
-                device_id = torch.device("cpu")
-            original(self, *args, device_id=device_id, **kwargs)
+    def device_cpu(original: Callable[..., None], self: Any, *args: Any, device_id: Any = None, **kwargs: Any) -> None:
+        cpu = device_id is None and not torch.cuda.is_available()
+        original(self, *args, device_id=torch.device("cpu") if cpu else device_id, **kwargs)
 
-        return __init__
+    def not_for_fsdp(original: Callable[[Any], None], self: Any, fsdp: type) -> None:
+        if not isinstance(self._strategy_flag, fsdp):  # it does nothing else for a strategy instance
+            original(self)
 
-    _replace_once(FullyShardedDataParallel, "__init__", device_cpu)
+    replace_once(FullyShardedDataParallel, "__init__", device_cpu)
     for namespace in namespaces:
         module, name = CONNECTORS[NAMESPACES[namespace]]
-        fsdp_strategy = importlib.import_module(f"{namespace}.strategies.fsdp").FSDPStrategy
-
-        def not_for_fsdp(original: Callable[[Any], None], fsdp: type = fsdp_strategy) -> Callable[[Any], None]:
-            def _check_strategy_and_fallback(self: Any) -> None:
-                if not isinstance(self._strategy_flag, fsdp):  # it does nothing else for a strategy instance
-                    original(self)
-
-            return _check_strategy_and_fallback
-
+        fsdp = importlib.import_module(f"{namespace}.strategies.fsdp").FSDPStrategy
         connector = getattr(importlib.import_module(f"{namespace}.{module}"), name)
-        _replace_once(connector, "_check_strategy_and_fallback", not_for_fsdp)
+        replace_once(connector, "_check_strategy_and_fallback", functools.partial(not_for_fsdp, fsdp=fsdp))
 
 
-def _replace_once(owner: type, name: str, replacement: Callable[[Any], Callable[..., Any]]) -> None:
+def replace_once(owner: type, name: str, replacement: Callable[..., None]) -> None:
     original = getattr(owner, name)
-    if not getattr(original, _LIFTED, False):
-        lifted = functools.wraps(original)(replacement(original))
-        setattr(lifted, _LIFTED, True)
+    if not getattr(original, "_fsdp_shim_cpu_guard_lifted", False):
+        lifted = functools.wraps(original)(lambda *args, **kwargs: replacement(original, *args, **kwargs))
+        lifted._fsdp_shim_cpu_guard_lifted = True  # type: ignore[attr-defined]
         setattr(owner, name, lifted)

@@ -1,14 +1,13 @@
-"""What a verify run measures, with a Lightning Callback so that the user's module runs unchanged (the benchmarks
-and tests measure with it too). torch is imported where used."""
+"""What a verify run measures, as a Lightning Callback so that the user's module runs unchanged (the benchmarks and
+tests measure with it too). torch is imported where used."""
 
 from __future__ import annotations
 
 import hashlib
 import resource
-from typing import Any
+from typing import Any, Optional
 
-# What Lightning's, FSDP's and the checkpoint wrappers add to parameter names (torch's ``clean_tensor_name``).
-WRAPPER_PREFIXES = ("_forward_module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+WRAPPERS = ("_forward_module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")  # torch's clean_tensor_name
 
 
 def flat_parameters(root: Any) -> list[Any]:
@@ -35,8 +34,7 @@ def optimizer_state_bytes(optimizer: Any) -> int:
 
 
 def rss_bytes() -> int:
-    """Peak RSS of this process so far (Linux reports kilobytes)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # this process's peak; Linux says kilobytes
 
 
 def parameter_hashes(root: Any) -> dict[str, str]:
@@ -46,20 +44,18 @@ def parameter_hashes(root: Any) -> dict[str, str]:
     hashes = {}
     for name, parameter in root.named_parameters():
         data = parameter.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-        for wrapper in WRAPPER_PREFIXES:
+        for wrapper in WRAPPERS:
             name = name.replace(wrapper, "")
         hashes[name] = hashlib.sha256(str(parameter.dtype).encode() + data.tobytes()).hexdigest()
     return hashes
 
 
 def measuring_callback(pl: Any, count: tuple[type, ...] = ()) -> Any:
-    """A ``pl.Callback`` (each namespace has its own) that records the gradient bytes and the losses, and counts
-    the modules of the ``count`` classes."""
+    """A ``pl.Callback`` recording the gradient bytes and the losses, and counting the modules of ``count``."""
 
     class Measure(pl.Callback):
         def __init__(self) -> None:
-            self.grad_bytes, self.checkpointed = 0, 0
-            self.losses: list[float | None] = []
+            self.grad_bytes, self.checkpointed, self.losses = 0, 0, list[Optional[float]]()
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
             self.checkpointed = sum(isinstance(m, count) for m in trainer.strategy.model.modules())

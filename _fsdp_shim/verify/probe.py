@@ -17,33 +17,27 @@ from _fsdp_shim.activation import status
 from _fsdp_shim.config import TRAINER_NAMESPACES
 from _fsdp_shim.verify.records import UNITS, Options, ProbeRequest, RankResult
 
-USER_ERROR, USAGE_ERROR = 1, 2
 VOCAB, SEQUENCE, BATCH, WIDTH = 256, 32, 4, 32  # the seed model's
 
 
 class ProbeStop(Exception):
-    """End the probe with ``code``, after writing ``record`` (``kind``: "user" or "usage") as its error report."""
+    """End the probe, writing ``record`` as its error report: exit 2 for ``kind`` "usage", 1 for "user"."""
 
-    def __init__(self, code: int, record: dict[str, Any]) -> None:
-        super().__init__(record.get("message", ""))
-        self.code, self.record = code, record
+    def __init__(self, kind: str, message: str, **record: Any) -> None:
+        super().__init__(message)
+        self.code, self.record = 2 if kind == "usage" else 1, {"kind": kind, "message": message, **record}
 
 
 def one_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]}"
 
 
-def usage_error(message: str) -> ProbeStop:
-    return ProbeStop(USAGE_ERROR, {"kind": "usage", "message": message})
-
-
 def user_error(phase: str, error: BaseException, **extra: int) -> ProbeStop:
     """``error``, raised by the user's code: its traceback, and whether a recompute of torch's checkpoint raised it."""
-    files = [Path(frame.filename).parts[-3:] for frame in traceback.extract_tb(error.__traceback__)]
+    frames = [Path(frame.filename).parts[-3:] for frame in traceback.extract_tb(error.__traceback__)]
     text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
-    in_recompute = ("torch", "utils", "checkpoint.py") in files
-    record = {"kind": "user", "phase": phase, "traceback": text, "error": one_line(error), "in_recompute": in_recompute}
-    return ProbeStop(USER_ERROR, {**record, **extra})
+    in_recompute = ("torch", "utils", "checkpoint.py") in frames
+    return ProbeStop("user", one_line(error), phase=phase, traceback=text, in_recompute=in_recompute, **extra)
 
 
 def raised_in_torch_fsdp(error: BaseException) -> str | None:
@@ -69,15 +63,14 @@ def check_fsdp_on_cpu() -> None:
 
     try:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        FullyShardedDataParallel(torch.nn.Linear(2, 2), device_id=torch.device("cpu"))(
-            torch.ones(1, 2)
-        ).sum().backward()
+        fsdp = FullyShardedDataParallel(torch.nn.Linear(2, 2), device_id=torch.device("cpu"))
+        fsdp(torch.ones(1, 2)).sum().backward()
     except Exception as error:
         if (where := raised_in_torch_fsdp(error)) is None:
             raise
         release = ".".join(torch.__version__.split("+")[0].split(".")[:2])
         message = f"torch {release} cannot run FSDP on this machine's CPU ({one_line(error)}, raised in {where})"
-        raise usage_error(message) from error
+        raise ProbeStop("usage", message) from error
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -90,15 +83,14 @@ def resolve(spec: str) -> Any:
         target: Any = importlib.import_module(module_name)
     except Exception as error:
         if isinstance(error, ModuleNotFoundError) and error.name and module_name.startswith(error.name):
-            raise usage_error(
-                f"cannot import {module_name!r} (from {spec!r}): run verify where it is importable "
-                "(the current folder, --model-path DIR, or PYTHONPATH)"
-            ) from error
+            where = "the current folder, --model-path DIR, or PYTHONPATH"
+            message = f"cannot import {module_name!r} (from {spec!r}): run verify where it is importable ({where})"
+            raise ProbeStop("usage", message) from error
         raise user_error(f"importing {module_name}", error) from error
     for index, name in enumerate(attribute.split(".")):
         if not hasattr(target, name):
             owner = ".".join([module_name, *attribute.split(".")[:index]])
-            raise usage_error(f"{owner} has no attribute {name!r} (from {spec!r})")
+            raise ProbeStop("usage", f"{owner} has no attribute {name!r} (from {spec!r})")
         target = getattr(target, name)
     return target
 
@@ -114,9 +106,10 @@ def checked(spec: str, kind: str, init_args: dict[str, Any] | None) -> Any:
     """The class or factory ``spec`` names, refused unless it gives a Lightning ``kind``; built with ``init_args``."""
     target = resolve(spec)
     if not callable(target):
-        raise usage_error(f"{spec} is {type(target).__name__!r}, not a {kind} class or a factory that returns one")
+        message = f"{spec} is {type(target).__name__!r}, not a {kind} class or a factory that returns one"
+        raise ProbeStop("usage", message)
     if isinstance(target, type) and namespace_of(target, kind) is None:
-        raise usage_error(f"{spec} is a class, but not a subclass of Lightning's {kind}")
+        raise ProbeStop("usage", f"{spec} is a class, but not a subclass of Lightning's {kind}")
     if init_args is None:
         return target
     try:
@@ -124,38 +117,36 @@ def checked(spec: str, kind: str, init_args: dict[str, Any] | None) -> Any:
     except Exception as error:
         raise user_error(f"constructing {spec}", error) from error
     if namespace_of(instance, kind) is None:
-        raise usage_error(f"{spec} gave a {type(instance).__name__}, which is not a Lightning {kind}")
+        raise ProbeStop("usage", f"{spec} gave a {type(instance).__name__}, which is not a Lightning {kind}")
     return instance
-
-
-def user_modules(options: Options, build: bool) -> tuple[Any, Any, set[type], list[str]]:
-    """The user's model and datamodule (built, or their class or factory), checkpointed classes, and the model's
-    namespaces (its class's, or those imported with its factory); each refused unless usable (the FSDP units too)."""
-    model, datamodule, namespaces = None, None, list[str]()
-    if options.model is not None:
-        model = checked(options.model, "LightningModule", options.init_args if build else None)
-        own = namespace_of(model, "LightningModule") if build or isinstance(model, type) else None
-        if options.datamodule is not None:
-            datamodule = checked(options.datamodule, "LightningDataModule", {} if build else None)
-        elif (
-            own
-            and (type(model) if build else model).train_dataloader is sys.modules[own].LightningModule.train_dataloader
-        ):
-            raise usage_error(f"{options.model} has no train_dataloader; pass --datamodule module:attr")
-        namespaces = [own] if own else [ns for ns in TRAINER_NAMESPACES if ns in sys.modules]
-    module_classes(options.auto_wrap, "--auto-wrap")
-    return model, datamodule, module_classes(options.activation_checkpointing, "--activation-checkpointing"), namespaces
 
 
 def module_classes(specs: list[str], option: str) -> set[type]:
     """The ``torch.nn.Module`` classes ``option`` names (``MODULE:CLASS``), as Lightning's policies take them."""
     from torch.nn import Module
 
-    classes = [resolve(spec) for spec in specs]
-    for spec, cls in zip(specs, classes):
+    for spec, cls in zip(specs, classes := [resolve(spec) for spec in specs]):
         if not (isinstance(cls, type) and issubclass(cls, Module)):
-            raise usage_error(f"{option}: {spec} is not a torch.nn.Module class")
+            raise ProbeStop("usage", f"{option}: {spec} is not a torch.nn.Module class")
     return set(classes)
+
+
+def user_modules(options: Options, build: bool) -> tuple[Any, Any, set[type], set[type], list[str]]:
+    """The user's model and datamodule (built, or their class or factory), checkpointed and auto-wrapped classes, and
+    the model's namespaces (its class's, or those imported with its factory); each refused unless usable."""
+    model, datamodule, namespaces = None, None, list[str]()
+    if options.model is not None:
+        model = checked(options.model, "LightningModule", options.init_args if build else None)
+        cls = type(model) if build else model  # a factory's namespaces are those it imported
+        own = namespace_of(model, "LightningModule") if isinstance(cls, type) else None
+        if options.datamodule is not None:
+            datamodule = checked(options.datamodule, "LightningDataModule", {} if build else None)
+        elif own and cls.train_dataloader is sys.modules[own].LightningModule.train_dataloader:
+            raise ProbeStop("usage", f"{options.model} has no train_dataloader; pass --datamodule module:attr")
+        namespaces = [own] if own else [ns for ns in TRAINER_NAMESPACES if ns in sys.modules]
+    wrapped = module_classes(options.auto_wrap, "--auto-wrap")
+    checkpointed = module_classes(options.activation_checkpointing, "--activation-checkpointing")
+    return model, datamodule, checkpointed, wrapped, namespaces
 
 
 def fix_states(namespace: str) -> dict[str, dict[str, Any]]:
@@ -171,7 +162,7 @@ def gate(options: Options) -> dict[str, Any]:
 
     if not torch.cuda.is_available():
         check_fsdp_on_cpu()
-    model_namespaces, namespaces = user_modules(options, build=False)[3], dict[str, dict[str, Any]]()
+    model_namespaces, namespaces = user_modules(options, build=False)[-1], dict[str, dict[str, Any]]()
     for namespace in [ns for ns in TRAINER_NAMESPACES if ns.partition(".")[0] in installed_packages()]:
         try:
             version = getattr(importlib.import_module(namespace), "__version__", None) or "(unknown)"
@@ -187,13 +178,11 @@ def causal_block() -> type:
     """The seed's block: its mask and scale have no explicit dtype, so they are the precision's dtype in Lightning's
     forward and float32 where activation checkpointing recomputes it without the shim."""
     import torch
-    from torch import nn
 
-    class CausalBlock(nn.Module):
+    class CausalBlock(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.embed = nn.Embedding(VOCAB, WIDTH)
-            self.out = nn.Linear(WIDTH, VOCAB)
+            self.embed, self.out = torch.nn.Embedding(VOCAB, WIDTH), torch.nn.Linear(WIDTH, VOCAB)
 
         def forward(self, tokens: torch.Tensor) -> torch.Tensor:
             h = self.embed(tokens) * torch.ones(WIDTH)
@@ -219,21 +208,18 @@ def seed_model(pl: Any, steps: int, devices: int) -> tuple[Any, Any, dict[str, A
             if not hasattr(self, "model"):
                 with torch.device("meta"):
                     self.model = make()
-                self.pretrained = make().float()
-                self.block = causal_block()()
+                self.pretrained, self.block = make().float(), causal_block()()
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             inputs, target = batch[0][:, :-1], batch[0][:, 1:]
             losses = [F.nll_loss(m(inputs, target).float(), target.reshape(-1)) for m in (self.model, self.pretrained)]
-            block = F.nll_loss(self.block(inputs).float().reshape(-1, VOCAB), target.reshape(-1))
-            return losses[0] + losses[1] + block
+            return losses[0] + losses[1] + F.nll_loss(self.block(inputs).float().reshape(-1, VOCAB), target.reshape(-1))
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.Adam(self.trainer.model.parameters(), lr=1e-4)
 
-    tokens = torch.randint(
-        0, VOCAB, (BATCH * steps * devices, SEQUENCE + 1), generator=torch.Generator().manual_seed(0)
-    )
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (BATCH * steps * devices, SEQUENCE + 1), generator=generator)
     loader = DataLoader(TensorDataset(tokens), batch_size=BATCH)
     return SeedModel(), loader, {"auto_wrap_policy": {transformer, causal_block()}}
 
@@ -245,34 +231,29 @@ def train_and_measure(request: ProbeRequest) -> None:
 
     from _fsdp_shim.verify import cpu_guards, measure
 
-    options, namespace, cuda = request.options, request.namespace, torch.cuda.is_available()
+    options, cuda = request.options, torch.cuda.is_available()
     torch.manual_seed(0)  # the runs compared bit for bit start from the same weights
-    loader, strategy_options = None, dict[str, Any]()
-    model, datamodule, classes, namespaces = user_modules(options, build=True)
-    namespace = namespace or namespaces[0]
-    pl, baseline = importlib.import_module(namespace), measure.rss_bytes()
+    model, datamodule, classes, wrapped, namespaces = user_modules(options, build=True)
+    namespace = request.namespace or namespaces[0]
+    pl, baseline, loader = importlib.import_module(namespace), measure.rss_bytes(), None
+    strategy_options: dict[str, Any] = {"auto_wrap_policy": wrapped} if wrapped else {}
     if options.model is None:
         model, loader, strategy_options = seed_model(pl, options.steps, options.devices)
         classes = classes or {causal_block()}
-    elif options.auto_wrap:
-        strategy_options["auto_wrap_policy"] = module_classes(options.auto_wrap, "--auto-wrap")
     counted: tuple[type, ...] = tuple(classes)  # a checkpointed run counts the wrappers Lightning's policy put in
     if request.checkpointing:
         strategy_options["activation_checkpointing_policy"], counted = classes, (CheckpointWrapper,)
     if not cuda:
         cpu_guards.lift(namespace)
     callback = measure.measuring_callback(pl, counted)
+    flags: dict[str, Any] = dict.fromkeys(
+        ("logger", "enable_checkpointing", "enable_progress_bar", "enable_model_summary"), False
+    )
+    flags.update(precision=options.precision, max_steps=options.steps, limit_val_batches=0, num_sanity_val_steps=0)
+    flags.update(deterministic=bool(classes))  # compared bit for bit, also on CUDA
+    strategy = importlib.import_module(f"{namespace}.strategies").FSDPStrategy(**strategy_options)
     trainer = pl.Trainer(
-        accelerator="cuda" if cuda else "cpu",
-        devices=options.devices,
-        strategy=importlib.import_module(f"{namespace}.strategies").FSDPStrategy(**strategy_options),
-        precision=options.precision,
-        max_steps=options.steps,
-        deterministic=bool(classes),  # compared bit for bit, also on CUDA
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        callbacks=[callback],
-        **dict.fromkeys(("logger", "enable_checkpointing", "enable_progress_bar", "enable_model_summary"), False),
+        accelerator="cuda" if cuda else "cpu", devices=options.devices, strategy=strategy, callbacks=[callback], **flags
     )
     error = None
     try:
@@ -285,12 +266,11 @@ def train_and_measure(request: ProbeRequest) -> None:
         error = one_line(raised)
     if options.activation_checkpointing and not callback.checkpointed and not error:
         names = ", ".join(options.activation_checkpointing)
-        raise usage_error(f"--activation-checkpointing: this model has no module of {names} to checkpoint")
+        raise ProbeStop("usage", f"--activation-checkpointing: this model has no module of {names} to checkpoint")
     rank, fixes, root = trainer.global_rank, fix_states(namespace), trainer.strategy.model
     result = RankResult(rank, checkpointed=callback.checkpointed, fixes=fixes, error=error)
     if not error:
-        flat = measure.flat_parameters(root)
-        units = {name: getattr(model, name) for name in UNITS} if options.model is None else {}
+        flat, units = measure.flat_parameters(root), UNITS if options.model is None else {}
         result = RankResult(
             rank=rank,
             device="cuda" if cuda else "cpu",
@@ -299,7 +279,7 @@ def train_and_measure(request: ProbeRequest) -> None:
             param_bytes=measure.nbytes(flat),
             grad_bytes=callback.grad_bytes,
             optimizer_state_bytes=measure.optimizer_state_bytes(trainer.optimizers[0]),
-            unit_param_bytes={name: measure.nbytes(measure.flat_parameters(unit)) for name, unit in units.items()},
+            unit_param_bytes={u: measure.nbytes(measure.flat_parameters(getattr(model, u))) for u in units},
             peak_memory_bytes=torch.cuda.max_memory_allocated() if cuda else measure.rss_bytes() - baseline,
             peak_memory_kind="torch.cuda.max_memory_allocated" if cuda else "peak RSS above the import baseline",
             losses=callback.losses,

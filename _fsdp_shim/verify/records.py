@@ -36,10 +36,8 @@ class Options:
 
 @dataclass(frozen=True)
 class ProbeRequest:
-    """``gate`` or ``measure`` (train ``namespace``, ``None``: the user's model's; ``out``: a path prefix)."""
-
-    mode: str
-    out: str
+    mode: str  # "gate", or "measure": train ``namespace`` (None: the user's model's)
+    out: str  # a path prefix
     options: Options
     namespace: str | None = None
     checkpointing: bool = False
@@ -70,29 +68,24 @@ class RankResult:
 
 @dataclass(frozen=True)
 class Skipped:
-    """An installed namespace verify did not check, and why (``--json``'s ``skipped``)."""
-
-    namespace: str
+    namespace: str  # installed, not checked (--json's "skipped")
     version: str
     reason: str
 
 
 def select(package: str | None, installed: dict[str, str]) -> tuple[list[str], list[Skipped]]:
-    """The namespaces to check, in ``installed``'s order (namespace: version), and every other one with why. pip
+    """The namespaces to check, in ``installed``'s order (namespace: version), and every other one with why: pip
     brings the standalone along with ``lightning`` 2.1+, so next to it that one is checked only when named."""
-    if package == "all":
-        return list(installed), []
-    if package is not None:
+    chosen, why = list(installed), ""
+    if package in PACKAGES:
         if PACKAGES[package] not in installed:
             raise ValueError(f"--package {package}: {package} is not installed in this interpreter")
         chosen, why = [PACKAGES[package]], f"not checked (--package {package}; --package all checks every one)"
-    elif all(namespace in installed for namespace in PACKAGES.values()):
+    elif package is None and all(namespace in installed for namespace in PACKAGES.values()):
         chosen = [namespace for namespace in installed if namespace != PACKAGES["pytorch_lightning"]]
         why = (
             "not checked: installed next to lightning (pip brings it along with lightning 2.1 and later, whether "
             "or not your code imports it), so verify checks lightning, the package of `import lightning`. If your "
             "code imports pytorch_lightning: --package pytorch_lightning (--package all checks both)"
         )
-    else:
-        chosen, why = list(installed), ""
     return chosen, [Skipped(ns, version, why) for ns, version in installed.items() if ns not in chosen]
