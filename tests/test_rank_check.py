@@ -26,6 +26,7 @@ from conftest import (
     affected_layout,
     clean_env,
     is_fixed_release,
+    run_command,
     run_on_a_free_port,
     scenario_results,
     torchrun,
@@ -287,7 +288,7 @@ def test_an_elastic_restart_without_the_shim_stops_the_job(tmp_path, layouts):
 STRATEGY_JOB = """\
 import os, signal, subprocess, sys
 api, strategy = sys.argv[1:3]
-rank = os.environ["RANK"]
+rank = os.environ.get("RANK", "0")  # torchrun sets it; ddp_fork forks after this
 if rank in os.environ.get("OFF_RANKS", "").split(","):
     os.environ["FSDP_SHIM"] = "0"
 import fsdp_shim  # noqa: F401
@@ -352,6 +353,7 @@ else:
 
     parallel = strategy == "model_parallel"
     chosen = trainer_strategies.ModelParallelStrategy(**sizes) if parallel else trainer_strategies.DDPStrategy()
+    chosen = "ddp_fork" if strategy == "ddp_fork" else chosen
     options = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer = Trainer(accelerator="cpu", devices=2, strategy=chosen, precision="bf16-true", max_steps=1, **options)
     trainer.fit(Module(), torch.utils.data.DataLoader(torch.ones(4, 8), batch_size=2))
@@ -401,6 +403,22 @@ def test_every_strategy_that_runs_a_fix_checks_its_ranks(tmp_path, layouts, api,
         + confirmations(proc)[0].rpartition("confirmed in ")[2]
     ]
     assert all("trained" in output[rank] for rank in range(2)), proc.stdout[-3000:]
+
+
+def test_lightnings_own_fork_launcher_checks_its_ranks(tmp_path, layouts):
+    """Trainer, ``strategy="ddp_fork"``: Lightning's launcher forks the ranks of one process the shim is active in;
+    each rank checks in the set-up, and rank zero says every rank agrees, once. The job trains."""
+    affected_layout(layouts, "lightning", fix="recompute")
+    script = tmp_path / "strategy_job.py"
+    script.write_text(STRATEGY_JOB)
+    proc = run_command([sys.executable, str(script), "trainer", "ddp_fork"], env=clean_env(), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    output = proc.stdout + proc.stderr
+    said = re.findall(r"^fsdp-shim: patched on all .*$", output, re.M)
+    assert [line.rpartition(", confirmed in")[0] for line in said] == [
+        "fsdp-shim: patched on all 2 ranks (bfloat16; fixes: cast, recompute)"
+    ], output[-3000:]
+    assert "trained" in output and not shim_errors(output), output[-3000:]
 
 
 def test_a_rank_stopped_right_after_joining_is_waited_for(tmp_path, layouts):
