@@ -511,6 +511,7 @@ def verify(*args: str, env: dict[str, str] | None = None, cwd: Path = ROOT) -> s
 def torchrun(ranks: int, *, nodes: int = 1, node_rank: int = 0, port: int | None = None) -> list[str]:
     """torchrun's command line for ``ranks`` ranks per node on 127.0.0.1, up to the program to run."""
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks)]
+    command += ["--monitor-interval", "0.5"]  # how often it looks at its ranks: an ended job ends in 0.5 s, not 5
     if nodes > 1:
         command += ["--nnodes", str(nodes), "--node-rank", str(node_rank)]
     return [*command, "--master-addr", "127.0.0.1", "--master-port", str(port or free_port())]

@@ -133,12 +133,12 @@ def fixed_matrix_folder() -> tuple[Path, str]:
 # ----------------------------------------------------------------------------- ranks that agree
 def test_trainer_ranks_agree_once_per_process_group_waiting_for_a_late_rank(tmp_path, layouts):
     """Trainer, 2 ranks, on a Lightning with the cast built in (the shim leaves its ``convert_module`` alone), default
-    settings, lazy gloo (as NCCL: rank 0 joins the group at once); rank 1's interpreter starts the grace + 3 s late,
+    settings, lazy gloo (as NCCL: rank 0 joins the group at once); rank 1's interpreter starts the grace + 12 s late,
     and the wait's grace starts only once every rank joined. Fit, validate, test and predict run in the same process
     group, a Trainer each: rank zero's one line says the check ran once, and waited past the grace."""
     layout = fixed_layout(layouts)
     extra = ("--stages", "fit,validate,test,predict")
-    proc, out = torchrun_job(tmp_path, 2, layout, *extra, env={"TORCH_GLOO_LAZY_INIT": "1"}, late=(1, GRACE + 3))
+    proc, out = torchrun_job(tmp_path, 2, layout, *extra, env={"TORCH_GLOO_LAZY_INIT": "1"}, late=(1, GRACE + 12))
     assert_bf16(out, 2)
     results = scenario_results(out, 2)
     for rank in range(2):
@@ -387,13 +387,13 @@ def test_every_strategy_that_runs_a_fix_checks_its_ranks(tmp_path, layouts, api,
     layout = affected_layout(layouts, "lightning", fix="recompute")
     if strategy == "model_parallel" and (base_release(layout.version(api)) or (0,)) < (2, 3, 0):
         pytest.skip(f"Lightning {layout.version(api)} has no ModelParallelStrategy")
-    env = {"FSDP_SHIM_RANK_CHECK_TIMEOUT": "5", "OFF_RANKS": "1" if half else ""}
+    env = {"FSDP_SHIM_RANK_CHECK_TIMEOUT": "2", "OFF_RANKS": "1"} if half else {}  # the default wait: below
     proc, output = strategy_job(tmp_path, api, strategy, expect_ok=not half, **env)
     namespace = "lightning.fabric" if api == "fabric" else "lightning.pytorch"
     if half:
         (message,) = shim_errors(output[0])
         assert message.startswith(
-            f"fsdp-shim: rank 1 of 2 did not report within 5 s which fixes it runs, so this job may be half-patched "
+            f"fsdp-shim: rank 1 of 2 did not report within 2 s which fixes it runs, so this job may be half-patched "
             f"(rank 0 on {HOST}: bfloat16; fixes: cast, recompute ({namespace} {layout.version(api)}, "
         ), message
         assert "trained" not in output[0] and "CheckpointError" not in proc.stdout + proc.stderr
