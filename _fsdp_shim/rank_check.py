@@ -178,9 +178,11 @@ def exchange(
         now = time.monotonic()
         if grace is not None and grace_end is None and every_rank_joined(store, world_size):
             grace_end = now + grace
-        if grace_end is not None and now >= grace_end and not _silent_ones_present(store, keys, present):
-            early = True
-            break
+        if grace_end is not None and now >= grace_end:
+            if not _silent_ones_present(store, keys, present):
+                early = True
+                break
+            grace_end = float("inf")  # every silent rank has the shim: wait for them as long as the limit
         step = min(end - now, poll)
         if step < 0.01 or _wait(store, keys, step):
             break
@@ -189,8 +191,10 @@ def exchange(
 
 
 def _silent_ones_present(store: Any, keys: list[str], present: Any) -> bool:
+    if store.check(keys):
+        return True
     silent = [r for r, key in enumerate(keys) if not store.check([key])]
-    return not silent or present_ranks(present, silent) == silent
+    return present_ranks(present, silent) == silent
 
 
 def present_ranks(present: Any, ranks: list[int]) -> list[int]:

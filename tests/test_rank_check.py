@@ -450,7 +450,8 @@ def test_the_timeout_variable_is_read_as_seconds():
 
 def test_a_late_rank_is_named_without_a_dtype_it_did_not_send():
     """Rank 1 has not reported: the message names it and describes only what the others sent (ranks alike
-    together), never a guess at rank 1's dtype; a rank seen to join but silent is named so."""
+    together), never a guess at rank 1's dtype; a rank seen to join but silent is named so, and one that said at the
+    rendezvous it has the shim, so."""
     sent = {"summary": "bfloat16; fixes: cast, recompute", "host": "n1", "namespace": "lightning.pytorch"}
     sent |= {"lightning": "2.4.0", "fsdp_shim": "0.3.0"}
     reports = {0: sent, 2: {**sent, "host": "n2"}}
@@ -464,6 +465,11 @@ def test_a_late_rank_is_named_without_a_dtype_it_did_not_send():
     silent = messages.missing([1], reports, 3, 30, True)
     assert "rank 1 of 3 joined the process group but did not report within 30 s" in silent
     assert "still busy 30 s after joining it" in silent
+    paused = messages.missing([1], reports, 3, 1800, False, [1])
+    assert paused.startswith(
+        "fsdp-shim: rank 1 of 3 did not report within 1800 s which fixes it runs (rank 1 had fsdp-shim when joining "
+        "the group: stopped or busy since, as under a debugger or on a suspended node), so this job may be"
+    ), paused
 
 
 # ----------------------------------------------------------------------------- the early end, on torch alone
