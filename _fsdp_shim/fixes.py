@@ -12,7 +12,7 @@ from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 from _fsdp_shim import log, pins, recompute_check
-from _fsdp_shim.config import CAST, DOCS, NAMESPACES, RANK_CHECK, RECOMPUTE, base_release
+from _fsdp_shim.config import CAST, DOCS, NAMESPACES, RANK_CHECK, RECOMPUTE, base_release, rank_check_timeout
 from _fsdp_shim.recompute_check import COMPOSABLE, NON_REENTRANT, REENTRANT
 from _fsdp_shim.wrappers import Args, GlueError, Kwargs, NotNeeded, Plan, Target
 
@@ -210,7 +210,8 @@ def confirm_every_rank_after_setup(wrapped: Callable[..., Any], instance: Any, a
         namespace, joined_before = namespace_of(instance), rank_check.process_group_exists()
     except Exception as error:
         raise GlueError(error) from error
-    token = rank_check.setting_up.set(dtype is not None and not joined_before)
+    checks = dtype is not None and not joined_before and rank_check_timeout()[0] != 0  # 0: this rank never reports
+    token = rank_check.setting_up.set(checks)
     try:
         result = wrapped(*args, **kwargs)
     finally:

@@ -33,6 +33,7 @@ def confirm_every_rank(namespace: str, dtype: Any, joined_here: bool = False) ->
     """Publish this rank's fixes and wait for every rank's: one missing or different raises ``FSDPShimError`` in
     every mode; the check itself failing follows the failure policy. ``joined_here``: the group was created by
     this set-up, so the wait may end ``GRACE_SECONDS`` after every rank joined it."""
+    present, _present_in[:] = (_present_in[-1] if _present_in and joined_here else None), []
     try:
         found = _process_group()
     except Exception as error:
@@ -54,7 +55,6 @@ def confirm_every_rank(namespace: str, dtype: Any, joined_here: bool = False) ->
         return
     grace = None if explicit or not joined_here else GRACE_SECONDS
     decision, started = decide(namespace, dtype), time.monotonic()
-    present, _present_in[:] = (_present_in[-1] if _present_in and joined_here else None), []
     try:
         reports, early = exchange(store, number, rank, world_size, decision, limit, grace, present=present)
     except Exception as error:
@@ -67,7 +67,7 @@ def confirm_every_rank(namespace: str, dtype: Any, joined_here: bool = False) ->
         from _fsdp_shim.failures import FSDPShimError
 
         reports = {r: {**report, "summary": summary(report)} for r, report in reports.items()}
-        paused = present_ranks(present, missing)
+        paused = present_ranks(present, missing, number)
         text = messages.missing(missing, reports, world_size, waited, early, paused) if missing else ""
         problem = FSDPShimError(text or messages.disagreement(reports, world_size))
         with _lock:
@@ -144,7 +144,7 @@ def say_present(rendezvous: Iterator[tuple[Any, int, int]]) -> Iterator[tuple[An
     after joining is a pause, not a missing shim."""
     for store, rank, world_size in rendezvous:
         try:
-            store.set(_key("present", rank), "1")
+            store.set(_key(f"present/{len(_checked) + 1}", rank), "1")  # before the check it precedes
             _present_in.append(store)
         except Exception as error:  # without it, this rank's pause could be taken for a missing shim, as before
             log.debug("fsdp-shim: could not say at the rendezvous that rank %s has the shim: %s", rank, error)
@@ -179,7 +179,7 @@ def exchange(
         if grace is not None and grace_end is None and every_rank_joined(store, world_size):
             grace_end = now + grace
         if grace_end is not None and now >= grace_end:
-            if not _silent_ones_present(store, keys, present):
+            if not _silent_ones_present(store, keys, present, number):
                 early = True
                 break
             grace_end = float("inf")  # every silent rank has the shim: wait for them as long as the limit
@@ -190,16 +190,19 @@ def exchange(
     return reports, early
 
 
-def _silent_ones_present(store: Any, keys: list[str], present: Any) -> bool:
+def _silent_ones_present(store: Any, keys: list[str], present: Any, number: int) -> bool:
     if store.check(keys):
         return True
     silent = [r for r, key in enumerate(keys) if not store.check([key])]
-    return present_ranks(present, silent) == silent
+    return present_ranks(present, silent, number) == silent
 
 
-def present_ranks(present: Any, ranks: list[int]) -> list[int]:
-    """Those of ``ranks`` whose presence is in the rendezvous store ``present``."""
-    return [r for r in ranks if present is not None and present.check([_key("present", r)])]
+def present_ranks(present: Any, ranks: list[int], number: int) -> list[int]:
+    """Those of ``ranks`` whose presence before check ``number`` is in the rendezvous store ``present``."""
+    try:
+        return [r for r in ranks if present is not None and present.check([_key(f"present/{number}", r)])]
+    except Exception:  # a store that went away holds no evidence
+        return []
 
 
 def _wait(store: Any, keys: list[str], seconds: float) -> bool:

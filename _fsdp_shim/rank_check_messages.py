@@ -21,23 +21,29 @@ def missing(
     joined: bool,
     paused: Sequence[int] = (),
 ) -> str:
+    """Ranks that did not report; ``paused``: those of them that said at the rendezvous they have the shim."""
     joined_but = "joined the process group but " if joined else ""
     busy = f"{waited:g} s after joining it" if joined else f"after {waited:g} s"
-    had = (
-        f" ({_ranks(paused)} had fsdp-shim when joining the group: stopped or busy since, as under a debugger or on a "
-        "suspended node)"
-        if paused
-        else ""
-    )
-    return (
+    start = (
         f"fsdp-shim: {_ranks(missing)} of {world_size} {joined_but}did not report within {waited:g} s which fixes "
-        f"it runs{had}, so this job may be half-patched ({described(reports)}). Stopping before any model is wrapped. "
-        f"On the ranks that did not report, fsdp-shim may not be active ({SHIM_VARIABLE}=0 in their environment; a "
-        "node whose Python environment lacks fsdp-shim or its start-up file; a launcher that dropped PYTHONPATH or "
-        f"{SHIM_VARIABLE}: srun/sbatch --export=..., env -i, sudo, a job script that sets PYTHONPATH), they may run "
-        f"another precision or strategy, or they were still busy {busy} ({RANK_CHECK_TIMEOUT_VARIABLE} sets the "
-        f"wait). Activate it on every rank ({SHIM_VARIABLE}=1 with fsdp-shim installed in every node's environment, "
-        f"see {DOCS}cluster.html)."
+        f"it runs"
+    )
+    stopping = f", so this job may be half-patched ({described(reports)}). Stopping before any model is wrapped."
+    if list(paused) == list(missing):
+        return (
+            f"{start} (each had fsdp-shim when it joined the group){stopping} Such a rank was stopped or busy since "
+            "(a debugger, a suspended or swapping node), its own check could not run (its output says why), or it "
+            f"set up another precision or strategy ({RANK_CHECK_TIMEOUT_VARIABLE} sets the wait; see {DOCS}"
+            "cluster.html)."
+        )
+    had = f" ({_ranks(paused)} had fsdp-shim when joining the group)" if paused else ""
+    return (
+        f"{start}{had}{stopping} On the ranks that did not report, fsdp-shim may not be active ({SHIM_VARIABLE}=0 "
+        "in their environment; a node whose Python environment lacks fsdp-shim or its start-up file; a launcher that "
+        f"dropped PYTHONPATH or {SHIM_VARIABLE}: srun/sbatch --export=..., env -i, sudo, a job script that sets "
+        f"PYTHONPATH), they may run another precision or strategy, or they were still busy {busy} "
+        f"({RANK_CHECK_TIMEOUT_VARIABLE} sets the wait). Activate it on every rank ({SHIM_VARIABLE}=1 with fsdp-shim "
+        f"installed in every node's environment, see {DOCS}cluster.html)."
     )
 
 

@@ -291,6 +291,8 @@ api, strategy = sys.argv[1:3]
 rank = os.environ.get("RANK", "0")  # torchrun sets it; ddp_fork forks after this
 if rank in os.environ.get("OFF_RANKS", "").split(","):
     os.environ["FSDP_SHIM"] = "0"
+if rank in os.environ.get("UNCHECKED_RANKS", "").split(","):
+    os.environ["FSDP_SHIM_RANK_CHECK_TIMEOUT"] = "0"
 import fsdp_shim  # noqa: F401
 import torch
 import torch.distributed
@@ -405,6 +407,20 @@ def test_every_strategy_that_runs_a_fix_checks_its_ranks(tmp_path, layouts, api,
     assert all("trained" in output[rank] for rank in range(2)), proc.stdout[-3000:]
 
 
+def test_a_rank_that_switched_its_check_off_is_named_as_one_without_the_shim(tmp_path, layouts):
+    """Trainer, DDP, default settings but ``FSDP_SHIM_RANK_CHECK_TIMEOUT=0`` on rank 1: rank 1 never reports, so it
+    must not say at the rendezvous that it has the shim either; rank 0 names it 30 s after it joined, as a rank
+    without the shim, not after the group's 30 minutes."""
+    affected_layout(layouts, "lightning", fix="recompute")
+    started = time.monotonic()
+    _, output = strategy_job(tmp_path, "trainer", "ddp", expect_ok=False, UNCHECKED_RANKS="1")
+    (message,) = shim_errors(output[0])
+    assert message.startswith(f"fsdp-shim: rank 1 of 2 joined the process group but did not report within {GRACE} s"), (
+        message
+    )
+    assert "had fsdp-shim" not in message and time.monotonic() - started < 120, message
+
+
 def test_lightnings_own_fork_launcher_checks_its_ranks(tmp_path, layouts):
     """Trainer, ``strategy="ddp_fork"``: Lightning's launcher forks the ranks of one process the shim is active in;
     each rank checks in the set-up, and rank zero says every rank agrees, once. The job trains."""
@@ -467,9 +483,13 @@ def test_a_late_rank_is_named_without_a_dtype_it_did_not_send():
     assert "still busy 30 s after joining it" in silent
     paused = messages.missing([1], reports, 3, 1800, False, [1])
     assert paused.startswith(
-        "fsdp-shim: rank 1 of 3 did not report within 1800 s which fixes it runs (rank 1 had fsdp-shim when joining "
-        "the group: stopped or busy since, as under a debugger or on a suspended node), so this job may be"
+        "fsdp-shim: rank 1 of 3 did not report within 1800 s which fixes it runs (each had fsdp-shim when it joined "
+        "the group), so this job may be half-patched (ranks 0, 2 on n1, n2: "
     ), paused
+    assert "stopped or busy since (a debugger" in paused and "FSDP_SHIM=0" not in paused, paused
+    some = messages.missing([1, 2], {0: sent}, 3, 1800, False, [2])
+    assert "ranks 1, 2 of 3 did not report within 1800 s which fixes it runs (rank 2 had fsdp-shim when" in some
+    assert "FSDP_SHIM=0 in their environment" in some, some
 
 
 # ----------------------------------------------------------------------------- the early end, on torch alone
