@@ -360,6 +360,8 @@ else:
     trainer = Trainer(accelerator="cpu", devices=2, strategy=chosen, precision="bf16-true", max_steps=1, **options)
     trainer.fit(Module(), torch.utils.data.DataLoader(torch.ones(4, 8), batch_size=2))
 print("trained", flush=True)
+if torch.distributed.is_initialized():  # ddp_fork: only the forked ranks have one
+    torch.distributed.destroy_process_group()  # as torch asks: without it, gloo's threads may abort the exit
 """
 
 
