@@ -11,14 +11,7 @@ from typing import TYPE_CHECKING
 
 import _fsdp_shim as startup
 from _fsdp_shim import NAMESPACES, SHIM_VARIABLE, log, switch_state
-from _fsdp_shim.config import (
-    FIXES,
-    RANK_CHECK,
-    RECOMPUTE,
-    State,
-    disabled_fixes,
-    log_setting,
-)
+from _fsdp_shim.config import FIXES, RANK_CHECK, RECOMPUTE, State, disabled_fixes, log_setting
 
 if TYPE_CHECKING:
     from _fsdp_shim.status import ShimStatus
@@ -59,33 +52,14 @@ def activate() -> bool:
 
 
 def deactivate() -> None:
-    """Switch the shim off and put back the exact objects that were there; a wrapper another library wrapped
-    since is switched off in place instead, so that library's patch stays intact."""
+    """Switch the shim off and put back the exact objects that were there (``_fsdp_shim.removal``)."""
     global _active
     with _lock:
         _active = False
-    wrappers = sys.modules.get("_fsdp_shim.wrappers")
-    if wrappers is None:
-        return
-    from _fsdp_shim import failures
+    if "_fsdp_shim.wrappers" in sys.modules:
+        from _fsdp_shim import removal
 
-    for name in NAMESPACES:
-        for fix in (*FIXES, RANK_CHECK):
-            for wrapper, where in wrappers.unpatch(name, fix):
-                label, top = wrapper.shim_state.label, wrappers.found_on_top(wrapper)
-                if where == wrappers.UNDER:
-                    failures.warn_once(
-                        f"fsdp-shim: deactivated its wrapper on {label} in place, because other code ({top}) has "
-                        "wrapped it since; it now passes every call through, and the other code's wrapper is left as "
-                        "it is",
-                        key=f"buried:{label}",
-                    )
-                elif where == wrappers.GONE:
-                    failures.warn_once(
-                        f"fsdp-shim: its wrapper on {label} had already been replaced by other code ({top}); nothing "
-                        "of the shim's is left there to remove",
-                        key=f"gone:{label}",
-                    )
+        removal.unpatch_all()
 
 
 def namespace_executed(module: ModuleType, noticed_at: str | None = None) -> None:

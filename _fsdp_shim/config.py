@@ -31,13 +31,13 @@ class Fix:
 
     def affects(self, version: str) -> bool:
         """Whether a Lightning version lacks this fix (``2.5.0rc0`` counts as 2.5.0)."""
-        release = base_release(version)
-        return release is not None and _release(self.since) <= release and not self.built_in(version)
+        release, since = base_release(version), base_release(self.since) or (0, 0, 0)
+        return release is not None and since <= release and not self.built_in(version)
 
     def built_in(self, version: str) -> bool:
         """Whether the Lightning release ships this fix itself."""
-        release = base_release(version)
-        return release is not None and self.fixed_in is not None and release >= _release(self.fixed_in)
+        release, fixed_in = base_release(version), base_release(self.fixed_in or "")
+        return release is not None and fixed_in is not None and release >= fixed_in
 
 
 CAST = Fix(
@@ -81,14 +81,6 @@ class State(str, Enum):
     SWITCHED_OFF = "switched off"  # FSDP_SHIM=0
     DEACTIVATED = "deactivated"
     FAILED = "failed"  # could not be patched, or other code or a fallback took it off; ``detail`` says how
-
-
-NEEDS_NOTHING = (State.NOT_AFFECTED, State.BUILT_IN, State.TORCH_HAS_IT)
-
-
-def _release(text: str) -> tuple[int, int, int]:
-    major, minor, micro = (int(part) for part in text.split("."))
-    return major, minor, micro
 
 
 def base_release(version: str) -> tuple[int, int, int] | None:

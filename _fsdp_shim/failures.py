@@ -6,10 +6,12 @@ import os
 import sys
 import warnings
 from types import FrameType
+from typing import Any
 
 from _fsdp_shim import FSDPShimWarning
 from _fsdp_shim.config import (
     DISABLED_FIXES_VARIABLE,
+    DOCS,
     FIX_NAMES,
     LIGHTNING_PACKAGES,
     STRICT_VARIABLE,
@@ -63,6 +65,59 @@ def internal_error(error: Exception, *, doing: str, key: str, cannot: str | None
         return
     problem = f"fsdp-shim: internal error while {doing} ({type(error).__name__}: {error})"
     report(problem, "see fsdp_shim.status() for what is in effect", key=key, cause=error)
+
+
+def glue_failed(wrapper: Any, error: Exception) -> None:
+    """A wrapper could not read what it needs: Lightning's or torch's own function ran for this call."""
+    what = "rank check" if wrapper.fix == "rank-check" else f"{wrapper.fix} fix"
+    report(
+        f"fsdp-shim: {wrapper.label} could not read what it needs ({error})",
+        f"{wrapper.owners_own()} was used for this call, so it runs without the {what}",
+        key=f"glue:{wrapper.label}",
+        cause=error,
+    )
+
+
+def cannot_patch(namespace: str, fix: Any, record: Any) -> None:
+    """A namespace that could not be patched, and why (``record.detail``): left unchanged."""
+    which, without = (f" ({fix.name} fix)", f"it runs without the {fix.name} fix") if record.affected else ("", "")
+    report(
+        f"fsdp-shim: cannot patch {namespace} {record.version or '(unknown version)'}{which}: {record.detail}",
+        f"Lightning was left unchanged, so {without or 'no fix applies'}",
+        key=f"patch:{namespace}:{fix.name}:{record.detail}",
+    )
+
+
+def wrapper_left(label: str, top: str, gone: bool) -> None:
+    """``deactivate()`` found another library's object on top of, or instead of, the shim's wrapper on ``label``."""
+    if gone:
+        message = f"its wrapper on {label} had already been replaced by other code ({top}); nothing of the shim's is "
+        warn_once(f"fsdp-shim: {message}left there to remove", key=f"gone:{label}")
+    else:
+        warn_once(
+            f"fsdp-shim: deactivated its wrapper on {label} in place, because other code ({top}) has wrapped it since; "
+            "it now passes every call through, and the other code's wrapper is left as it is",
+            key=f"buried:{label}",
+        )
+
+
+def threads_clashed() -> None:
+    """Two recomputes in different default dtypes at once: torch's default dtype is one per process."""
+    warn_once(
+        "fsdp-shim: two activation-checkpointed recomputes ran at once in different default dtypes (two threads' "
+        "backwards); torch's default dtype is one for the whole process, so one of them ran in the other's dtype. "
+        f"The default dtype is put back when both end. See {DOCS}how-it-works.html#threads",
+        key="recompute:threads",
+    )
+
+
+def recompute_passed_by(torch_version: str, checkpoints: str, why: str) -> None:
+    """torch's call path passes the recompute fix's wrappers by (its check showed it): taken off there."""
+    report(
+        f"fsdp-shim: the recompute fix is not in effect on torch {torch_version} for {checkpoints} ({why})",
+        "torch was left as it was there, so this fix is off for that checkpoint in this process",
+        key=f"proof:{checkpoints}",
+    )
 
 
 def strict_mode() -> bool:

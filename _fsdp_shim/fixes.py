@@ -1,7 +1,4 @@
-"""What each fix wraps, per Lightning release, and the code that runs in its wrappers.
-
-The table of targets per release, and why each is there: docs/how-it-works.md ("What is wrapped").
-"""
+"""What each fix wraps, per Lightning release (docs/how-it-works.md, "What is wrapped"), and its wrappers' code."""
 
 from __future__ import annotations
 
@@ -12,7 +9,7 @@ from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
 from _fsdp_shim import log, pins, recompute_check
-from _fsdp_shim.config import CAST, DOCS, NAMESPACES, RANK_CHECK, RECOMPUTE, base_release, rank_check_timeout
+from _fsdp_shim.config import CAST, NAMESPACES, RANK_CHECK, RECOMPUTE, base_release, rank_check_timeout
 from _fsdp_shim.recompute_check import COMPOSABLE, NON_REENTRANT, REENTRANT
 from _fsdp_shim.wrappers import Args, GlueError, Kwargs, NotNeeded, Plan, Target
 
@@ -88,9 +85,7 @@ PLANS: dict[str, Plan] = {
 
 # ----------------------------------------------------------------------------- the cast
 _was_float32: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()  # whose own parameters were float32 before the cast
-_conversion_deferred: ContextVar[bool] = ContextVar(
-    "fsdp_shim_conversion_deferred", default=False
-)  # in 2.1.x's connect
+_conversion_deferred: ContextVar[bool] = ContextVar("fsdp_shim_conversion_deferred", default=False)  # 2.1's connect
 
 
 def namespace_of(instance: Any) -> str:
@@ -101,8 +96,7 @@ def namespace_of(instance: Any) -> str:
 
 
 def convert_module_as_in_2_5(wrapped: Callable[..., Any], instance: Any, args: Args, kwargs: Kwargs) -> Any:
-    """``FSDPPrecision.convert_module`` as Lightning 2.5.0 defines it, after the identity (or another library's
-    wrapper of it) that the affected class inherits."""
+    """``FSDPPrecision.convert_module`` as Lightning 2.5.0 defines it, after the inherited identity (or a wrapper)."""
     if instance is None or _conversion_deferred.get():
         return wrapped(*args, **kwargs)
     try:
@@ -113,13 +107,7 @@ def convert_module_as_in_2_5(wrapped: Callable[..., Any], instance: Any, args: A
     if dtype is None:
         return module
     if str(dtype) == "torch.float16":
-        log.warn_once_on_rank_zero(
-            "float16",
-            "fsdp-shim: precision='16-true' now keeps the model's weights and optimizer state in float16, as "
-            "Lightning 2.5+ does (unpatched 2.1-2.4 kept them in float32). AdamW's default eps=1e-8 is 0 in "
-            "float16 and gives NaN losses: use precision='bf16-true', or eps >= 1e-4. See %snumerics.html",
-            DOCS,
-        )
+        log.float16_notice()
     import torch
 
     for submodule in module.modules():

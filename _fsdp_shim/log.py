@@ -7,7 +7,7 @@ import os
 import sys
 import threading
 
-from _fsdp_shim.config import log_setting
+from _fsdp_shim.config import DOCS, log_setting
 
 _said: set[str] = set()
 _said_lock = threading.Lock()
@@ -76,9 +76,14 @@ def confirm(fix: str, what: str) -> None:
             announce(line, __version__, what)
 
 
-def warn_once_on_rank_zero(key: str, message: str, *args: object) -> None:
-    """A WARNING record once per key, on rank zero only."""
-    if first_time(f"log:{key}") and process_rank() == 0:
+def float16_notice() -> None:
+    """Once, on rank zero: ``16-true`` now keeps float16 weights, which AdamW's default ``eps`` cannot train."""
+    if first_time("log:float16") and process_rank() == 0:
         import logging
 
-        logging.getLogger("fsdp_shim").warning(message, *args)
+        logging.getLogger("fsdp_shim").warning(
+            "fsdp-shim: precision='16-true' now keeps the model's weights and optimizer state in float16, as "
+            "Lightning 2.5+ does (unpatched 2.1-2.4 kept them in float32). AdamW's default eps=1e-8 is 0 in "
+            "float16 and gives NaN losses: use precision='bf16-true', or eps >= 1e-4. See %snumerics.html",
+            DOCS,
+        )

@@ -49,13 +49,7 @@ class _Pins:
             if clash:
                 from _fsdp_shim import failures
 
-                failures.warn_once(
-                    "fsdp-shim: two activation-checkpointed recomputes ran at once in different default dtypes "
-                    "(two threads' backwards); torch's default dtype is one for the whole process, so one of them "
-                    "ran in the other's dtype. The default dtype is put back when both end. See "
-                    "https://fsdp-shim.github.io/fsdp-shim/how-it-works.html#threads",
-                    key="recompute:threads",
-                )
+                failures.threads_clashed()
             changed = held and held[0].before is not None and held[0].before != dtype
             if changed and "recompute" not in log.named and not checking.get():
                 log.confirm(

@@ -35,13 +35,12 @@ def confirm_every_rank(namespace: str, dtype: Any, joined_here: bool = False) ->
     this set-up, so the wait may end ``GRACE_SECONDS`` after every rank joined it."""
     present, _present_in[:] = (_present_in[-1] if _present_in and joined_here else None), []
     try:
-        found = _process_group()
+        group, store, rank, world_size = _process_group()
     except Exception as error:
-        _could_not_check(error)
+        _messages().could_not_check(error)
         return
-    if found is None:
+    if world_size < 2:
         return
-    group, store, rank, world_size = found
     with _lock:
         for failed, problem in _failed:
             if failed is group:
@@ -58,13 +57,14 @@ def confirm_every_rank(namespace: str, dtype: Any, joined_here: bool = False) ->
     try:
         reports, early = exchange(store, number, rank, world_size, decision, limit, grace, present=present)
     except Exception as error:
-        _could_not_check(error)
+        _messages().could_not_check(error)
         return
     missing = [r for r in range(world_size) if r not in reports]
     if missing or len({behaviour(report) for report in reports.values()}) > 1:
         waited = grace if early and grace is not None else limit
-        from _fsdp_shim import rank_check_messages as messages
         from _fsdp_shim.failures import FSDPShimError
+
+        messages = _messages()
 
         reports = {r: {**report, "summary": summary(report)} for r, report in reports.items()}
         paused = present_ranks(present, missing, number)
@@ -85,11 +85,11 @@ def process_group_exists() -> bool:
     return dist is not None and dist.is_available() and dist.is_initialized()
 
 
-def _process_group() -> tuple[Any, Any, int, int] | None:
-    """The default group, its store, this rank and the world size; ``None`` outside a multi-rank job."""
+def _process_group() -> tuple[Any, Any, int, int]:
+    """The default group, its store, this rank and the world size (1 outside a distributed job)."""
     dist: Any = sys.modules.get("torch.distributed")
     if not process_group_exists() or dist.get_world_size() < 2:
-        return None
+        return None, None, 0, 1
     c10d = dist.distributed_c10d
     return c10d._get_default_group(), c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
 
@@ -104,9 +104,7 @@ def _wait_seconds(store: Any) -> tuple[float, bool]:
     except Exception:
         default = DEFAULT_TIMEOUT_SECONDS
     if problem is not None:
-        from _fsdp_shim import rank_check_messages as messages
-
-        messages.unreadable_timeout(problem, default)
+        _messages().unreadable_timeout(problem, default)
     return default, False
 
 
@@ -233,7 +231,8 @@ def summary(report: dict[str, Any]) -> str:
     return f"{str(report.get('dtype')).replace('torch.', '')}; fixes: {', '.join(named) or 'none'}"
 
 
-def _could_not_check(error: BaseException) -> None:
-    from _fsdp_shim import rank_check_messages as messages
+def _messages() -> Any:
+    """What the rank check says when it fails, loaded only then."""
+    from _fsdp_shim import rank_check_messages
 
-    messages.could_not_check(error)
+    return rank_check_messages

@@ -1,5 +1,5 @@
-"""Whether torch restores the forward's default dtype itself (read from its code), and the process-wide check
-that torch's recompute goes through the shim's pin, in a thread of its own, before the fix counts in effect."""
+"""Whether torch restores the forward's default dtype itself (read from its code), and the check, in a thread of
+its own, that torch's recompute goes through the shim's pin before the fix counts in effect."""
 
 from __future__ import annotations
 
@@ -72,15 +72,11 @@ def check(force: bool) -> None:
             _lock.release()
     failed = found(shown=False, holds=True)
     if failed:
-        wrappers.take_off(RECOMPUTE, failed)
         from _fsdp_shim import failures
+        from _fsdp_shim.removal import take_off
 
-        failures.report(
-            f"fsdp-shim: the recompute fix is not in effect on torch {wrappers.torch_version()} for "
-            f"{the_checkpoints(failed)} ({whys(failed)})",
-            "torch was left as it was there, so this fix is off for that checkpoint in this process",
-            key=f"proof:{','.join(failed)}",
-        )
+        take_off(RECOMPUTE, failed)
+        failures.recompute_passed_by(wrappers.torch_version(), the_checkpoints(failed), whys(failed))
 
 
 def the_checkpoints(names: list[str]) -> str:

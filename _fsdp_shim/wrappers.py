@@ -1,5 +1,5 @@
-"""Wrap, unwrap and read back one fix in one namespace, beside other code that patches the same functions: a
-wrapper is known by its type, carries what removing it needs, and removal restores the very object."""
+"""Wrap one fix in one namespace and read its state back, beside other code that patches the same functions: a
+wrapper is known by its type and carries what taking it off needs (``_fsdp_shim.removal``)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import wrapt
 
-from _fsdp_shim.config import RANK_CHECK, Fix, State, base_release
+from _fsdp_shim.config import Fix, State, base_release
 
 Args = tuple[Any, ...]
 Kwargs = dict[str, Any]
@@ -87,16 +87,10 @@ class WrapperState:
         try:
             return self.body(wrapped, instance, args, kwargs)
         except GlueError as error:
-            self.fallback = str(error)
-            what = "rank check" if self.fix == RANK_CHECK.name else f"{self.fix} fix"
             from _fsdp_shim import failures
 
-            failures.report(
-                f"fsdp-shim: {self.label} could not read what it needs ({error})",
-                f"{self.owners_own()} was used for this call, so it runs without the {what}",
-                key=f"glue:{self.label}",
-                cause=error,
-            )
+            self.fallback = str(error)
+            failures.glue_failed(self, error)
             return wrapped(*args, **kwargs)
 
 
@@ -145,19 +139,6 @@ def placement(wrapper: Any) -> str:
 
 def found_on_top(wrapper: Any) -> str:
     return describe(wrapper.shim_state.owner.__dict__.get(wrapper.shim_state.attribute))
-
-
-def remove(wrapper: Any) -> str:
-    """Restore the owner if the wrapper is on top; switch it off in place under another's wrapper."""
-    state, where = wrapper.shim_state, placement(wrapper)
-    if where == ON_TOP:
-        if state.inherited:
-            delattr(state.owner, state.attribute)
-        else:
-            setattr(state.owner, state.attribute, state.original)
-    elif where == UNDER:
-        state.on = False
-    return where
 
 
 def _resolve(namespace: str, target: Target, fix: str) -> tuple[Any, bool]:
@@ -221,9 +202,9 @@ class _Record:
     disabled: bool = False
 
 
-_records: dict[tuple[str, str], _Record] = {}
-_retired: list[Any] = []  # wrappers on the classes of a namespace imported again since: unpatch still restores them
-_lock = threading.Lock()  # guards the records and setattr, never an import
+records: dict[tuple[str, str], _Record] = {}
+retired: list[Any] = []  # wrappers on the classes of a namespace imported again since: unpatch still restores them
+lock = threading.Lock()  # guards the records and setattr, never an import
 
 
 def patch(namespace: str, fix: Fix, plan: Plan, *, disabled: bool = False) -> State:
@@ -232,40 +213,35 @@ def patch(namespace: str, fix: Fix, plan: Plan, *, disabled: bool = False) -> St
     if module is None:
         return state(namespace, fix)
     key = (namespace, fix.name)
-    held = _records.get(key)
+    held = records.get(key)
     if disabled and held is not None and held.state is not State.DEACTIVATED and held.wrappers:
+        from _fsdp_shim.removal import unpatch
+
         unpatch(namespace, fix)
-    with _lock:
-        if _current(_records.get(key), namespace, module, disabled):
+    with lock:
+        if _current(records.get(key), namespace, module, disabled):
             return state(namespace, fix)
     decided = _decide(namespace, fix, plan, module, disabled)
-    with _lock:
-        record = _records.get(key)
+    with lock:
+        record = records.get(key)
         if _current(record, namespace, module, disabled):
             return state(namespace, fix)
         if record is not None:
-            _retired.extend(w for w in record.wrappers if placement(w) != GONE and not w.shim_state.shared)
+            retired.extend(w for w in record.wrappers if placement(w) != GONE and not w.shim_state.shared)
         if not isinstance(decided, _Record):
             decided = _install_all(module, *decided)
         decided.disabled = disabled
-        _records[key] = decided
+        records[key] = decided
     if decided.state is State.FAILED:
-        version = decided.version or "(unknown version)"
-        which = f" ({fix.name} fix)" if decided.affected else ""
         from _fsdp_shim import failures
 
-        failures.report(
-            f"fsdp-shim: cannot patch {namespace} {version}{which}: {decided.detail}",
-            "Lightning was left unchanged, so "
-            + (f"it runs without the {fix.name} fix" if decided.affected else "no fix applies"),
-            key=f"patch:{namespace}:{fix.name}:{decided.detail}",
-        )
+        failures.cannot_patch(namespace, fix, decided)
     return state(namespace, fix)
 
 
 def acting(namespace: str, fix: Fix) -> bool:
     """Whether the fix's wrappers act in the namespace now (shown, or still to check): what the rank check compares."""
-    record = _records.get((namespace, fix.name))
+    record = records.get((namespace, fix.name))
     if record is None or record.state is not State.PATCHED:
         return False
     return any(w.shim_state.on and placement(w) != GONE for w in record.wrappers)
@@ -332,6 +308,8 @@ def _install_all(module: Any, version: str, steps: list[tuple[Any, bool]]) -> _R
             else:
                 wrapper.shim_state.on = True
     except Exception as error:  # slots, metaclasses: undo what was done
+        from _fsdp_shim.removal import remove
+
         for wrapper in reversed(installed):
             remove(wrapper)
         why = f"installing a wrapper failed ({type(error).__name__}: {error})"
@@ -339,40 +317,13 @@ def _install_all(module: Any, version: str, steps: list[tuple[Any, bool]]) -> _R
     return _Record(module, version, State.PATCHED, affected=True, wrappers=[wrapper for wrapper, _ in steps])
 
 
-def unpatch(namespace: str, fix: Fix) -> list[tuple[Any, str]]:
-    """Put back the exact objects that were there before; each wrapper with where it was found."""
-    with _lock:
-        for wrapper in [w for w in _retired if w.shim_state.fix == fix.name]:
-            if placement(wrapper) == ON_TOP:
-                remove(wrapper)
-            _retired.remove(wrapper)
-        key = (namespace, fix.name)
-        record = _records.get(key)
-        if record is None:
-            return []
-        held = {id(w) for k, r in _records.items() if k != key and r.state is not State.DEACTIVATED for w in r.wrappers}
-        results = [(wrapper, remove(wrapper)) for wrapper in reversed(record.wrappers) if id(wrapper) not in held]
-        record.wrappers = [wrapper for wrapper, where in results if where == UNDER]
-        record.state = State.DEACTIVATED if record.state is State.PATCHED else record.state
-    return results
-
-
-def take_off(fix: Fix, paths: list[str]) -> None:
-    """Take off the fix's wrappers that serve ``paths``, in every namespace: torch's call path passes them by."""
-    with _lock:
-        for (_, name), held in _records.items():
-            for wrapper in [w for w in reversed(held.wrappers) if name == fix.name and w.shim_state.path in paths]:
-                remove(wrapper)
-                held.wrappers.remove(wrapper)
-
-
 def record(namespace: str, fix: Fix) -> _Record | None:
-    return _records.get((namespace, fix.name))
+    return records.get((namespace, fix.name))
 
 
 def state(namespace: str, fix: Fix) -> State:
     """The fix's decided state in the namespace (``_fsdp_shim.status`` reads what stands on the classes now)."""
-    found = _records.get((namespace, fix.name))
+    found = records.get((namespace, fix.name))
     if namespace not in sys.modules:
         return State.NOT_IMPORTED
     return State.NOT_CHECKED if found is None else found.state

@@ -1,0 +1,59 @@
+"""Take the shim's wrappers off, putting back the very objects that were there; one that another library has
+wrapped since is switched off in place instead, so that library's patch stays intact. Loaded only then."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from _fsdp_shim import failures
+from _fsdp_shim.config import FIXES, NAMESPACES, RANK_CHECK, Fix, State
+from _fsdp_shim.wrappers import GONE, ON_TOP, UNDER, found_on_top, lock, placement, records, retired
+
+
+def remove(wrapper: Any) -> str:
+    """Restore the owner if the wrapper is on top; switch it off in place under another's wrapper."""
+    state, where = wrapper.shim_state, placement(wrapper)
+    if where == ON_TOP:
+        if state.inherited:
+            delattr(state.owner, state.attribute)
+        else:
+            setattr(state.owner, state.attribute, state.original)
+    elif where == UNDER:
+        state.on = False
+    return where
+
+
+def unpatch(namespace: str, fix: Fix) -> list[tuple[Any, str]]:
+    """Take one fix off one namespace; each wrapper with where it was found (a shared one stays while in use)."""
+    with lock:
+        for wrapper in [w for w in retired if w.shim_state.fix == fix.name]:
+            if placement(wrapper) == ON_TOP:
+                remove(wrapper)
+            retired.remove(wrapper)
+        key = (namespace, fix.name)
+        record = records.get(key)
+        if record is None:
+            return []
+        held = {id(w) for k, r in records.items() if k != key and r.state is not State.DEACTIVATED for w in r.wrappers}
+        results = [(wrapper, remove(wrapper)) for wrapper in reversed(record.wrappers) if id(wrapper) not in held]
+        record.wrappers = [wrapper for wrapper, where in results if where == UNDER]
+        record.state = State.DEACTIVATED if record.state is State.PATCHED else record.state
+    return results
+
+
+def unpatch_all() -> None:
+    """``deactivate()``: every fix off every namespace, saying where another library's wrapper was in the way."""
+    for name in NAMESPACES:
+        for fix in (*FIXES, RANK_CHECK):
+            for wrapper, where in unpatch(name, fix):
+                if where != ON_TOP:
+                    failures.wrapper_left(wrapper.shim_state.label, found_on_top(wrapper), gone=where == GONE)
+
+
+def take_off(fix: Fix, paths: list[str]) -> None:
+    """Take off the fix's wrappers that serve ``paths``, in every namespace: torch's call path passes them by."""
+    with lock:
+        for (_, name), held in records.items():
+            for wrapper in [w for w in reversed(held.wrappers) if name == fix.name and w.shim_state.path in paths]:
+                remove(wrapper)
+                held.wrappers.remove(wrapper)
