@@ -1,13 +1,13 @@
 """Take the shim's wrappers off, putting back the very objects that were there; one that another library has
-wrapped since is switched off in place instead, so that library's patch stays intact. Loaded only then."""
+wrapped since is switched off in place instead. Reads ``wrappers``' records at each call: a reload renews them."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from _fsdp_shim import failures
+from _fsdp_shim import failures, wrappers
 from _fsdp_shim.config import FIXES, NAMESPACES, RANK_CHECK, Fix, State
-from _fsdp_shim.wrappers import GONE, ON_TOP, UNDER, found_on_top, lock, placement, records, retired
+from _fsdp_shim.wrappers import GONE, ON_TOP, UNDER, found_on_top, placement
 
 
 def remove(wrapper: Any) -> str:
@@ -15,9 +15,9 @@ def remove(wrapper: Any) -> str:
     state, where = wrapper.shim_state, placement(wrapper)
     if where == ON_TOP:
         if state.inherited:
-            delattr(state.owner, state.attribute)
+            delattr(state.owner, state.target.attribute)
         else:
-            setattr(state.owner, state.attribute, state.original)
+            setattr(state.owner, state.target.attribute, state.original)
     elif where == UNDER:
         state.on = False
     return where
@@ -25,16 +25,17 @@ def remove(wrapper: Any) -> str:
 
 def unpatch(namespace: str, fix: Fix) -> list[tuple[Any, str]]:
     """Take one fix off one namespace; each wrapper with where it was found (a shared one stays while in use)."""
-    with lock:
-        for wrapper in [w for w in retired if w.shim_state.fix == fix.name]:
+    with wrappers.lock:
+        for wrapper in [w for w in wrappers.retired if w.shim_state.fix == fix.name]:
             if placement(wrapper) == ON_TOP:
                 remove(wrapper)
-            retired.remove(wrapper)
+            wrappers.retired.remove(wrapper)
         key = (namespace, fix.name)
-        record = records.get(key)
+        record = wrappers.records.get(key)
         if record is None:
             return []
-        held = {id(w) for k, r in records.items() if k != key and r.state is not State.DEACTIVATED for w in r.wrappers}
+        others = [r for k, r in wrappers.records.items() if k != key and r.state is not State.DEACTIVATED]
+        held = {id(w) for r in others for w in r.wrappers}
         results = [(wrapper, remove(wrapper)) for wrapper in reversed(record.wrappers) if id(wrapper) not in held]
         record.wrappers = [wrapper for wrapper, where in results if where == UNDER]
         record.state = State.DEACTIVATED if record.state is State.PATCHED else record.state
@@ -52,8 +53,8 @@ def unpatch_all() -> None:
 
 def take_off(fix: Fix, paths: list[str]) -> None:
     """Take off the fix's wrappers that serve ``paths``, in every namespace: torch's call path passes them by."""
-    with lock:
-        for (_, name), held in records.items():
-            for wrapper in [w for w in reversed(held.wrappers) if name == fix.name and w.shim_state.path in paths]:
+    with wrappers.lock:
+        for held in [r for (_, name), r in wrappers.records.items() if name == fix.name]:
+            for wrapper in [w for w in reversed(held.wrappers) if w.shim_state.target.path in paths]:
                 remove(wrapper)
                 held.wrappers.remove(wrapper)

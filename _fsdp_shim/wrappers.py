@@ -67,12 +67,9 @@ class WrapperState:
     fix: str
     label: str
     owner: type | ModuleType
-    attribute: str
-    body: Body
+    target: Target
     original: Any  # what the class or module dict held before, else None
     inherited: bool
-    shared: bool = False
-    path: str = ""
     composed_with: str | None = None  # another library's object it wraps, where Lightning ships none
     on: bool = True
     fallback: str | None = None  # why a call fell back to the wrapped function
@@ -81,11 +78,11 @@ class WrapperState:
         return self.on
 
     def owners_own(self) -> str:
-        return "torch's own function" if self.shared else "Lightning's own method"
+        return "torch's own function" if self.target.shared else "Lightning's own method"
 
     def run(self, wrapped: Callable[..., Any], instance: Any, args: Args, kwargs: Kwargs) -> Any:
         try:
-            return self.body(wrapped, instance, args, kwargs)
+            return self.target.body(wrapped, instance, args, kwargs)
         except GlueError as error:
             from _fsdp_shim import failures
 
@@ -131,14 +128,14 @@ def describe(obj: object) -> str:
 
 def placement(wrapper: Any) -> str:
     state = wrapper.shim_state
-    current = state.owner.__dict__.get(state.attribute, MISSING)
+    current = state.owner.__dict__.get(state.target.attribute, MISSING)
     if current is wrapper:
         return ON_TOP
     return UNDER if any(layer is wrapper for layer in wrapper_chain(current)) else GONE
 
 
 def found_on_top(wrapper: Any) -> str:
-    return describe(wrapper.shim_state.owner.__dict__.get(wrapper.shim_state.attribute))
+    return describe(wrapper.shim_state.owner.__dict__.get(wrapper.shim_state.target.attribute))
 
 
 def _resolve(namespace: str, target: Target, fix: str) -> tuple[Any, bool]:
@@ -169,12 +166,9 @@ def _resolve(namespace: str, target: Target, fix: str) -> tuple[Any, bool]:
         fix=fix,
         label=label,
         owner=owner,
-        attribute=target.attribute,
-        body=target.body,
+        target=target,
         original=None if inherited else own,
         inherited=inherited,
-        shared=target.shared,
-        path=target.path,
         composed_with=describe(own) if target.inherited and not inherited else None,
     )
     return ShimWrapper(function, state.run, enabled=state), True
@@ -227,7 +221,7 @@ def patch(namespace: str, fix: Fix, plan: Plan, *, disabled: bool = False) -> St
         if _current(record, namespace, module, disabled):
             return state(namespace, fix)
         if record is not None:
-            retired.extend(w for w in record.wrappers if placement(w) != GONE and not w.shim_state.shared)
+            retired.extend(w for w in record.wrappers if placement(w) != GONE and not w.shim_state.target.shared)
         if not isinstance(decided, _Record):
             decided = _install_all(module, *decided)
         decided.disabled = disabled
@@ -264,11 +258,9 @@ def imported_again(record: _Record, namespace: str, module: Any) -> str | None:
     for wrapper in record.wrappers:
         owner = wrapper.shim_state.owner
         name = owner.__name__ if isinstance(owner, ModuleType) else owner.__module__
-        current = (
-            sys.modules.get(name)
-            if isinstance(owner, ModuleType)
-            else getattr(sys.modules.get(name), owner.__name__, None)
-        )
+        current = sys.modules.get(name)
+        if not isinstance(owner, ModuleType):
+            current = getattr(current, owner.__name__, None)
         if current is not owner:
             return f"{name} was imported again after fsdp-shim patched it ({wrapper.shim_state.label} is a new class)"
     return None
@@ -303,7 +295,7 @@ def _install_all(module: Any, version: str, steps: list[tuple[Any, bool]]) -> _R
     try:
         for wrapper, new in steps:
             if new:
-                setattr(wrapper.shim_state.owner, wrapper.shim_state.attribute, wrapper)
+                setattr(wrapper.shim_state.owner, wrapper.shim_state.target.attribute, wrapper)
                 installed.append(wrapper)
             else:
                 wrapper.shim_state.on = True

@@ -44,7 +44,7 @@ LIFECYCLE = """
     handler.emit = lambda record: records.append([record.levelname, record.getMessage()])
     logging.getLogger("fsdp_shim").addHandler(handler)
     logging.getLogger("fsdp_shim").setLevel(logging.DEBUG)
-    for name in ("activation", "config", "failures", "fixes", "late", "rank_check", "status", "wrappers"):
+    for name in ("activation", "config", "failures", "fixes", "late", "rank_check", "removal", "status", "wrappers"):
         importlib.import_module(f"_fsdp_shim.{name}")
     import_all()
     pristine = snapshot()
