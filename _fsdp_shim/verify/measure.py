@@ -54,11 +54,10 @@ def measuring_callback(pl: Any, count: tuple[type, ...] = ()) -> Any:
     """A ``pl.Callback`` recording the gradient bytes and the losses, and counting the modules of ``count``."""
 
     class Measure(pl.Callback):
-        def __init__(self) -> None:
-            self.grad_bytes, self.checkpointed, self.losses = 0, 0, list[Optional[float]]()
+        grad_bytes, checkpointed, losses = 0, 0, list[Optional[float]]()
 
         def on_train_start(self, trainer: Any, pl_module: Any) -> None:
-            self.checkpointed = sum(isinstance(m, count) for m in trainer.strategy.model.modules())
+            self.checkpointed, self.losses = sum(isinstance(m, count) for m in trainer.strategy.model.modules()), []
 
         def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
             self.grad_bytes = sharded_grad_bytes(trainer.strategy.model)

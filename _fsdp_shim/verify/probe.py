@@ -3,7 +3,6 @@ modules before anything trains; ``measure`` trains with FSDP and writes a ``Rank
 
 from __future__ import annotations
 
-import functools
 import importlib
 import json
 import os
@@ -15,7 +14,7 @@ from typing import Any
 
 from _fsdp_shim.activation import status
 from _fsdp_shim.config import TRAINER_NAMESPACES
-from _fsdp_shim.verify.records import UNITS, Options, ProbeRequest, RankResult
+from _fsdp_shim.verify.records import Options, ProbeRequest, RankResult
 
 VOCAB, SEQUENCE, BATCH, WIDTH = 256, 32, 4, 32  # the seed model's
 
@@ -40,40 +39,23 @@ def user_error(phase: str, error: BaseException, **extra: int) -> ProbeStop:
     return ProbeStop("user", one_line(error), phase=phase, traceback=text, in_recompute=in_recompute, **extra)
 
 
-def raised_in_torch_fsdp(error: BaseException) -> str | None:
-    """``torch/distributed/fsdp/FILE: FUNCTION`` where the innermost frames are torch's and one is FSDP's, else None."""
-    import torch
-
-    root = Path(torch.__file__).resolve().parent
-    for frame in reversed(traceback.extract_tb(error.__traceback__)):
-        path = Path(frame.filename).resolve()
-        if not path.is_relative_to(root):
-            return None  # code torch called (or its caller) raised it before any FSDP frame
-        if path.is_relative_to(root / "distributed" / "fsdp"):
-            return f"torch/{path.relative_to(root).as_posix()}: {frame.name}"
-    return None
-
-
 def check_fsdp_on_cpu() -> None:
     """One FSDP step in a one-rank gloo group before any user code runs, so that a torch that cannot run FSDP on CPU
     (torch 2.1: ``TypeError: Stream() takes no arguments``) is named, not blamed on the model."""
     import torch
     import torch.distributed as dist
-    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     try:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        fsdp = FullyShardedDataParallel(torch.nn.Linear(2, 2), device_id=torch.device("cpu"))
-        fsdp(torch.ones(1, 2)).sum().backward()
+        FSDP(torch.nn.Linear(2, 2), device_id=torch.device("cpu"))(torch.ones(1, 2)).sum().backward()
     except Exception as error:
-        if (where := raised_in_torch_fsdp(error)) is None:
-            raise
         release = ".".join(torch.__version__.split("+")[0].split(".")[:2])
-        message = f"torch {release} cannot run FSDP on this machine's CPU ({one_line(error)}, raised in {where})"
-        raise ProbeStop("usage", message) from error
+        raise ProbeStop(
+            "usage", f"torch {release} cannot run FSDP on this machine's CPU ({one_line(error)})"
+        ) from error
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        dist.destroy_process_group()
 
 
 def resolve(spec: str) -> Any:
@@ -173,11 +155,11 @@ def gate(options: Options) -> dict[str, Any]:
     return {"namespaces": namespaces, "model_namespaces": model_namespaces}
 
 
-@functools.cache
-def causal_block() -> type:
-    """The seed's block: its mask and scale have no explicit dtype, so they are the precision's dtype in Lightning's
-    forward and float32 where activation checkpointing recomputes it without the shim."""
+def seed_model(pl: Any, steps: int, devices: int) -> tuple[Any, Any, type]:
+    """The seed LightningModule, its data, and its class to checkpoint: a causal block built in ``__init__`` (float32
+    at the wrap where Lightning lacks the cast) whose mask and scale have no dtype (float32 in an unfixed recompute)."""
     import torch
+    from torch.utils.data import DataLoader, TensorDataset
 
     class CausalBlock(torch.nn.Module):
         def __init__(self) -> None:
@@ -190,38 +172,22 @@ def causal_block() -> type:
             scores = h @ h.transpose(-1, -2) * WIDTH**-0.5 + mask
             return torch.log_softmax(self.out(scores.softmax(-1) @ h), -1)
 
-    return CausalBlock
-
-
-def seed_model(pl: Any, steps: int, devices: int) -> tuple[Any, Any, dict[str, Any]]:
-    """The seed LightningModule (``UNITS``: Lightning's demo Transformer built in ``configure_model``, one loaded in
-    float32, the causal block), its data, and the FSDPStrategy keyword arguments (each unit its own FSDP unit)."""
-    import torch
-    import torch.nn.functional as F
-    from torch.utils.data import DataLoader, TensorDataset
-
-    transformer = importlib.import_module(f"{pl.__name__}.demos").Transformer
-    make = functools.partial(transformer, vocab_size=VOCAB, nlayers=2, nhid=256, ninp=128, nhead=4, dropout=0.0)
-
     class SeedModel(pl.LightningModule):
-        def configure_model(self) -> None:
-            if not hasattr(self, "model"):
-                with torch.device("meta"):
-                    self.model = make()
-                self.pretrained, self.block = make().float(), causal_block()()
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = CausalBlock()
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            inputs, target = batch[0][:, :-1], batch[0][:, 1:]
-            losses = [F.nll_loss(m(inputs, target).float(), target.reshape(-1)) for m in (self.model, self.pretrained)]
-            return losses[0] + losses[1] + F.nll_loss(self.block(inputs).float().reshape(-1, VOCAB), target.reshape(-1))
+            logits = self.block(batch[0][:, :-1]).float().reshape(-1, VOCAB)
+            return torch.nn.functional.nll_loss(logits, batch[0][:, 1:].reshape(-1))
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.Adam(self.trainer.model.parameters(), lr=1e-4)
+            return torch.optim.Adam(self.trainer.model.parameters(), lr=1e-3)
 
-    generator = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, VOCAB, (BATCH * steps * devices, SEQUENCE + 1), generator=generator)
-    loader = DataLoader(TensorDataset(tokens), batch_size=BATCH)
-    return SeedModel(), loader, {"auto_wrap_policy": {transformer, causal_block()}}
+    tokens = torch.randint(
+        0, VOCAB, (BATCH * steps * devices, SEQUENCE + 1), generator=torch.Generator().manual_seed(0)
+    )
+    return SeedModel(), DataLoader(TensorDataset(tokens), batch_size=BATCH), CausalBlock
 
 
 def train_and_measure(request: ProbeRequest) -> None:
@@ -235,26 +201,24 @@ def train_and_measure(request: ProbeRequest) -> None:
     torch.manual_seed(0)  # the runs compared bit for bit start from the same weights
     model, datamodule, classes, wrapped, namespaces = user_modules(options, build=True)
     namespace = request.namespace or namespaces[0]
-    pl, baseline, loader = importlib.import_module(namespace), measure.rss_bytes(), None
+    pl, loader = importlib.import_module(namespace), None
     strategy_options: dict[str, Any] = {"auto_wrap_policy": wrapped} if wrapped else {}
     if options.model is None:
-        model, loader, strategy_options = seed_model(pl, options.steps, options.devices)
-        classes = classes or {causal_block()}
+        model, loader, block = seed_model(pl, options.steps, options.devices)
+        classes = classes or {block}
     counted: tuple[type, ...] = tuple(classes)  # a checkpointed run counts the wrappers Lightning's policy put in
     if request.checkpointing:
         strategy_options["activation_checkpointing_policy"], counted = classes, (CheckpointWrapper,)
     if not cuda:
         cpu_guards.lift(namespace)
     callback = measure.measuring_callback(pl, counted)
+    strategy = importlib.import_module(f"{namespace}.strategies").FSDPStrategy(**strategy_options)
     flags: dict[str, Any] = dict.fromkeys(
         ("logger", "enable_checkpointing", "enable_progress_bar", "enable_model_summary"), False
     )
     flags.update(precision=options.precision, max_steps=options.steps, limit_val_batches=0, num_sanity_val_steps=0)
-    flags.update(deterministic=bool(classes))  # compared bit for bit, also on CUDA
-    strategy = importlib.import_module(f"{namespace}.strategies").FSDPStrategy(**strategy_options)
-    trainer = pl.Trainer(
-        accelerator="cuda" if cuda else "cpu", devices=options.devices, strategy=strategy, callbacks=[callback], **flags
-    )
+    device = {"accelerator": "cuda" if cuda else "cpu", "devices": options.devices}  # deterministic: bit for bit
+    trainer = pl.Trainer(strategy=strategy, callbacks=[callback], deterministic=bool(classes), **device, **flags)
     error = None
     try:
         trainer.fit(model, loader, datamodule=datamodule)
@@ -267,27 +231,23 @@ def train_and_measure(request: ProbeRequest) -> None:
     if options.activation_checkpointing and not callback.checkpointed and not error:
         names = ", ".join(options.activation_checkpointing)
         raise ProbeStop("usage", f"--activation-checkpointing: this model has no module of {names} to checkpoint")
-    rank, fixes, root = trainer.global_rank, fix_states(namespace), trainer.strategy.model
-    result = RankResult(rank, checkpointed=callback.checkpointed, fixes=fixes, error=error)
+    rank, root = trainer.global_rank, trainer.strategy.model
+    result = RankResult(rank, checkpointed=callback.checkpointed, fixes=fix_states(namespace), error=error)
     if not error:
-        flat, units = measure.flat_parameters(root), UNITS if options.model is None else {}
+        flat = measure.flat_parameters(root)
         result = RankResult(
             rank=rank,
-            device="cuda" if cuda else "cpu",
             module_dtype=str(trainer.lightning_module.dtype),
             flat_param_dtypes=sorted({str(p.dtype) for p in flat}),
             param_bytes=measure.nbytes(flat),
             grad_bytes=callback.grad_bytes,
             optimizer_state_bytes=measure.optimizer_state_bytes(trainer.optimizers[0]),
-            unit_param_bytes={u: measure.nbytes(measure.flat_parameters(getattr(model, u))) for u in units},
-            peak_memory_bytes=torch.cuda.max_memory_allocated() if cuda else measure.rss_bytes() - baseline,
-            peak_memory_kind="torch.cuda.max_memory_allocated" if cuda else "peak RSS above the import baseline",
             losses=callback.losses,
             param_hashes=measure.parameter_hashes(root),
             checkpointed=callback.checkpointed,
             lightning=pl.__version__,
             namespace=pl.__name__,
-            fixes=fixes,
+            fixes=result.fixes,
         )
     Path(f"{request.out}.rank{rank}.json").write_text(json.dumps(asdict(result)))
     leave_process_group(0, barrier=not error)  # after an error a collective may be pending: no barrier
