@@ -4,9 +4,8 @@ The model is Lightning's own demo ``Transformer`` (``lightning.pytorch.demos``) 
 16 encoder and 16 decoder layers, ``nhid=4096``, ``ninp=1024``, ``nhead=32``, WikiText2's vocabulary
 (33,278 tokens), 538.5M parameters (2.0 GiB in float32). It is built in the LightningModule's
 ``__init__``, in float32, as the demo's ``LightningTransformer`` builds it: the memory bug. (Built in
-``configure_model``, as ``fsdp-shim verify``'s seed model is, Lightning's init context already makes it
-bfloat16 on 2.4.0 and only ``LightningModule.dtype`` is wrong; see docs/verify.md.) Synthetic token batches (16 x 35 tokens, the demo's block
-size) replace WikiText2, which is not downloaded. It is trained with Lightning's Trainer,
+``configure_model``, Lightning's init context already makes it bfloat16 on 2.4.0 and only
+``LightningModule.dtype`` is wrong.) Synthetic token batches (16 x 35 tokens, the demo's block size) replace WikiText2, which is not downloaded. It is trained with Lightning's Trainer,
 ``FSDPStrategy`` (each ``nn.TransformerEncoderLayer`` and ``nn.TransformerDecoderLayer``, the classes
 the demo is built from, is its own FSDP unit), ``precision="bf16-true"`` and Adam, in six runs, each
 in a child process of its own:
@@ -20,7 +19,7 @@ each without and with activation checkpointing
 ``ckpt`` column counts the layers it wrapped).
 
 Per run and rank: exact sharded bytes (FSDP flat parameters, their gradients, Adam's state; counted
-by ``fsdp_shim/verify/measure.py``), the flat parameters' dtypes, ``LightningModule.dtype``, the
+by ``_fsdp_shim/verify/measure.py``), the flat parameters' dtypes, ``LightningModule.dtype``, the
 losses, the peak memory (on CUDA, one device with NCCL: ``torch.cuda.max_memory_allocated()`` after
 training; on CPU, gloo: the peak RSS above the RSS once torch and Lightning are imported) and the
 median training-step time (the first step, which includes lazy set-up, is left out). The ratios
