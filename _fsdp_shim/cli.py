@@ -1,4 +1,4 @@
-"""The ``fsdp-shim`` command (also ``python -m fsdp_shim``): its parser, ``run`` and what calls ``status``."""
+"""The ``fsdp-shim`` command (also ``python -m fsdp_shim``): its parser, ``run``, and calls into status and verify."""
 
 from __future__ import annotations
 
@@ -14,29 +14,23 @@ from _fsdp_shim.config import SHIM_VARIABLE, switch_state
 from _fsdp_shim.verify.records import CHOICES, PROBE_TIMEOUT, Options
 
 BOOTSTRAP = str(Path(__file__).resolve().parent / "bootstrap")  # its sitecustomize arms the shim, then the user's
-
-
-class _Formatter(argparse.RawDescriptionHelpFormatter):
-    """Descriptions as written; each option's default in its help, unless "absent" (its help says what)."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text, shown = action.help or "", action.default not in (None, False, argparse.SUPPRESS)
-        return f"{text} (default: %(default)s)" if shown and action.option_strings and "(default:" not in text else text
-
-
-DESCRIPTIONS = {
+COMMANDS = {  # summary, description, example
     "run": (
+        "run CMD with the shim active in every Python process it starts",
         "Run CMD with the shim active in every Python process it starts: a bootstrap sitecustomize goes\n"
         "first on PYTHONPATH, which torchrun workers, Lightning's launcher and spawned processes inherit.\n"
         "The command replaces fsdp-shim (exec): its exit code and signals are its own.",
         "fsdp-shim run torchrun --nproc-per-node 8 train.py",
     ),
     "status": (
-        "What is installed and active (fsdp-shim run, FSDP_SHIM), which Lightning releases\n"
-        "are installed, and whether the pieces agree: exit code 1 with a PROBLEM line when they do not.",
+        "what is installed and active, and whether it agrees",
+        "What is installed and active (fsdp-shim run, FSDP_SHIM), which Lightning releases are installed,\n"
+        "whether they still need each fix, and whether the pieces agree: exit code 1 with a PROBLEM line\n"
+        "when they do not.",
         "fsdp-shim status --python-check",
     ),
     "verify": (
+        "train a model with the shim off and on, in fresh processes, and compare",
         "Train a model for a few steps with FSDP, with the shim off and on, in fresh processes, and compare\n"
         "dtypes and exact byte counts: a verdict per Lightning package (--package) and fix (fixed, not needed,\n"
         "FAILED); with --activation-checkpointing also each run with and without checkpointing, bit for bit.\n"
@@ -45,9 +39,7 @@ DESCRIPTIONS = {
         "fsdp-shim verify --model my_project.model:MyModel --devices 2",
     ),
 }
-
 VERIFY_HELP = {  # the longer ones
-    "--precision": "the Lightning precision both runs use",
     "--model": "your LightningModule class (built with no arguments) or a factory returning one "
     "(default: verify's seed model)",
     "--activation-checkpointing": "also train with Lightning's FSDP activation checkpointing of these classes, each "
@@ -64,6 +56,14 @@ VERIFY_HELP = {  # the longer ones
 }
 
 
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written; an option's default in its help, where it has one and the help does not say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text, shown = action.help or "", action.default not in (None, False, argparse.SUPPRESS)
+        return f"{text} (default: %(default)s)" if shown and action.option_strings and "(default:" not in text else text
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fsdp-shim",
@@ -75,36 +75,40 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"fsdp-shim {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
-
-    def command(name: str, summary: str) -> Any:
-        description, example = DESCRIPTIONS[name]
-        epilog, formatter = f"example:\n  {example}", _Formatter
-        return commands.add_parser(
-            name, help=summary, description=description, epilog=epilog, formatter_class=formatter
-        )
-
-    run = command("run", "run CMD with the shim active in every Python process it starts")
-    run.add_argument("cmd", nargs=argparse.REMAINDER, help="the command and its arguments")
-    add = command("status", "what is installed and active, and whether it agrees").add_argument
-    add("--json", action="store_true", help="machine-readable output")
-    add("--python-check", action="store_true", help="also ask a fresh interpreter what importing Lightning gives")
-
-    add = command("verify", "train a model with the shim off and on, in fresh processes, and compare").add_argument
+    add = {
+        name: commands.add_parser(
+            name, help=summary, description=text, epilog=f"example:\n  {example}", formatter_class=_Formatter
+        ).add_argument
+        for name, (summary, text, example) in COMMANDS.items()
+    }
+    add["run"]("cmd", nargs=argparse.REMAINDER, help="the command and its arguments")
+    add["status"]("--json", action="store_true", help="machine-readable output")
+    add["status"](
+        "--python-check", action="store_true", help="also ask a fresh interpreter what importing Lightning gives"
+    )
+    verify = add["verify"]
     attr: dict[str, Any] = {"type": _module_attribute, "metavar": "MODULE:ATTR"}  # --model and --datamodule
-    classes: dict[str, Any] = {"type": _class_list, "metavar": "MODULE:CLASS[,...]"}  # a default list each
-    add("--precision", choices=("bf16-true", "16-true"), default="bf16-true", help=VERIFY_HELP["--precision"])
-    add("--devices", type=_positive(int), default=1, metavar="N", help="processes (GPUs with CUDA)")
-    add("--steps", type=_positive(int), default=3, metavar="N", help="training steps per run")
-    add("--measure", action="store_true", help="train even where the installed Lightning already has the fix")
-    add("--model", **attr, help=VERIFY_HELP["--model"])
-    add("--init-args", type=_json_object, default={}, metavar="JSON", help="keyword arguments for --model")
-    add("--datamodule", **attr, help="LightningDataModule class or factory (default: the model's own train_dataloader)")
-    add("--activation-checkpointing", **classes, default=[], help=VERIFY_HELP["--activation-checkpointing"])
-    add("--auto-wrap", **classes, default=[], help=VERIFY_HELP["--auto-wrap"])
-    add("--model-path", type=Path, metavar="DIR", help=VERIFY_HELP["--model-path"])
-    add("--timeout", type=_positive(float), default=PROBE_TIMEOUT, metavar="SECONDS", help=VERIFY_HELP["--timeout"])
-    add("--package", choices=CHOICES, help=VERIFY_HELP["--package"])
-    add("--json", action="store_true", dest="as_json", help="machine-readable output, every figure per rank")
+    classes: dict[str, Any] = {"type": _class_list, "metavar": "MODULE:CLASS[,...]", "default": []}
+    verify(
+        "--precision",
+        choices=("bf16-true", "16-true"),
+        default="bf16-true",
+        help="the Lightning precision both runs use",
+    )
+    verify("--devices", type=_positive(int), default=1, metavar="N", help="processes (GPUs with CUDA)")
+    verify("--steps", type=_positive(int), default=3, metavar="N", help="training steps per run")
+    verify("--measure", action="store_true", help="train even where the installed Lightning already has the fix")
+    verify("--model", **attr, help=VERIFY_HELP["--model"])
+    verify("--init-args", type=_json_object, default={}, metavar="JSON", help="keyword arguments for --model")
+    verify(
+        "--datamodule", **attr, help="LightningDataModule class or factory (default: the model's own train_dataloader)"
+    )
+    verify("--activation-checkpointing", **classes, help=VERIFY_HELP["--activation-checkpointing"])
+    verify("--auto-wrap", **classes, help=VERIFY_HELP["--auto-wrap"])
+    verify("--model-path", type=Path, metavar="DIR", help=VERIFY_HELP["--model-path"])
+    verify("--timeout", type=_positive(float), default=PROBE_TIMEOUT, metavar="SECONDS", help=VERIFY_HELP["--timeout"])
+    verify("--package", choices=CHOICES, help=VERIFY_HELP["--package"])
+    verify("--json", action="store_true", dest="as_json", help="machine-readable output, every figure per rank")
     return parser
 
 
@@ -131,7 +135,6 @@ def _module_attribute(text: str, spelling: str = "MODULE:ATTR (e.g. my_project.m
 
 
 def _class_list(text: str) -> list[str]:
-    """Comma-separated ``MODULE:CLASS``, each spelled as ``--model`` is."""
     spelling = "MODULE:CLASS (e.g. torch.nn:TransformerEncoderLayer)"
     return [_module_attribute(item.strip(), spelling) for item in text.split(",")]
 
@@ -144,18 +147,6 @@ def _json_object(text: str) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"hidden\": 64}'")
     return value
-
-
-def _status(args: argparse.Namespace) -> int:
-    from _fsdp_shim import environment
-
-    try:
-        report = environment.collect(python_check=args.python_check)
-    except environment.NoTemporaryFolder as error:
-        print(f"fsdp-shim status: --python-check needs {error}", file=sys.stderr)
-        return 2
-    print(json.dumps(report, indent=2) if args.json else environment.render(report))
-    return 0 if report["consistent"] else 1
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -178,8 +169,8 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    """Exec CMD with ``FSDP_SHIM=1`` where unset and the bootstrap first on PYTHONPATH, once (every other entry as
-    written); returns only where CMD cannot start: 127 or 126, as a shell."""
+    """Exec CMD with ``FSDP_SHIM=1`` where unset and the bootstrap first on PYTHONPATH, once; returns only where CMD
+    cannot start: 127 or 126, as a shell."""
     command = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
     if not command:
         print("fsdp-shim run: no command given. Usage: fsdp-shim run CMD [ARGS...]", file=sys.stderr)
@@ -192,9 +183,15 @@ def _run(args: argparse.Namespace) -> int:
     try:
         os.execvpe(command[0], command, environ)
     except (FileNotFoundError, PermissionError) as error:
-        found = isinstance(error, PermissionError)
-        print(f"fsdp-shim run: {'permission denied' if found else 'command not found'}: {command[0]}", file=sys.stderr)
-        return 126 if found else 127
+        denied = isinstance(error, PermissionError)
+        print(f"fsdp-shim run: {'permission denied' if denied else 'command not found'}: {command[0]}", file=sys.stderr)
+        return 126 if denied else 127
+
+
+def _status(args: argparse.Namespace) -> int:
+    from _fsdp_shim import environment
+
+    return environment.main(args.json, args.python_check)
 
 
 def main(argv: list[str] | None = None) -> int:

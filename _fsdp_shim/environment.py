@@ -1,17 +1,14 @@
-"""``fsdp-shim status``: what this environment holds, what would arm the shim here, and whether the pieces agree.
-Lightning is not imported (versions from package metadata); ``--python-check`` has a fresh interpreter import it."""
+"""``fsdp-shim status``: what this environment holds, what arms the shim here, and whether the pieces agree.
+Lightning is not imported (versions from metadata); ``--python-check`` has a fresh interpreter import it."""
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
-import shutil
 import site
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -22,25 +19,32 @@ from _fsdp_shim.config import CAST, FIXES, RECOMPUTE, State, joined, switch_stat
 from _fsdp_shim.distributions import describe_import_failure, distribution_of, installed_packages
 
 SHIM, STRICT, DISABLED = config.SHIM_VARIABLE, config.STRICT_VARIABLE, config.DISABLED_FIXES_VARIABLE
-PYTHON_CHECK = Path(__file__).resolve().parent / "children" / "python_check.py"
 ENVIRONMENT_FILE = "fsdp_shim_env.pth"
 OWN_ENVIRONMENT_FILE = Path(_fsdp_shim.__file__).resolve().parent.parent / ENVIRONMENT_FILE
+MARK = "\n--- fsdp-shim status report ---\n"  # around the child's report: start-up code may print too
+PYTHON_CHECK = f"""
+import importlib, json, sys, warnings
+if sys.path[:1] == [""]:  # the current folder, which -c puts first: not where a training script imports from
+    del sys.path[0]
+warnings.simplefilter("ignore")
+report = {{"python": sys.executable, "imported": [], "failed": {{}}}}
+for name in sys.argv[1:]:
+    try:
+        importlib.import_module(name)
+        report["imported"].append(name)
+    except Exception as error:  # as distributions.import_failure()
+        report["failed"][name] = [type(error).__name__, str(error), getattr(error, "name", None)]
+activation = sys.modules.get("_fsdp_shim.activation")  # imported by the start-up finder's hand-over
+report["shim_loaded"], report["status"] = activation is not None, activation and activation.status().as_dict()
+print({MARK!r} + json.dumps(report) + {MARK!r})
+"""
 NOTHING_TO_PATCH = (
     "NOTHING TO PATCH HERE: neither torch nor Lightning is installed beside this fsdp-shim ({python}): an "
     "isolated install (pipx, `uv tool`) cannot reach your training. Install fsdp-shim into the environment that "
     "runs the training instead (`pip install fsdp-shim` there), and run `fsdp-shim status` with its Python."
 )
+NOT_READ = f"this fsdp-shim, in {OWN_ENVIRONMENT_FILE.parent}, was not installed here by pip (a clone, --target)"
 Report = dict[str, Any]
-
-
-class NoTemporaryFolder(Exception):
-    """``--python-check`` needs a temporary folder for its child's report, and has none."""
-
-
-def _shim() -> tuple[str, str, str | None]:
-    """``FSDP_SHIM``'s state (on, off, invalid, unset), as shown (``FSDP_SHIM='0'``), and that where it is off."""
-    state, shown = switch_state(os.environ.get(SHIM)), f"{SHIM}={os.environ.get(SHIM)!r}"
-    return state, shown, shown if state in ("off", "invalid") else None
 
 
 def _verdict(fix: config.Fix, version: str, off: str | None) -> str:
@@ -49,23 +53,16 @@ def _verdict(fix: config.Fix, version: str, off: str | None) -> str:
     return f"not patched: {off} switches it off" if off else "would be patched"
 
 
-def _lightning() -> list[dict[str, Any]]:
+def _lightning(off: str | None) -> list[dict[str, Any]]:
     """Per installed namespace, from metadata: its release, and what the shim would do to each fix there."""
-    off, skipped, rows = _shim()[2], config.disabled_fixes()[0], []
+    skipped, rows = config.disabled_fixes()[0], []
     for namespace in sorted(config.NAMESPACES):
-        found = distribution_of(namespace.partition(".")[0])
-        if found is not None:
-            (distribution, version), affected = found, any(fix.affects(found[1]) for fix in FIXES)
-            fixes = {f.name: _verdict(f, version, off or (DISABLED if f.name in skipped else None)) for f in FIXES}
-            rows.append(dict(namespace=namespace, distribution=distribution, version=version, affected=affected))
+        if found := distribution_of(namespace.partition(".")[0]):
+            fixes = {f.name: _verdict(f, found[1], off or (DISABLED if f.name in skipped else None)) for f in FIXES}
+            affected = any(fix.affects(found[1]) for fix in FIXES)
+            rows.append(dict(namespace=namespace, distribution=found[0], version=found[1], affected=affected))
             rows[-1]["fixes"] = fixes
     return rows
-
-
-def _releases(fix: config.Fix) -> str:
-    return f"{fix.since} " + (
-        f"up to {fix.fixed_in} (exclusive)" if fix.fixed_in else "and later (no release has it yet)"
-    )
 
 
 def _still_needed(lightning: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -117,82 +114,64 @@ def _problems_of_the_variables() -> list[str]:
     return problems + ([log] if log else [])
 
 
-def _why_not_read() -> str:
-    if not (OWN_ENVIRONMENT_FILE.is_file() and any(OWN_ENVIRONMENT_FILE.parent.glob("fsdp_shim-*.dist-info"))):
-        return "this fsdp-shim was not installed by pip (a clone on PYTHONPATH?)"
-    return (
-        f"this fsdp-shim's is in {OWN_ENVIRONMENT_FILE.parent}, which Python imports from but does not read "
-        "start-up files from (pip install --target, PYTHONPATH)"
-    )
+def _sources(report: Report, on: bool) -> list[tuple[str, str]]:
+    """What arms the shim in a Python started from here, with ``FSDP_SHIM`` taken as on where ``on``, and how."""
+    env, shown = report["environment_file"], f"{SHIM}={report['toggles'][SHIM]!r}"
+    found = [(shown, f"read by {env['path']}")] if on and env["read"] else []
+    run = [("fsdp-shim run", "its bootstrap is first on PYTHONPATH")]
+    return found + (run if report["bootstrap_on_pythonpath"] else [])
 
 
 def _check_child(report: Report) -> None:
     """A fresh interpreter imports Lightning as a training script does; what the shim did there."""
-    try:
-        folder = tempfile.mkdtemp(prefix="fsdp-shim-status-")
-    except OSError as error:
-        raise NoTemporaryFolder(f"no usable temporary folder ({type(error).__name__}: {error}); set TMPDIR") from None
-    out, problems, child = Path(folder, "report.json"), report["problems"], None
-    try:
-        proc = subprocess.run(
-            [sys.executable, PYTHON_CHECK, out, *installed_packages()], capture_output=True, text=True, timeout=600
-        )
-        with contextlib.suppress(OSError, ValueError):
-            child = json.loads(out.read_text())
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-    if proc.returncode != 0 or child is None:
-        tail = proc.stderr.strip()[-500:] or f"exit {proc.returncode}, no report"
-        problems.append(f"a fresh interpreter failed to import Lightning: {tail}")
+    command = [sys.executable, "-c", PYTHON_CHECK, *installed_packages()]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    parts, problems = proc.stdout.split(MARK), report["problems"]
+    if proc.returncode != 0 or len(parts) != 3:
+        problems.append(f"a fresh interpreter failed to import Lightning: {proc.stderr.strip()[-500:] or 'no report'}")
         return
-    report["child"] = child
-    problems += [describe_import_failure(package, failure) for package, failure in child.get("failed", {}).items()]
-    if _shim()[2]:
+    child = report["child"] = json.loads(parts[1])
+    problems += [describe_import_failure(package, failure) for package, failure in child["failed"].items()]
+    if report["armed"]["state"] == "off":
         return
     if report["armed"]["state"] == "armed" and child["imported"] and not child["shim_loaded"]:
         problems.append("a start-up activation is present but a fresh interpreter did not load the shim")
     problems += [
         f"{ns['namespace']} {ns['version']} lacks the {fix['fix']} fix, and it was not applied: {fix['reason']}"
-        for ns in (child.get("status") or {}).get("namespaces", [])
-        for fix in ns.get("fixes", [])
+        for ns in (child["status"] or {}).get("namespaces", [])
+        for fix in ns["fixes"]
         if ns["imported"] and fix["affected"] and not fix["patched"] and fix["state"] != State.DISABLED.value
     ]
 
 
 def collect(python_check: bool = False) -> Report:
     """What ``status --json`` prints, in this key order; ``render`` writes it as text."""
-    (state, shown, off), skipped = _shim(), config.disabled_fixes()[0]
+    state, shown = switch_state(os.environ.get(SHIM)), f"{SHIM}={os.environ.get(SHIM)!r}"
     user = [site.getusersitepackages()] if site.ENABLE_USER_SITE else []
     found = next((p for d in [*user, *site.getsitepackages()] if (p := Path(d) / ENVIRONMENT_FILE).is_file()), None)
     entries = os.environ.get("PYTHONPATH", "").split(os.pathsep)  # any fsdp-shim's bootstrap, existing or not
-    bootstraps = [e for e in entries if e and Path(e).name == "bootstrap" and Path(e).parent.name == "_fsdp_shim"]
-    by = [shown] if found and state == "on" else []
-    by += ["fsdp-shim run"] if bootstraps else []
-    lightning = _lightning()
+    off = shown if state in ("off", "invalid") else None
+    lightning = _lightning(off)
     report: Report = {
         "shim_version": __version__,
         "python": sys.executable,
         "toggles": {name: os.environ.get(name) for name in config.VARIABLES},
         "environment_file": {"path": str(found or OWN_ENVIRONMENT_FILE), "read": found is not None},
-        "bootstrap_on_pythonpath": bootstraps,
-        "fixes": [
-            dict(name=fix.name, releases=_releases(fix), changes=fix.changes, switched_off=fix.name in skipped)
-            for fix in FIXES
-        ],
+        "bootstrap_on_pythonpath": [e for e in entries if e and Path(e).parts[-2:] == ("_fsdp_shim", "bootstrap")],
         "lightning": lightning,
         "still_needed": _still_needed(lightning),
         "nothing_to_patch": not installed_packages() and importlib.util.find_spec("torch") is None,
-        "armed": {"state": "off" if off else "armed" if by else "not armed", "by": by},
-        "child": None,
-        "problems": _problems_of_the_variables(),
     }
-    if not found and state == "on" and not bootstraps:
+    by = [source for source, _ in _sources(report, state == "on")]
+    report |= {"armed": {"state": "off" if off else "armed" if by else "not armed", "by": by}, "child": None}
+    report["problems"] = _problems_of_the_variables()
+    if not found and state == "on" and not report["bootstrap_on_pythonpath"]:
         report["problems"].append(
             f"{shown} arms nothing in this interpreter: no folder it reads start-up files from holds "
-            f"{ENVIRONMENT_FILE} ({_why_not_read()}). Install fsdp-shim into this environment with pip, or use "
+            f"{ENVIRONMENT_FILE} ({NOT_READ}). Install fsdp-shim into this environment with pip, or use "
             "`fsdp-shim run`"
         )
-    missing = [entry for entry in bootstraps if not os.path.isdir(entry)]
+    missing = [entry for entry in report["bootstrap_on_pythonpath"] if not os.path.isdir(entry)]
     report["problems"] += [f"PYTHONPATH holds an fsdp-shim bootstrap folder that does not exist: {e}" for e in missing]
     if python_check:
         _check_child(report)
@@ -207,55 +186,48 @@ def _table(rows: list[tuple[str, str]]) -> list[str]:
 
 def _armed_lines(report: Report) -> list[str]:
     """The first lines: armed or not, by what, and what would arm it."""
-    armed, env, (state, shown, _) = report["armed"], report["environment_file"], _shim()
-    how = {"fsdp-shim run": "its bootstrap is first on PYTHONPATH"}
-    sources = [(source, how.get(source, f"read by {env['path']}")) for source in armed["by"]]
-    if armed["state"] == "off":
+    state, shown = report["armed"]["state"], f"{SHIM}={report['toggles'][SHIM]!r}"
+    on = switch_state(report["toggles"][SHIM]) == "on"
+    if state == "off":
+        sources = _sources(report, False)
         lines = [f"Shim: OFF. {shown} switches off every activation: Lightning runs as shipped."]
         return lines + (["  Without it, this would arm the shim:", *_table(sources)] if sources else [])
-    if armed["state"] == "armed":
-        return ["Shim: ARMED in every Python started from here, by:", *_table(sources)]
-    if report["nothing_to_patch"] and state != "on":
+    if state == "armed":
+        return ["Shim: ARMED in every Python started from here, by:", *_table(_sources(report, on))]
+    if report["nothing_to_patch"] and not on:
         return ["Shim: NOT ARMED, and there is nothing to arm it for: no torch, no Lightning here (see below)."]
-    ways = [(f"{SHIM}=1 python train.py", "one command and every process it starts")] if env["read"] else []
-    ways += [
+    env = report["environment_file"]
+    read = f"one command and every process it starts (by {env['path']})" if env["read"] else None
+    ways = [
+        (f"{SHIM}=1 python train.py", read or f"arms nothing here: {NOT_READ}"),
         ("fsdp-shim run python train.py", "the same, also for interpreters of another environment"),
         ("import fsdp_shim", "in the training script: that script only (status cannot see it)"),
     ]
-    nothing = f"{shown} arms nothing here (see PROBLEM)" if state == "on" else "nothing arms it"
-    return [f"Shim: NOT ARMED in a Python started from here: {nothing}. Any one of these arms it:", *_table(ways)]
+    nothing = f"{shown} arms nothing here (see PROBLEM)" if on else "nothing arms it"
+    return [f"Shim: NOT ARMED in a Python started from here: {nothing}. Ways to arm it:", *_table(ways)]
 
 
 def render(report: Report) -> str:
-    off, env, child = _shim()[2], report["environment_file"], report["child"]
+    """``report`` as the text ``fsdp-shim status`` prints."""
+    shown, off = f"{SHIM}={report['toggles'][SHIM]!r}", report["armed"]["state"] == "off"
     lines = [f"fsdp-shim {report['shim_version']}  (python: {report['python']})", "", *_armed_lines(report), ""]
-    unset = {SHIM: "1 arms the shim, 0 switches it off", STRICT: "strict mode off"}
-    unset[SHIM] = "nothing to arm here" if report["nothing_to_patch"] else unset[SHIM]
-    for name, value in report["toggles"].items():
-        is_off = " (the shim is OFF: Lightning runs as shipped)" if off and name == SHIM else ""
-        if value is not None or name in unset:
-            lines.append(f"{name}={value!r}{is_off}" if value is not None else f"{name} unset ({unset[name]})")
-    lines += ["", "Activations:"]
-    where = f"{env['path']}  (arms every interpreter where {SHIM}=1)" if env["read"] else ""
-    lines.append(f"  FSDP_SHIM=1    {where or f'arms nothing here: {_why_not_read()}'}")
-    bootstraps = [f"  fsdp-shim run  bootstrap on PYTHONPATH: {entry}" for entry in report["bootstrap_on_pythonpath"]]
-    lines += bootstraps or ["  fsdp-shim run  not active in this shell"]
-    lines += ["", f"Fixes (switch one off with {DISABLED}=NAME):"]
-    for fix in report["fixes"]:
-        mark = "  [switched off]" if fix["switched_off"] else ""
-        lines += [f"  {fix['name']:<10} Lightning {fix['releases']}{mark}", f"  {'':<10} {fix['changes']}"]
-    lines += ["", "Lightning (from package metadata; what the shim does where it is armed):"]
+    toggles = [f"{name}={value!r}" for name, value in report["toggles"].items() if value is not None]
+    lines += [
+        f"Set: {', '.join(toggles) or 'no FSDP_SHIM variable'}",
+        "",
+        "Lightning (from package metadata; what the shim does where it is armed):",
+    ]
     lines += [] if report["lightning"] else ["  none installed"]
     for row in report["lightning"]:
         lines.append(f"  {row['namespace']:<18} {row['version']}")
         lines += [f"    {name:<10} {verdict}" for name, verdict in row["fixes"].items()]
-    lines += ["", "Still needed here? (https://fsdp-shim.github.io/fsdp-shim/removal.html)"]
+    lines += ["", f"Still needed here? ({config.DOCS}removal.html)"]
     answer = {True: "needed", False: "not needed", None: "unknown"}
     lines += [f"  {name:<10} {answer[a['needed']]}: {a['why']}" for name, a in report["still_needed"].items()]
-    if child is not None:
-        status = child.get("status") or {}
-        why = f"{off} switches it off" if off else "nothing armed it at start-up"
+    if (child := report["child"]) is not None:
+        status = child["status"] or {}
         loaded = f"shim loaded, armed by: {'; '.join(status.get('sources') or []) or 'unknown'}"
+        why = f"{shown} switches it off" if off else "nothing armed it at start-up"
         lines += ["", "A fresh interpreter (imports Lightning, not fsdp_shim):"]
         lines.append(f"  {loaded if child['shim_loaded'] else f'shim not loaded: {why}'}")
         lines += [
@@ -263,6 +235,13 @@ def render(report: Report) -> str:
             for ns in status.get("namespaces", [])
             if ns["imported"]
         ]
-    ok = "OK: no problem found" + (f"; the shim is OFF ({off}), so nothing is patched" if off else "")
+    ok = "OK: no problem found" + (f"; the shim is OFF ({shown}), so nothing is patched" if off else "")
     ok = NOTHING_TO_PATCH.format(python=report["python"]) if report["nothing_to_patch"] else ok
     return "\n".join([*lines, "", *([f"PROBLEM: {p}" for p in report["problems"]] or [ok])])
+
+
+def main(as_json: bool, python_check: bool) -> int:
+    """Print the report; 1 where the pieces disagree."""
+    report = collect(python_check)
+    print(json.dumps(report, indent=2) if as_json else render(report))
+    return 0 if report["consistent"] else 1
