@@ -32,8 +32,8 @@ COMMANDS = {  # summary, description, example
     "verify": (
         "train a model with the shim off and on, in fresh processes, and compare",
         "Train a model for a few steps with FSDP, with the shim off and on, in fresh processes, and compare\n"
-        "dtypes and exact byte counts: a verdict per Lightning package (--package) and fix (fixed, not needed,\n"
-        "FAILED); with --activation-checkpointing also each run with and without checkpointing, bit for bit.\n"
+        "dtypes and exact byte counts: a verdict per fix (fixed, not needed, FAILED) for one Lightning package\n"
+        "(--package); with --activation-checkpointing also each run with and without checkpointing, bit for bit.\n"
         "Exit codes: 0 fixed or not needed; 1 FAILED, your model raised, or a step ran past --timeout;\n"
         "2 verify could not run; 130 interrupted.",
         "fsdp-shim verify --model my_project.model:MyModel --devices 2",
@@ -51,8 +51,8 @@ VERIFY_HELP = {  # the longer ones
     "folder; no other probe sees it)",
     "--timeout": "how long one probe (reading Lightning, or one training run) may take before verify stops it and "
     "every process it started, and exits 1",
-    "--package": "the Lightning package(s) the seed model trains with (default: every one installed, but not "
-    "pytorch_lightning next to lightning, which pip brings it along with)",
+    "--package": "the Lightning package the seed model trains with (default: lightning where installed, else "
+    "pytorch_lightning)",
 }
 
 

@@ -80,6 +80,6 @@ def test_the_wheel_ships_the_start_up_files_and_pip_and_uv_uninstall_remove_ever
     venv.run("-m", "fsdp_shim", "--version", env=on, cwd=tmp_path)
     run_command([str(Path(venv.python).parent / "fsdp-shim"), "run", venv.python, "-c", "pass"], env=on, check=True)
     compiled = [path for path in fsdp_shims_files(site_packages) if path.suffix == ".pyc"]
-    assert {"sitecustomize", "__main__", "python_check"} <= {path.name.partition(".")[0] for path in compiled}
+    assert {"sitecustomize", "__main__"} <= {path.name.partition(".")[0] for path in compiled}
     subprocess.run([*uv_pip, "uninstall", "--python", venv.python, "fsdp-shim"], check=True)
     assert files_in(site_packages) == before and fsdp_shims_files(site_packages) == []
