@@ -19,20 +19,21 @@ LIGHTNING_PACKAGES = tuple(dict.fromkeys(name.partition(".")[0] for name in NAME
 DOCS = "https://fsdp-shim.github.io/fsdp-shim/"
 
 
+FIRST_TRUE_PRECISIONS = (2, 1, 0)  # the "true" precisions for FSDP
+
+
 @dataclass(frozen=True)
 class Fix:
-    """One fix: the Lightning releases that lack it (``since`` up to ``fixed_in``, exclusive) and what it changes."""
+    """One fix: from 2.1.0 up to the Lightning release that ships it (``fixed_in``, exclusive), and where from."""
 
     name: str
-    since: str
     fixed_in: str | None
-    changes: str
     upstream: str
 
     def affects(self, version: str) -> bool:
         """Whether a Lightning version lacks this fix (``2.5.0rc0`` counts as 2.5.0)."""
-        release, since = base_release(version), base_release(self.since) or (0, 0, 0)
-        return release is not None and since <= release and not self.built_in(version)
+        release = base_release(version)
+        return release is not None and release >= FIRST_TRUE_PRECISIONS and not self.built_in(version)
 
     def built_in(self, version: str) -> bool:
         """Whether the Lightning release ships this fix itself."""
@@ -40,29 +41,11 @@ class Fix:
         return release is not None and fixed_in is not None and release >= fixed_in
 
 
-CAST = Fix(
-    name="cast",
-    since="2.1.0",  # the "true" precisions for FSDP
-    fixed_in="2.5.0",
-    changes="casts the model to the precision's dtype before FSDP wraps it, as Lightning 2.5.0 does",
-    upstream="Lightning #20323, 2.5.0",
-)
-RECOMPUTE = Fix(
-    name="recompute",
-    since="2.1.0",
-    fixed_in=None,
-    changes="recomputes every activation-checkpointed block in the default dtype its forward had",
-    upstream="no Lightning release",
-)
+CAST = Fix(name="cast", fixed_in="2.5.0", upstream="Lightning #20323, 2.5.0")
+RECOMPUTE = Fix(name="recompute", fixed_in=None, upstream="no Lightning release")
 FIXES = (CAST, RECOMPUTE)
 FIX_NAMES = tuple(fix.name for fix in FIXES)
-RANK_CHECK = Fix(
-    name="rank-check",
-    since="2.1.0",
-    fixed_in=None,
-    changes="checks, before FSDP wraps a model, that every rank of the job runs the same fixes",
-    upstream="fsdp-shim's own check",
-)
+RANK_CHECK = Fix(name="rank-check", fixed_in=None, upstream="fsdp-shim's own check")
 """Patched like a fix wherever the shim is active, but never switched off by name."""
 
 
@@ -137,9 +120,5 @@ def log_setting(environ: Mapping[str, str] = os.environ) -> tuple[str, str | Non
     state = switch_state(raw)
     if state == "invalid":
         valid = f"{valid_switch_values()}, debug"
-        return (
-            "on",
-            f"{LOG_VARIABLE}={raw!r} is not a valid value (valid, case-insensitive: {valid}); "
-            "the confirmation lines stay on",
-        )
+        return "on", f"{LOG_VARIABLE}={raw!r} is not a valid value (valid: {valid}); the confirmation lines stay on"
     return ("off" if state == "off" else "on"), None

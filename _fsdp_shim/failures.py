@@ -72,10 +72,14 @@ def glue_failed(wrapper: Any, error: Exception) -> None:
     what = "rank check" if wrapper.fix == "rank-check" else f"{wrapper.fix} fix"
     report(
         f"fsdp-shim: {wrapper.label} could not read what it needs ({error})",
-        f"{wrapper.owners_own()} was used for this call, so it runs without the {what}",
+        f"{owners_own(wrapper)} was used for this call, so it runs without the {what}",
         key=f"glue:{wrapper.label}",
         cause=error,
     )
+
+
+def owners_own(wrapper: Any) -> str:
+    return "torch's own function" if wrapper.target.shared else "Lightning's own method"
 
 
 def cannot_patch(namespace: str, fix: Any, record: Any) -> None:

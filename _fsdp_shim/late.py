@@ -31,7 +31,7 @@ def finders_in_front(module: ModuleType) -> str:
 
 def report_loaded_past_the_finder(name: str, who: str) -> None:
     """``who`` loaded ``name`` past the shim's finder: say so; a late patch that failed is an error in strict mode."""
-    records = [(fix, wrappers.record(name, fix)) for fix in FIXES]
+    records = [(fix, wrappers.records.get((name, fix.name))) for fix in FIXES]
     affected = [(fix, r) for fix, r in records if r is not None and r.affected]
     if not affected:
         return

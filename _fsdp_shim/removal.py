@@ -7,7 +7,18 @@ from typing import Any
 
 from _fsdp_shim import failures, wrappers
 from _fsdp_shim.config import FIXES, NAMESPACES, RANK_CHECK, Fix, State
-from _fsdp_shim.wrappers import GONE, ON_TOP, UNDER, found_on_top, placement
+from _fsdp_shim.wrappers import GONE, ON_TOP, UNDER, placement
+
+
+def describe(obj: object) -> str:
+    """A short name for an object found on a class; a proxy by its own type, not the function it wraps."""
+    if type(obj) is not getattr(obj, "__class__", type(obj)):
+        return f"a {type(obj).__module__}.{type(obj).__qualname__}"
+    return f"{getattr(obj, '__module__', None) or '?'}.{getattr(obj, '__qualname__', type(obj).__qualname__)}"
+
+
+def found_on_top(wrapper: Any) -> str:
+    return describe(wrapper.shim_state.owner.__dict__.get(wrapper.shim_state.target.attribute))
 
 
 def remove(wrapper: Any) -> str:

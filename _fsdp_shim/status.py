@@ -177,9 +177,10 @@ def reading(namespace: str, fix: Fix) -> FixStatus:
     namespace imported again changes it."""
     from _fsdp_shim import recompute_check as check
     from _fsdp_shim import wrappers
+    from _fsdp_shim.removal import describe, found_on_top
 
     module = sys.modules.get(namespace)
-    record = None if module is None else wrappers.record(namespace, fix)
+    record = None if module is None else wrappers.records.get((namespace, fix.name))
     if module is None or record is None:
         return FixStatus(fix.name, State.NOT_IMPORTED if module is None else State.NOT_CHECKED)
     again = wrappers.imported_again(record, namespace, module)
@@ -190,17 +191,17 @@ def reading(namespace: str, fix: Fix) -> FixStatus:
     targets = tuple(wrapper.shim_state.label for wrapper in record.wrappers)
     problems, notes = [], []
     for wrapper in record.wrappers:
-        state, where, top = wrapper.shim_state, wrappers.placement(wrapper), wrappers.found_on_top(wrapper)
+        state, where, top = wrapper.shim_state, wrappers.placement(wrapper), found_on_top(wrapper)
         if where == wrappers.GONE:
             problems.append(f"other code replaced its wrapper on {state.label} (the class holds {top})")
         elif not state.on:
             problems.append(f"its wrapper on {state.label} stays under {top} and passes calls through")
         elif state.fallback is not None:
-            problems.append(f"{state.label} fell back to {state.owners_own()} at call time ({state.fallback})")
+            problems.append(f"{state.label} fell back to {failures.owners_own(state)} at call time ({state.fallback})")
         else:
             notes += [f"its wrapper on {state.label} is under {top}"] if where == wrappers.UNDER else []
-            if state.composed_with is not None:
-                notes.append(f"on {state.label} it wraps {state.composed_with}, which was there before")
+            if state.target.inherited and not state.inherited:  # another library's method, where Lightning has none
+                notes.append(f"on {state.label} it wraps {describe(state.original)}, which was there before")
     if record.state is State.DEACTIVATED or problems:
         off = State.DEACTIVATED if record.state is State.DEACTIVATED else State.FAILED
         return FixStatus(fix.name, off, True, "; ".join(problems), targets)

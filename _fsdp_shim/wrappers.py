@@ -70,15 +70,11 @@ class WrapperState:
     target: Target
     original: Any  # what the class or module dict held before, else None
     inherited: bool
-    composed_with: str | None = None  # another library's object it wraps, where Lightning ships none
     on: bool = True
     fallback: str | None = None  # why a call fell back to the wrapped function
 
     def __call__(self) -> bool:
         return self.on
-
-    def owners_own(self) -> str:
-        return "torch's own function" if self.target.shared else "Lightning's own method"
 
     def run(self, wrapped: Callable[..., Any], instance: Any, args: Args, kwargs: Kwargs) -> Any:
         try:
@@ -119,23 +115,12 @@ def wrapper_chain(obj: object) -> Iterator[object]:
             return
 
 
-def describe(obj: object) -> str:
-    """A short name for an object found on a class; a proxy by its own type, not the function it wraps."""
-    if type(obj) is not getattr(obj, "__class__", type(obj)):
-        return f"a {type(obj).__module__}.{type(obj).__qualname__}"
-    return f"{getattr(obj, '__module__', None) or '?'}.{getattr(obj, '__qualname__', type(obj).__qualname__)}"
-
-
 def placement(wrapper: Any) -> str:
     state = wrapper.shim_state
     current = state.owner.__dict__.get(state.target.attribute, MISSING)
     if current is wrapper:
         return ON_TOP
     return UNDER if any(layer is wrapper for layer in wrapper_chain(current)) else GONE
-
-
-def found_on_top(wrapper: Any) -> str:
-    return describe(wrapper.shim_state.owner.__dict__.get(wrapper.shim_state.target.attribute))
 
 
 def _resolve(namespace: str, target: Target, fix: str) -> tuple[Any, bool]:
@@ -169,7 +154,6 @@ def _resolve(namespace: str, target: Target, fix: str) -> tuple[Any, bool]:
         target=target,
         original=None if inherited else own,
         inherited=inherited,
-        composed_with=describe(own) if target.inherited and not inherited else None,
     )
     return ShimWrapper(function, state.run, enabled=state), True
 
@@ -307,10 +291,6 @@ def _install_all(module: Any, version: str, steps: list[tuple[Any, bool]]) -> _R
         why = f"installing a wrapper failed ({type(error).__name__}: {error})"
         return _Record(module, version, State.FAILED, why, affected=True)
     return _Record(module, version, State.PATCHED, affected=True, wrappers=[wrapper for wrapper, _ in steps])
-
-
-def record(namespace: str, fix: Fix) -> _Record | None:
-    return records.get((namespace, fix.name))
 
 
 def state(namespace: str, fix: Fix) -> State:
