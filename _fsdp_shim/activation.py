@@ -94,6 +94,10 @@ def _patch(name: str) -> None:
             from _fsdp_shim import failures
 
             failures.unreadable_settings(unknown, problem)
+        if skipped:
+            from _fsdp_shim.removal import unpatch_disabled
+
+            unpatch_disabled(name, skipped)
         before = [wrappers.state(name, fix) for fix in FIXES]
         after = [wrappers.patch(name, fix, fixes.PLANS[fix.name], disabled=fix.name in skipped) for fix in FIXES]
         if dict(zip(FIXES, after))[RECOMPUTE] is State.PATCHED:

@@ -7,7 +7,7 @@ from typing import Any
 
 from _fsdp_shim import failures, wrappers
 from _fsdp_shim.config import FIXES, NAMESPACES, RANK_CHECK, Fix, State
-from _fsdp_shim.wrappers import GONE, ON_TOP, UNDER, placement
+from _fsdp_shim.wrappers import GONE, ON_TOP, UNDER, placement, remove
 
 
 def describe(obj: object) -> str:
@@ -19,19 +19,6 @@ def describe(obj: object) -> str:
 
 def found_on_top(wrapper: Any) -> str:
     return describe(wrapper.shim_state.owner.__dict__.get(wrapper.shim_state.target.attribute))
-
-
-def remove(wrapper: Any) -> str:
-    """Restore the owner if the wrapper is on top; switch it off in place under another's wrapper."""
-    state, where = wrapper.shim_state, placement(wrapper)
-    if where == ON_TOP:
-        if state.inherited:
-            delattr(state.owner, state.target.attribute)
-        else:
-            setattr(state.owner, state.target.attribute, state.original)
-    elif where == UNDER:
-        state.on = False
-    return where
 
 
 def unpatch(namespace: str, fix: Fix) -> list[tuple[Any, str]]:
@@ -51,6 +38,14 @@ def unpatch(namespace: str, fix: Fix) -> list[tuple[Any, str]]:
         record.wrappers = [wrapper for wrapper, where in results if where == UNDER]
         record.state = State.DEACTIVATED if record.state is State.PATCHED else record.state
     return results
+
+
+def unpatch_disabled(namespace: str, names: frozenset[str]) -> None:
+    """Take off the fixes ``FSDP_SHIM_DISABLED_FIXES`` names now, where their wrappers still act."""
+    for fix in FIXES:
+        held = wrappers.records.get((namespace, fix.name))
+        if fix.name in names and held is not None and held.state is not State.DEACTIVATED and held.wrappers:
+            unpatch(namespace, fix)
 
 
 def unpatch_all() -> None:

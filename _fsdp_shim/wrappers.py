@@ -123,6 +123,19 @@ def placement(wrapper: Any) -> str:
     return UNDER if any(layer is wrapper for layer in wrapper_chain(current)) else GONE
 
 
+def remove(wrapper: Any) -> str:
+    """Restore the owner if the wrapper is on top; switch it off in place under another's wrapper."""
+    state, where = wrapper.shim_state, placement(wrapper)
+    if where == ON_TOP:
+        if state.inherited:
+            delattr(state.owner, state.target.attribute)
+        else:
+            setattr(state.owner, state.target.attribute, state.original)
+    elif where == UNDER:
+        state.on = False
+    return where
+
+
 def _resolve(namespace: str, target: Target, fix: str) -> tuple[Any, bool]:
     """``(wrapper, new)``: the shim's wrapper already there, else a new one (not installed yet)."""
     module_name = target.module if target.shared else f"{namespace}.{target.module}"
@@ -191,11 +204,6 @@ def patch(namespace: str, fix: Fix, plan: Plan, *, disabled: bool = False) -> St
     if module is None:
         return state(namespace, fix)
     key = (namespace, fix.name)
-    held = records.get(key)
-    if disabled and held is not None and held.state is not State.DEACTIVATED and held.wrappers:
-        from _fsdp_shim.removal import unpatch
-
-        unpatch(namespace, fix)
     with lock:
         if _current(records.get(key), namespace, module, disabled):
             return state(namespace, fix)
@@ -284,8 +292,6 @@ def _install_all(module: Any, version: str, steps: list[tuple[Any, bool]]) -> _R
             else:
                 wrapper.shim_state.on = True
     except Exception as error:  # slots, metaclasses: undo what was done
-        from _fsdp_shim.removal import remove
-
         for wrapper in reversed(installed):
             remove(wrapper)
         why = f"installing a wrapper failed ({type(error).__name__}: {error})"
