@@ -62,21 +62,15 @@ def confirm_every_rank(namespace: str, dtype: Any, joined_here: bool = False) ->
     missing = [r for r in range(world_size) if r not in reports]
     if missing or len({behaviour(report) for report in reports.values()}) > 1:
         waited = grace if early and grace is not None else limit
-        from _fsdp_shim.failures import FSDPShimError
-
-        messages = _messages()
-
-        reports = {r: {**report, "summary": summary(report)} for r, report in reports.items()}
         paused = present_ranks(present, missing, number)
-        text = messages.missing(missing, reports, world_size, waited, early, paused) if missing else ""
-        problem = FSDPShimError(text or messages.disagreement(reports, world_size))
+        problem = _messages().stop(missing, reports, world_size, waited, early, paused)
         with _lock:
             _failed.append((group, problem))
         raise problem
     if rank == 0:
         seconds = time.monotonic() - started
         log.announce(
-            "fsdp-shim: patched on all %d ranks (%s), confirmed in %.2f s", world_size, summary(decision), seconds
+            "fsdp-shim: patched on all %d ranks (%s), confirmed in %.2f s", world_size, decision["summary"], seconds
         )
 
 
@@ -110,24 +104,20 @@ def _wait_seconds(store: Any) -> tuple[float, bool]:
 
 def decide(namespace: str, dtype: Any) -> dict[str, Any]:
     """This rank's report: per fix who provides it (``fsdp-shim``, ``Lightning``, ``torch`` or ``off``) and the paths
-    torch passes the shim's by (``except``), the dtype, and where it runs (for messages)."""
+    torch passes the shim's by (``except``), the dtype, and where it runs and its ``summary`` (for messages)."""
     from _fsdp_shim._version import __version__
 
     version = getattr(sys.modules.get(namespace), "__version__", None) or ""
     fixes = {}
-    for fix in FIXES:
-        state = wrappers.state(namespace, fix)
-        if fix.built_in(version):
-            fixes[fix.name] = {"by": "Lightning", "except": []}
-        elif state is State.TORCH_HAS_IT:
-            fixes[fix.name] = {"by": "torch", "except": []}
-        elif wrappers.acting(namespace, fix):  # not "patched": a path still to check acts, whatever the context
-            passed_by = recompute_check.found(shown=False, holds=True) if fix is RECOMPUTE else []
-            fixes[fix.name] = {"by": "fsdp-shim", "except": passed_by}
-        else:
-            fixes[fix.name] = {"by": "off", "except": []}
+    for fix in FIXES:  # "acting", not "patched": a path still to check acts, whatever the context
+        torchs = wrappers.state(namespace, fix) is State.TORCH_HAS_IT
+        by = "Lightning" if fix.built_in(version) else "torch" if torchs else "off"
+        by = "fsdp-shim" if by == "off" and wrappers.acting(namespace, fix) else by
+        passed_by = recompute_check.found(shown=False, holds=True) if by == "fsdp-shim" and fix is RECOMPUTE else []
+        fixes[fix.name] = {"by": by, "except": passed_by}
     where = {"host": socket.gethostname(), "pid": os.getpid(), "namespace": namespace, "lightning": version}
-    return {"fixes": fixes, "dtype": str(dtype), **where, "fsdp_shim": __version__}
+    report = {"fixes": fixes, "dtype": str(dtype), **where, "fsdp_shim": __version__}
+    return {**report, "summary": summary(report)}
 
 
 def behaviour(report: dict[str, Any]) -> tuple[Any, ...]:
@@ -222,12 +212,9 @@ def summary(report: dict[str, Any]) -> str:
     """``bfloat16; fixes: cast (Lightning's own), recompute (except the reentrant checkpoint)``."""
     named = []
     for fix, entry in report.get("fixes", {}).items():
-        if entry["by"] == "fsdp-shim":
-            named.append(
-                fix + (f" (except {recompute_check.the_checkpoints(entry['except'])})" if entry.get("except") else "")
-            )
-        elif entry["by"] != "off":
-            named.append(f"{fix} ({entry['by']}'s own)")
+        passed_by = f" (except {recompute_check.the_checkpoints(entry['except'])})" if entry.get("except") else ""
+        if entry["by"] != "off":
+            named.append(fix + (passed_by if entry["by"] == "fsdp-shim" else f" ({entry['by']}'s own)"))
     return f"{str(report.get('dtype')).replace('torch.', '')}; fixes: {', '.join(named) or 'none'}"
 
 

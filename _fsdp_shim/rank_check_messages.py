@@ -9,6 +9,18 @@ from typing import Any
 from _fsdp_shim.config import DOCS, RANK_CHECK_TIMEOUT_VARIABLE, SHIM_VARIABLE
 
 
+def stop(
+    silent: list[int], reports: dict[int, Any], world_size: int, waited: float, joined: bool, paused: list[int]
+) -> Exception:
+    """The ``FSDPShimError`` that stops the job: ranks ``silent`` (``paused``: those that said they have the shim), or
+    ranks that run different fixes or dtypes."""
+    from _fsdp_shim.failures import FSDPShimError
+
+    if silent:
+        return FSDPShimError(missing(silent, reports, world_size, waited, joined, paused))
+    return FSDPShimError(disagreement(reports, world_size))
+
+
 def _ranks(ranks: Sequence[int]) -> str:
     return f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(str(r) for r in ranks)}"
 
