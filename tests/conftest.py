@@ -297,9 +297,12 @@ class Layout:
 
 
 @pytest.fixture(scope="session")
-def layouts() -> dict[str, Layout]:
-    """The Lightning layouts importable here, probed in a child without the shim."""
-    found = child_json("environment:layouts", {"namespaces": NAMESPACES}, python_args=("-W", "ignore"))
+def layouts(once_per_run: OncePerRun) -> dict[str, Layout]:
+    """The Lightning layouts importable here, probed in a child without the shim, once per test run (not once per
+    xdist worker: each probe is an interpreter importing torch and Lightning, about 4 s of CPU)."""
+    found = once_per_run.get(
+        "layouts", lambda: child_json("environment:layouts", {"namespaces": NAMESPACES}, python_args=("-W", "ignore"))
+    )
     return {package: Layout(package, *versions) for package, versions in found.items()}
 
 
