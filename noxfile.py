@@ -216,6 +216,14 @@ def install_target(
     return target
 
 
+def xdist_options(name: str) -> list[str]:
+    """Worksteal: each worker gets a contiguous share, and one that finishes early takes tests from the end of
+    another's. The default session's rank checks and time limits mostly wait (tests/conftest.py: ``WAITERS``, put
+    first in two workers' shares): four workers, two of them waiting from the start while the other two keep the two
+    cores busy. The other sessions train more than they wait: two workers."""
+    return ["-n", "4" if name == DEFAULT_SESSION else "2", "--dist", "worksteal"]
+
+
 def run_matrix_session(
     session: nox.Session, name: str, python: str = sys.executable, tests: tuple[str, ...] = ()
 ) -> None:
@@ -238,10 +246,7 @@ def run_matrix_session(
             python,
             "-m",
             "pytest",
-            "-n",
-            "3" if name == DEFAULT_SESSION else "2",  # the default session's rank checks wait more than they work
-            "--dist",
-            "worksteal",  # a worker that finishes early takes tests the other has not started
+            *xdist_options(name),
             "-q",
             "-p",
             "no:cacheprovider",
