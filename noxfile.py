@@ -142,8 +142,15 @@ WRAPT_DEPENDENT_TESTS = [
 """What the wrapt-1 session runs (its per_release tests): the wrappers, their identity and composition,
 and training through each fix's wrappers (2.1.x's conversion moved to setup included). What the cast and
 verify measure beyond that does not depend on wrapt's version (the 2.1.4 session runs it)."""
+SEED_VERIFY = "tests/test_verify.py::test_the_seed_model_gets_a_verdict_per_fix"
+"""``fsdp-shim verify`` on the seed model: four training runs, about 40 s of CPU. Its outcome is one of three, by the
+first Trainer's release: nothing trained (2.0.x: lightning-2.0.9), the cast and the recompute measured (2.1-2.4) or
+the recompute alone (2.5+: the torch-2.15.0 session, 2.6.6). 2.1-2.4's runs on the oldest torch in the torch-2.3.1
+session (2.2.5); on this environment's torch 2.13, the default session's verify tests train the same path on 2.4.0
+(exactly half, every phase counted). So the 2.1.4 session, the same outcome on the same torch, does not run it."""
 SESSION_TESTS = {
     "lightning-2.1.0-wrapt1": WRAPT_DEPENDENT_TESTS,
+    "lightning-2.1.4-standalone-2.5.0": ["--deselect", SEED_VERIFY],
     # The project's own checks (import graph, matrix scripts, the benchmark, which brings its own Lightning
     # folders) do not depend on the session's Lightning: they run in the default session. The start-up, command
     # and install tests run without torch and Lightning in the Python sessions (3.9, sdist) and with both in the
@@ -209,6 +216,14 @@ def install_target(
     return target
 
 
+def xdist_options(name: str) -> list[str]:
+    """Worksteal: each worker gets a contiguous share, and one that finishes early takes tests from the end of
+    another's. The default session's rank checks and time limits mostly wait (tests/conftest.py: ``WAITERS``, put
+    first in two workers' shares): four workers, two of them waiting from the start while the other two keep the two
+    cores busy. The other sessions train more than they wait: two workers."""
+    return ["-n", "4" if name == DEFAULT_SESSION else "2", "--dist", "worksteal"]
+
+
 def run_matrix_session(
     session: nox.Session, name: str, python: str = sys.executable, tests: tuple[str, ...] = ()
 ) -> None:
@@ -231,10 +246,7 @@ def run_matrix_session(
             python,
             "-m",
             "pytest",
-            "-n",
-            "3" if name == DEFAULT_SESSION else "2",  # the default session's rank checks wait more than they work
-            "--dist",
-            "worksteal",  # a worker that finishes early takes tests the other has not started
+            *xdist_options(name),
             "-q",
             "-p",
             "no:cacheprovider",

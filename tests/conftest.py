@@ -266,7 +266,57 @@ def pytest_configure(config: pytest.Config) -> None:
     )
 
 
+WAITERS: tuple[tuple[str, ...], ...] = (
+    (
+        "test_rank_check.py::test_a_rank_stopped_right_after_joining_is_waited_for",
+        "test_rank_check.py::test_a_rank_that_switched_its_check_off_is_named_as_one_without_the_shim",
+        "test_verify.py::test_a_probe_that_runs_past_timeout_is_stopped_with_everything_it_started",
+        "test_rank_check.py::test_fabric_ranks_agree_with_an_extra_model_and_unbounded_waits",
+        "test_activation.py::test_the_import_finder_never_deadlocks",
+    ),
+    (
+        "test_rank_check.py::test_trainer_ranks_agree_once_per_process_group_waiting_for_a_late_rank",
+        "test_rank_check.py::test_a_rank_without_the_shim_stops_the_job_within_a_minute_by_default",
+        "test_rank_check.py::test_without_the_variable_the_wait_is_the_process_groups_timeout",
+        "test_rank_check.py::test_an_elastic_restart_without_the_shim_stops_the_job",
+    ),
+)
+"""The tests that mostly wait (``tests/<file>::<test>``, every parameter): a documented grace, a late or stopped
+rank, a timeout; 20-50 s of wall each, a few of CPU. Under xdist each group is put first in a worker's share (see
+``waiters_first``): two workers wait through them from the start while the others keep the cores busy (the
+default session runs four, noxfile.py). In file order they ran last, when nothing was left to overlap them."""
+
+
+def waiters_first(items: list[pytest.Item], workers: int) -> list[pytest.Item]:
+    """``items`` reordered so that the ``--dist worksteal`` share of worker k starts with ``WAITERS[k]``: worksteal
+    splits the collection in ``workers`` contiguous shares (each the remaining items // the remaining workers) and
+    steals from a share's end, never its start. A worker of the same share size without waiters gets the next items
+    in file order. Every worker collects the same order, as xdist requires."""
+    groups: list[list[pytest.Item]] = [[] for _ in WAITERS]
+    others = []
+    for item in items:
+        name = item.nodeid.split("[")[0].removeprefix("tests/")
+        index = next((k for k, group in enumerate(WAITERS) if name in group), None)
+        (others if index is None else groups[index]).append(item)
+    ordered: list[pytest.Item] = []
+    for k in range(workers):
+        share = (len(items) - len(ordered)) // (workers - k)
+        waiting = groups[k] if k < len(groups) else []
+        ordered += waiting + others[: max(0, share - len(waiting))]
+        del others[: max(0, share - len(waiting))]
+    return ordered + others + [item for group in groups[workers:] for item in group]
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    modules = {item.nodeid.split("::")[0]: getattr(item, "module", None) for item in items}
+    for name in (name for group in WAITERS for name in group):
+        file, function = name.split("::")
+        module = modules.get(f"tests/{file}")
+        if module is not None and not hasattr(module, function):  # renamed: it would silently wait last again
+            raise pytest.UsageError(f"tests/conftest.py WAITERS: tests/{file} has no {function}")
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        items[:] = waiters_first(items, workers)
     if MATRIX_SCOPE not in ("release", "torch", "common"):
         return
     skip_common = pytest.mark.skip(reason="the same on every release; runs in the matrix's default session")
@@ -301,9 +351,12 @@ class Layout:
 
 
 @pytest.fixture(scope="session")
-def layouts() -> dict[str, Layout]:
-    """The Lightning layouts importable here, probed in a child without the shim."""
-    found = child_json("environment:layouts", {"namespaces": NAMESPACES}, python_args=("-W", "ignore"))
+def layouts(once_per_run: OncePerRun) -> dict[str, Layout]:
+    """The Lightning layouts importable here, probed in a child without the shim, once per test run (not once per
+    xdist worker: each probe is an interpreter importing torch and Lightning, about 4 s of CPU)."""
+    found = once_per_run.get(
+        "layouts", lambda: child_json("environment:layouts", {"namespaces": NAMESPACES}, python_args=("-W", "ignore"))
+    )
     return {package: Layout(package, *versions) for package, versions in found.items()}
 
 
