@@ -353,10 +353,13 @@ class Layout:
 @pytest.fixture(scope="session")
 def layouts(once_per_run: OncePerRun) -> dict[str, Layout]:
     """The Lightning layouts importable here, probed in a child without the shim, once per test run (not once per
-    xdist worker: each probe is an interpreter importing torch and Lightning, about 4 s of CPU)."""
-    found = once_per_run.get(
-        "layouts", lambda: child_json("environment:layouts", {"namespaces": NAMESPACES}, python_args=("-W", "ignore"))
-    )
+    xdist worker: each probe is an interpreter importing torch and Lightning, about 4 s of CPU). Without torch (the
+    Python sessions: no filelock either) the probe imports nothing heavy and runs in each worker."""
+
+    def probe() -> Any:
+        return child_json("environment:layouts", {"namespaces": NAMESPACES}, python_args=("-W", "ignore"))
+
+    found = once_per_run.get("layouts", probe) if importlib.util.find_spec("filelock") else probe()
     return {package: Layout(package, *versions) for package, versions in found.items()}
 
 
