@@ -37,7 +37,9 @@ class Fix:
 
     def built_in(self, version: str) -> bool:
         """Whether the Lightning release ships this fix itself."""
-        release, fixed_in = base_release(version), base_release(self.fixed_in or "")
+        if self.fixed_in is None:
+            return False
+        release, fixed_in = base_release(version), base_release(self.fixed_in)
         return release is not None and fixed_in is not None and release >= fixed_in
 
 

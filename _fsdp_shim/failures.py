@@ -14,6 +14,7 @@ from _fsdp_shim.config import (
     DOCS,
     FIX_NAMES,
     LIGHTNING_PACKAGES,
+    RANK_CHECK,
     STRICT_VARIABLE,
     switch_state,
     valid_switch_values,
@@ -69,7 +70,7 @@ def internal_error(error: Exception, *, doing: str, key: str, cannot: str | None
 
 def glue_failed(wrapper: Any, error: Exception) -> None:
     """A wrapper could not read what it needs: Lightning's or torch's own function ran for this call."""
-    what = "rank check" if wrapper.fix == "rank-check" else f"{wrapper.fix} fix"
+    what = "rank check" if wrapper.fix == RANK_CHECK.name else f"{wrapper.fix} fix"
     report(
         f"fsdp-shim: {wrapper.label} could not read what it needs ({error})",
         f"{owners_own(wrapper)} was used for this call, so it runs without the {what}",

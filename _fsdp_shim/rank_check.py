@@ -35,12 +35,13 @@ def confirm_every_rank(namespace: str, dtype: Any, joined_here: bool = False) ->
     this set-up, so the wait may end ``GRACE_SECONDS`` after every rank joined it."""
     present, _present_in[:] = (_present_in[-1] if _present_in and joined_here else None), []
     try:
-        group, store, rank, world_size = _process_group()
+        found = _process_group()
     except Exception as error:
         _messages().could_not_check(error)
         return
-    if world_size < 2:
+    if found is None:
         return
+    group, store, rank, world_size = found
     with _lock:
         for failed, problem in _failed:
             if failed is group:
@@ -79,11 +80,11 @@ def process_group_exists() -> bool:
     return dist is not None and dist.is_available() and dist.is_initialized()
 
 
-def _process_group() -> tuple[Any, Any, int, int]:
-    """The default group, its store, this rank and the world size (1 outside a distributed job)."""
+def _process_group() -> tuple[Any, Any, int, int] | None:
+    """The default group, its store, this rank and the world size; ``None`` outside a multi-rank job."""
     dist: Any = sys.modules.get("torch.distributed")
     if not process_group_exists() or dist.get_world_size() < 2:
-        return None, None, 0, 1
+        return None
     c10d = dist.distributed_c10d
     return c10d._get_default_group(), c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
 
@@ -109,12 +110,16 @@ def decide(namespace: str, dtype: Any) -> dict[str, Any]:
 
     version = getattr(sys.modules.get(namespace), "__version__", None) or ""
     fixes = {}
-    for fix in FIXES:  # "acting", not "patched": a path still to check acts, whatever the context
-        torchs = wrappers.state(namespace, fix) is State.TORCH_HAS_IT
-        by = "Lightning" if fix.built_in(version) else "torch" if torchs else "off"
-        by = "fsdp-shim" if by == "off" and wrappers.acting(namespace, fix) else by
-        passed_by = recompute_check.found(shown=False, holds=True) if by == "fsdp-shim" and fix is RECOMPUTE else []
-        fixes[fix.name] = {"by": by, "except": passed_by}
+    for fix in FIXES:
+        if fix.built_in(version):
+            fixes[fix.name] = {"by": "Lightning", "except": []}
+        elif wrappers.state(namespace, fix) is State.TORCH_HAS_IT:
+            fixes[fix.name] = {"by": "torch", "except": []}
+        elif wrappers.acting(namespace, fix):  # not "patched": a path still to check acts, whatever the context
+            passed_by = recompute_check.found(shown=False, holds=True) if fix is RECOMPUTE else []
+            fixes[fix.name] = {"by": "fsdp-shim", "except": passed_by}
+        else:
+            fixes[fix.name] = {"by": "off", "except": []}
     where = {"host": socket.gethostname(), "pid": os.getpid(), "namespace": namespace, "lightning": version}
     report = {"fixes": fixes, "dtype": str(dtype), **where, "fsdp_shim": __version__}
     return {**report, "summary": summary(report)}
@@ -212,9 +217,12 @@ def summary(report: dict[str, Any]) -> str:
     """``bfloat16; fixes: cast (Lightning's own), recompute (except the reentrant checkpoint)``."""
     named = []
     for fix, entry in report.get("fixes", {}).items():
-        passed_by = f" (except {recompute_check.the_checkpoints(entry['except'])})" if entry.get("except") else ""
-        if entry["by"] != "off":
-            named.append(fix + (passed_by if entry["by"] == "fsdp-shim" else f" ({entry['by']}'s own)"))
+        if entry["by"] == "fsdp-shim":
+            named.append(
+                fix + (f" (except {recompute_check.the_checkpoints(entry['except'])})" if entry.get("except") else "")
+            )
+        elif entry["by"] != "off":
+            named.append(f"{fix} ({entry['by']}'s own)")
     return f"{str(report.get('dtype')).replace('torch.', '')}; fixes: {', '.join(named) or 'none'}"
 
 

@@ -218,6 +218,9 @@ def reading(namespace: str, fix: Fix) -> FixStatus:
             again = "checked again at a later checkpoint call, fsdp_shim.activate() or status()"
             detail = f"{where} for {check.the_checkpoints(unchecked)} ({check.whys(unchecked)}; {again}){also}"
             return FixStatus(fix.name, State.NOT_SHOWN, True, detail, targets)
-        whys = dict.fromkeys(check.findings[path].why for path in shown if check.findings[path].why)  # in order
-        notes += [f"{check.the_checkpoints([p for p in shown if check.findings[p].why == w])}: {w}" for w in whys]
+        by_torch: dict[str, list[str]] = {}
+        for path in shown:
+            if check.findings[path].why:
+                by_torch.setdefault(check.findings[path].why, []).append(path)
+        notes += [f"{check.the_checkpoints(paths)}: {why}" for why, paths in by_torch.items()]
     return FixStatus(fix.name, State.PATCHED, True, "; ".join(notes), targets)
