@@ -40,10 +40,8 @@ def __getattr__(name):
 
 def switch_state(raw):
     """``"on"``, ``"off"``, ``"unset"`` (missing or blank) or ``"invalid"``: the one parser of both switches."""
-    if raw is None or not raw.strip():
-        return "unset"
-    value = raw.strip().lower()
-    return "on" if value in ON_VALUES else "off" if value in OFF_VALUES else "invalid"
+    value = (raw or "").strip().lower()
+    return "unset" if not value else "on" if value in ON_VALUES else "off" if value in OFF_VALUES else "invalid"
 
 
 def arm(source=None):

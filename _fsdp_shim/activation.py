@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import _fsdp_shim as startup
 from _fsdp_shim import NAMESPACES, SHIM_VARIABLE, log, switch_state
-from _fsdp_shim.config import FIXES, RANK_CHECK, RECOMPUTE, State, disabled_fixes, log_setting
+from _fsdp_shim.config import CAST, FIXES, RANK_CHECK, RECOMPUTE, State, disabled_fixes, log_setting
 
 if TYPE_CHECKING:
     from _fsdp_shim.status import ShimStatus
@@ -98,18 +98,16 @@ def _patch(name: str) -> None:
             from _fsdp_shim.removal import unpatch_disabled
 
             unpatch_disabled(name, skipped)
-        before = [wrappers.state(name, fix) for fix in FIXES]
-        after = [wrappers.patch(name, fix, fixes.PLANS[fix.name], disabled=fix.name in skipped) for fix in FIXES]
-        if dict(zip(FIXES, after))[RECOMPUTE] is State.PATCHED:
+        before = {fix: wrappers.state(name, fix) for fix in FIXES}
+        after = {fix: wrappers.patch(name, fix, fixes.PLANS[fix.name], disabled=fix.name in skipped) for fix in FIXES}
+        if after[RECOMPUTE] is State.PATCHED:
             recompute_check.check(force=False)  # a fix on torch's private names: shown before it counts
         wrappers.patch(name, RANK_CHECK, fixes.PLANS[RANK_CHECK.name])  # says what this rank runs, whatever it is
-        new = [fix for fix, was, now in zip(FIXES, before, after) if now is State.PATCHED and was is not State.PATCHED]
         if log.process_rank() == 0:  # once per decision: a namespace patched again logs nothing new
             version = getattr(sys.modules.get(name), "__version__", "")
-            for fix, was, now in zip(FIXES, before, after):
-                if now is not was:
-                    log.debug("fsdp-shim: %s %s, %s fix: %s", name, version, fix.name, now.value)
-        if name in _imported_before_activation and any(fix.name == "cast" for fix in new):
+            for fix in (fix for fix in FIXES if after[fix] is not before[fix]):
+                log.debug("fsdp-shim: %s %s, %s fix: %s", name, version, fix.name, after[fix].value)
+        if name in _imported_before_activation and after[CAST] is State.PATCHED and before[CAST] is not State.PATCHED:
             from _fsdp_shim import late
 
             late.warn_about_models_already_wrapped(name)

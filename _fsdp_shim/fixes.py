@@ -8,7 +8,7 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
-from _fsdp_shim import log, pins, recompute_check
+from _fsdp_shim import log, recompute_check
 from _fsdp_shim.config import CAST, NAMESPACES, RANK_CHECK, RECOMPUTE, base_release, rank_check_timeout
 from _fsdp_shim.recompute_check import COMPOSABLE, NON_REENTRANT, REENTRANT
 from _fsdp_shim.wrappers import Args, GlueError, Kwargs, NotNeeded, Plan, Target
@@ -48,18 +48,14 @@ def recompute_targets(namespace: str, version: str) -> tuple[Target, ...]:
         raise NotNeeded(f"torch {torch.__version__}'s checkpoint restores the forward's default dtype itself")
     generator = recompute_check.generator_name(torch.utils.checkpoint)
     checkpoint, composable = recompute_check.CHECKPOINT_MODULE, recompute_check.COMPOSABLE_MODULE
-    pin = {"shared": True}
-    targets = []
-    if REENTRANT not in own:
-        targets.append(
-            Target(checkpoint, "CheckpointFunction", "forward", reentrant_in_forward_dtype, path=REENTRANT, **pin)
-        )
-    if NON_REENTRANT not in own:
-        targets.append(Target(checkpoint, "", generator, non_reentrant_in_forward_dtype, path=NON_REENTRANT, **pin))
+    targets = [
+        Target(checkpoint, "CheckpointFunction", "forward", reentrant_in_forward_dtype, shared=True, path=REENTRANT),
+        Target(checkpoint, "", generator, non_reentrant_in_forward_dtype, shared=True, path=NON_REENTRANT),
+    ]
     module = recompute_check.composable_module()
-    if COMPOSABLE not in own and module is not None and generator in vars(module):
-        targets.append(Target(composable, "", generator, non_reentrant_in_forward_dtype, path=COMPOSABLE, **pin))
-    return tuple(targets)
+    if module is not None and generator in vars(module):
+        targets.append(Target(composable, "", generator, non_reentrant_in_forward_dtype, shared=True, path=COMPOSABLE))
+    return tuple(target for target in targets if target.path not in own)
 
 
 def rank_check_targets(namespace: str, version: str) -> tuple[Target, ...]:
@@ -116,9 +112,8 @@ def convert_module_as_in_2_5(wrapped: Callable[..., Any], instance: Any, args: A
     changes = any(p.dtype != dtype for p in module.parameters() if p.is_floating_point())
     module = module.to(dtype=dtype)
     if changes:
-        namespace = namespace_of(instance)
+        namespace, name = namespace_of(instance), str(dtype).removeprefix("torch.")
         version = getattr(sys.modules.get(namespace), "__version__", "?")
-        name = str(dtype).removeprefix("torch.")
         log.confirm("cast", f"cast acted ({namespace} {version}: the model cast to {name} before FSDP wraps it)")
     return module
 
@@ -164,25 +159,30 @@ def reentrant_in_forward_dtype(wrapped: Callable[..., Any], instance: Any, args:
     """``CheckpointFunction.forward(ctx, run_function, ...)`` with ``run_function`` pinned for the backward."""
     if len(args) < 2 or not callable(args[1]):
         raise GlueError(TypeError(f"expected (ctx, run_function, ...), got {len(args)} positional arguments"))
-    _check_again_if_due()
-    return wrapped(args[0], pins.in_forward_dtype(args[1]), *args[2:], **kwargs)
+    return wrapped(args[0], _pinned(args[1]), *args[2:], **kwargs)
 
 
 def non_reentrant_in_forward_dtype(wrapped: Callable[..., Any], instance: Any, args: Args, kwargs: Kwargs) -> Any:
     """The non-reentrant generator with ``fn``, which it runs only for the recompute, pinned."""
     if not args or not callable(args[0]):
         raise GlueError(TypeError("expected the checkpointed function as the first positional argument"))
-    _check_again_if_due()
-    return wrapped(pins.in_forward_dtype(args[0]), *args[1:], **kwargs)
+    return wrapped(_pinned(args[0]), *args[1:], **kwargs)
 
 
-def _check_again_if_due() -> None:
-    """A path not checked yet is checked from a checkpoint call, at most every few seconds, never while traced."""
-    if recompute_check.unsettled() and not pins.checking.get():
+def _pinned(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` pinned to the default dtype now (``pins`` loads at the first checkpoint call), or in the check only
+    marked; a path not checked yet is checked first (at most every few seconds, never while traced)."""
+    if recompute_check.checking.get():
+        return recompute_check.marked(function)
+    try:
         import torch
 
-        if not pins.tracing(torch):
-            recompute_check.check(force=False)
+        from _fsdp_shim import pins
+    except ImportError as error:
+        raise GlueError(error) from error
+    if recompute_check.unsettled() and not pins.tracing(torch):
+        recompute_check.check(force=False)
+    return pins.in_forward_dtype(function)
 
 
 # ----------------------------------------------------------------------------- the rank check

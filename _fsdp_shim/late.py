@@ -30,27 +30,14 @@ def finders_in_front(module: ModuleType) -> str:
 
 
 def report_loaded_past_the_finder(name: str, who: str) -> None:
-    """``who`` loaded ``name`` past the shim's finder: say so; a late patch that failed is an error in strict mode."""
-    records = [(fix, wrappers.records.get((name, fix.name))) for fix in FIXES]
-    affected = [(fix, r) for fix, r in records if r is not None and r.affected]
-    if not affected:
-        return
-    remedy = "import fsdp_shim (or install that hook) so fsdp-shim's import watcher comes first on sys.meta_path"
-    failed = [(fix, r) for fix, r in affected if r.state is not State.PATCHED]
-    if not failed:
+    """``who`` loaded ``name`` past the shim's finder, so it was patched late (a failed patch says so itself)."""
+    if any(getattr(wrappers.records.get((name, fix.name)), "state", None) is State.PATCHED for fix in FIXES):
         failures.warn_once(
             f"fsdp-shim: {who} loaded {name} without fsdp-shim's import watcher seeing it, so it was patched only "
-            f"then; a model FSDP wrapped before that keeps its dtype. To patch it at its import, {remedy}",
+            "then; a model FSDP wrapped before that keeps its dtype. To patch it at its import, import fsdp_shim (or "
+            "install that hook) so fsdp-shim's import watcher comes first on sys.meta_path",
             key=f"missed:{name}",
         )
-        return
-    whys = "; ".join(f"{fix.name}: {r.state.value} {r.detail}".rstrip() for fix, r in failed)
-    failures.report(
-        f"fsdp-shim: {who} loaded {name} without fsdp-shim's import watcher seeing it, and it could not be "
-        f"patched then ({whys})",
-        f"Lightning was left unchanged; {remedy}",
-        key=f"missed:{name}",
-    )
 
 
 def warn_about_models_already_wrapped(name: str) -> None:

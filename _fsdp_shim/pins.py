@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
-from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -14,9 +13,6 @@ from _fsdp_shim import log
 
 if TYPE_CHECKING:
     import torch
-
-checking: ContextVar[bool] = ContextVar("fsdp_shim_checking_recompute", default=False)  # the check's own calls
-through_pin: ContextVar[bool] = ContextVar("fsdp_shim_through_pin", default=False)  # how the check sees the pin
 
 
 @dataclass
@@ -51,7 +47,7 @@ class _Pins:
 
                 failures.threads_clashed()
             changed = held and held[0].before is not None and held[0].before != dtype
-            if changed and "recompute" not in log.named and not checking.get():
+            if changed and "recompute" not in log.named:
                 log.confirm(
                     "recompute",
                     f"recompute acted (a checkpointed block recomputed in {_name(dtype)}, its forward's dtype, "
@@ -118,12 +114,6 @@ def in_forward_dtype(function: Callable[..., Any]) -> Callable[..., Any]:
     dtype = torch.get_default_dtype()
 
     def run_in_forward_dtype(*args: Any, **kwargs: Any) -> Any:
-        if checking.get():  # the recompute check: mark the call as having come through the pin
-            token = through_pin.set(True)
-            try:
-                return pins.call(dtype, function, *args, **kwargs)
-            finally:
-                through_pin.reset(token)
         if tracing(torch):
             return function(*args, **kwargs)
         return pins.call(dtype, function, *args, **kwargs)

@@ -23,8 +23,7 @@ GRACE_SECONDS = 30.0
 EVIDENCE_POLL_SECONDS = 5.0
 
 _lock = threading.Lock()
-_checked: list[Any] = []  # the groups checked, in order (strong references: an id could be reused)
-_failed: list[tuple[Any, Exception]] = []  # a failed group fails again at every later call
+_checked: list[tuple[Any, Exception | None]] = []  # each group checked, in order, and how a failed one fails again
 setting_up: ContextVar[bool] = ContextVar("fsdp_shim_setting_up", default=False)  # a set-up the check follows
 _present_in: list[Any] = []  # the rendezvous store this rank said it has the shim in, for the check that follows
 
@@ -43,12 +42,12 @@ def confirm_every_rank(namespace: str, dtype: Any, joined_here: bool = False) ->
         return
     group, store, rank, world_size = found
     with _lock:
-        for failed, problem in _failed:
-            if failed is group:
+        for checked, problem in _checked:  # strong references: an id could be reused
+            if checked is group and problem is not None:
                 raise problem
-        if any(checked is group for checked in _checked):
-            return
-        _checked.append(group)
+            if checked is group:
+                return
+        _checked.append((group, None))
         number = len(_checked)
     limit, explicit = _wait_seconds(store)
     if limit == 0:
@@ -66,7 +65,7 @@ def confirm_every_rank(namespace: str, dtype: Any, joined_here: bool = False) ->
         paused = present_ranks(present, missing, number)
         problem = _messages().stop(missing, reports, world_size, waited, early, paused)
         with _lock:
-            _failed.append((group, problem))
+            _checked[number - 1] = (group, problem)
         raise problem
     if rank == 0:
         seconds = time.monotonic() - started
@@ -172,7 +171,8 @@ def exchange(
         if grace is not None and grace_end is None and every_rank_joined(store, world_size):
             grace_end = now + grace
         if grace_end is not None and now >= grace_end:
-            if not _silent_ones_present(store, keys, present, number):
+            silent = [r for r, key in enumerate(keys) if not store.check([key])]
+            if present_ranks(present, silent, number) != silent:
                 early = True
                 break
             grace_end = float("inf")  # every silent rank has the shim: wait for them as long as the limit
@@ -181,13 +181,6 @@ def exchange(
             break
     reports = {r: json.loads(store.get(key)) for r, key in enumerate(keys) if r == rank or store.check([key])}
     return reports, early
-
-
-def _silent_ones_present(store: Any, keys: list[str], present: Any, number: int) -> bool:
-    if store.check(keys):
-        return True
-    silent = [r for r, key in enumerate(keys) if not store.check([key])]
-    return present_ranks(present, silent, number) == silent
 
 
 def present_ranks(present: Any, ranks: list[int], number: int) -> list[int]:

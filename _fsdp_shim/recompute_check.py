@@ -1,5 +1,5 @@
 """Whether torch restores the forward's default dtype itself (read from its code), and the check, in a thread of
-its own, that torch's recompute goes through the shim's pin before the fix counts in effect."""
+its own, that torch's recompute calls what the shim's wrapper handed it before the fix counts in effect."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import importlib
 import inspect
 import threading
 import time
+from collections.abc import Callable
+from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
 from types import CodeType, ModuleType
@@ -15,7 +17,6 @@ from typing import Any
 
 from _fsdp_shim import wrappers
 from _fsdp_shim.config import RECOMPUTE, joined
-from _fsdp_shim.pins import checking, through_pin
 
 CHECKPOINT_MODULE = "torch.utils.checkpoint"
 COMPOSABLE_MODULE = "torch.distributed._composable.checkpoint_activation"
@@ -36,10 +37,25 @@ class Finding:
     holds: bool = False
 
 
+checking: ContextVar[bool] = ContextVar("fsdp_shim_checking_recompute", default=False)  # the check's own calls
+through_wrapper: ContextVar[bool] = ContextVar("fsdp_shim_through_wrapper", default=False)  # set by ``marked``
 findings: dict[str, Finding] = {}
 ran = False  # whether the check has run once in this process
 _retry_at, _backoff = 0.0, 1.0
 _lock = threading.Lock()  # one check at a time
+
+
+def marked(function: Callable[..., Any]) -> Callable[..., Any]:
+    """What a wrapper hands torch during the check in place of the pin: ``function``, marked as come through it."""
+
+    def through_the_wrapper(*args: Any, **kwargs: Any) -> Any:
+        token = through_wrapper.set(True)
+        try:
+            return function(*args, **kwargs)
+        finally:
+            through_wrapper.reset(token)
+
+    return through_the_wrapper
 
 
 def found(shown: bool, holds: bool = False) -> list[str]:
@@ -100,12 +116,9 @@ def composable_module() -> ModuleType | None:
     """The composable checkpoint's module, where this torch has one (``torch.distributed.fsdp`` imported it)."""
     import torch
 
-    if not torch.distributed.is_available():
-        return None
-    try:
-        return importlib.import_module(COMPOSABLE_MODULE)
-    except ImportError:
-        return None
+    with contextlib.suppress(ImportError):
+        return importlib.import_module(COMPOSABLE_MODULE) if torch.distributed.is_available() else None
+    return None
 
 
 def paths() -> tuple[str, ...]:
@@ -201,12 +214,12 @@ def prove(settled: frozenset[str]) -> dict[str, Finding]:
 
 
 def _check(path: str, torch: Any, checkpoint: ModuleType, composable: ModuleType | None) -> Finding:
-    """Checkpoint ``x * x``, recompute it, and see whether the recompute came through the pinned function."""
+    """Checkpoint ``x * x``, recompute it, and see whether the recompute came through the shim's wrapper."""
     reentrant = path == REENTRANT
     through: list[bool] = []
 
     def block(x: Any) -> Any:
-        through.append(through_pin.get())
+        through.append(through_wrapper.get())
         if reentrant and len(through) > 1:
             raise _StopRecompute
         return x * x

@@ -103,11 +103,7 @@ def is_shim_wrapper(obj: object) -> bool:
 
 def wrapper_chain(obj: object) -> Iterator[object]:
     """``obj`` and what it wraps, layer by layer through ``__wrapped__``."""
-    seen: set[int] = set()
-    for _ in range(32):
-        if id(obj) in seen:
-            return
-        seen.add(id(obj))
+    for _ in range(32):  # a cycle ends here too
         yield obj
         try:
             obj = obj.__wrapped__  # type: ignore[attr-defined]
@@ -147,27 +143,20 @@ def _resolve(namespace: str, target: Target, fix: str) -> tuple[Any, bool]:
     for layer in wrapper_chain(own):
         if is_shim_wrapper(layer):
             return layer, False
-    inherited = own is MISSING
-    function = own
-    if inherited and target.inherited and isinstance(owner, type):
-        found = [base.__dict__ for base in owner.__mro__[1:] if target.attribute in base.__dict__]
-        function = found[0][target.attribute] if found else MISSING
-    elif inherited:
+    inherited, function = own is MISSING, own
+    if inherited and not (target.inherited and isinstance(owner, type)):
         raise TargetChanged(f"{label} is not defined on the {'class' if isinstance(owner, type) else 'module'} itself")
+    if inherited:
+        found = (base.__dict__[target.attribute] for base in owner.__mro__[1:] if target.attribute in base.__dict__)
+        function = next(found, MISSING)
     if function is MISSING:
         raise TargetChanged(f"{label} does not exist")
     if not inspect.isfunction(function.__func__ if isinstance(function, staticmethod) else function):
         raise TargetChanged(f"{label} is a {type(function).__name__}, expected a function")
     if inherited:
         function = _inherited_at_call_time(owner, target.attribute, function)  # type: ignore[arg-type]
-    state = WrapperState(
-        fix=fix,
-        label=label,
-        owner=owner,
-        target=target,
-        original=None if inherited else own,
-        inherited=inherited,
-    )
+    original = None if inherited else own
+    state = WrapperState(fix=fix, label=label, owner=owner, target=target, original=original, inherited=inherited)
     return ShimWrapper(function, state.run, enabled=state), True
 
 
@@ -265,11 +254,10 @@ def _decide(namespace: str, fix: Fix, plan: Plan, module: Any, disabled: bool) -
         return _Record(module, None, State.FAILED, f"{namespace}.__version__ is missing")
     if base_release(version) is None:
         return _Record(module, version, State.FAILED, f"its version {version!r} is not PEP 440")
+    if fix.built_in(version):
+        return _Record(module, version, State.BUILT_IN, fix.upstream, affected=False)
     if not fix.affects(version):
-        built_in = fix.built_in(version)
-        return _Record(
-            module, version, State.BUILT_IN if built_in else State.NOT_AFFECTED, fix.upstream if built_in else "", False
-        )
+        return _Record(module, version, State.NOT_AFFECTED, affected=False)
     if disabled:
         return _Record(module, version, State.DISABLED, affected=True)
     try:

@@ -47,11 +47,11 @@ def child(code: str, namespace: str, **options: Any) -> Any:
 @pytest.mark.per_release
 def test_every_checkpoint_path_of_this_torch_is_wrapped_and_shown(layouts: dict[str, Layout]) -> None:
     """The generator torch calls is wrapped (in ``torch.utils.checkpoint`` and the composable checkpoint's module),
-    with ``CheckpointFunction.forward``; every path is shown with the shim on, and the same check fails on the same
-    torch once ``deactivate()`` put torch's own functions back."""
+    with ``CheckpointFunction.forward``; every path is shown with the shim on, without loading the pins, and the
+    same check fails on the same torch once ``deactivate()`` put torch's own functions back."""
     result = child(
         """
-        import importlib, json
+        import importlib, json, sys
         import fsdp_shim
         from _fsdp_shim import recompute_check
         from _fsdp_shim.config import RECOMPUTE
@@ -62,7 +62,7 @@ def test_every_checkpoint_path_of_this_torch_is_wrapped_and_shown(layouts: dict[
         def check():
             return {p: [f.shown, f.why, f.holds] for p, f in recompute_check.prove(frozenset()).items()}
 
-        found = {"on": [held(), held(COMPOSABLE), check()]}
+        found = {"on": [held(), held(COMPOSABLE), check()], "pins loaded": "_fsdp_shim.pins" in sys.modules}
         fix = reading($namespace, RECOMPUTE)
         found["fix"] = [fix.state.value, list(fix.targets)]
         fsdp_shim.deactivate()
@@ -72,6 +72,7 @@ def test_every_checkpoint_path_of_this_torch_is_wrapped_and_shown(layouts: dict[
         trainer(layouts),
     )
     other = dict.fromkeys(OTHERS, "function")
+    assert result["pins loaded"] is False  # the check hands torch a marked function: the pins load at a checkpoint
     assert result["fix"] == [
         "patched",
         [
