@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.machinery
 import json
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -350,6 +351,19 @@ def test_strict_glue_error_does_not_claim_to_fall_back(glue: tuple[str, dict[str
 
 
 # ============================================================================= late activation, real FSDP
+def test_a_pin_that_cannot_be_loaded_at_a_checkpoint_call_is_a_glue_failure(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pins load at the first checkpoint call: where they cannot (an upgrade under a running job), the call falls
+    back to torch's own function, as any glue failure, instead of breaking the user's backward."""
+    pytest.importorskip("torch")
+    from _fsdp_shim.fixes import non_reentrant_in_forward_dtype, reentrant_in_forward_dtype
+    from _fsdp_shim.wrappers import GlueError
+
+    monkeypatch.setitem(sys.modules, "_fsdp_shim.pins", None)
+    for body, args in ((reentrant_in_forward_dtype, (None, print)), (non_reentrant_in_forward_dtype, (print,))):
+        with pytest.raises(GlueError, match=r"import of _fsdp_shim\.pins halted"):
+            body(print, None, args, {})
+
+
 def test_late_activation_warns_about_models_fsdp_already_wrapped(layouts: dict[str, Layout]) -> None:
     """``import fsdp_shim`` after a Trainer set up an FSDP model: that model keeps its float32 (said once), the
     next setup is cast."""
