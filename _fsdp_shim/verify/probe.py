@@ -1,5 +1,6 @@
-"""verify's probe, in fresh processes: ``gate`` reads every installed Trainer namespace and refuses unusable user
-modules before anything trains; ``measure`` trains with FSDP and writes a ``RankResult`` per rank."""
+"""verify's probe, in fresh processes: the first reads the installed Lightning into ``gate.json`` (refusing unusable
+user modules before anything trains), then, unless its plan trains nothing, each trains with FSDP: a ``RankResult``
+per rank, or an error record."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ import json
 import os
 import sys
 import traceback
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 from _fsdp_shim.activation import status
-from _fsdp_shim.config import TRAINER_NAMESPACES
-from _fsdp_shim.verify.records import Options, ProbeRequest, RankResult
+from _fsdp_shim.config import CAST, TRAINER_NAMESPACES
+from _fsdp_shim.distributions import import_failure, installed_packages
+from _fsdp_shim.verify.records import PACKAGES, Options, ProbeRequest, RankResult
 
 VOCAB, SEQUENCE, BATCH, WIDTH = 256, 32, 4, 32  # the seed model's
 
@@ -33,7 +35,7 @@ def one_line(error: BaseException) -> str:
 
 def user_error(phase: str, error: BaseException, **extra: int) -> ProbeStop:
     """``error``, raised by the user's code: its traceback, and whether a recompute of torch's checkpoint raised it."""
-    frames = [Path(frame.filename).parts[-3:] for frame in traceback.extract_tb(error.__traceback__)]
+    frames = {Path(frame.filename).parts[-3:] for frame in traceback.extract_tb(error.__traceback__)}
     text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
     in_recompute = ("torch", "utils", "checkpoint.py") in frames
     return ProbeStop("user", one_line(error), phase=phase, traceback=text, in_recompute=in_recompute, **extra)
@@ -51,9 +53,8 @@ def check_fsdp_on_cpu() -> None:
         FSDP(torch.nn.Linear(2, 2), device_id=torch.device("cpu"))(torch.ones(1, 2)).sum().backward()
     except Exception as error:
         release = ".".join(torch.__version__.split("+")[0].split(".")[:2])
-        raise ProbeStop(
-            "usage", f"torch {release} cannot run FSDP on this machine's CPU ({one_line(error)})"
-        ) from error
+        message = f"torch {release} cannot run FSDP on this machine's CPU ({one_line(error)})"
+        raise ProbeStop("usage", message) from error
     finally:
         dist.destroy_process_group()
 
@@ -88,8 +89,9 @@ def checked(spec: str, kind: str, init_args: dict[str, Any] | None) -> Any:
     """The class or factory ``spec`` names, refused unless it gives a Lightning ``kind``; built with ``init_args``."""
     target = resolve(spec)
     if not callable(target):
-        message = f"{spec} is {type(target).__name__!r}, not a {kind} class or a factory that returns one"
-        raise ProbeStop("usage", message)
+        raise ProbeStop(
+            "usage", f"{spec} is {type(target).__name__!r}, not a {kind} class or a factory that returns one"
+        )
     if isinstance(target, type) and namespace_of(target, kind) is None:
         raise ProbeStop("usage", f"{spec} is a class, but not a subclass of Lightning's {kind}")
     if init_args is None:
@@ -131,28 +133,48 @@ def user_modules(options: Options, build: bool) -> tuple[Any, Any, set[type], se
     return model, datamodule, checkpointed, wrapped, namespaces
 
 
-def fix_states(namespace: str) -> dict[str, dict[str, Any]]:
-    return {fix.fix: fix.as_dict() for fix in status().namespace(namespace).fixes}
+def plan(options: Options, version: str) -> list[tuple[str, bool]]:
+    """The runs, as (FSDP_SHIM, checkpointed), the shim on first: none on 2.0.x, nor on 2.5+ unless --measure,
+    --activation-checkpointing or the seed's recompute. Last: the run a model that raised without the shim skips."""
+    checking = options.model is None or bool(options.activation_checkpointing)
+    if not CAST.affects(version):
+        if not CAST.built_in(version) or not (options.measure or checking):
+            return []
+        if options.model is None and not options.measure and not options.activation_checkpointing:
+            return [("1", False), ("1", True), ("0", True)]  # the seed, for the recompute only
+    return [("1", False), ("0", False), *([("1", True), ("0", True)] if checking else [])]
 
 
-def gate(options: Options) -> dict[str, Any]:
-    """Every installed Trainer namespace's ``version`` and the shim's ``fixes``, or its ``import_failure``, and the
-    ``--model``'s namespaces; user modules are refused here, before anything trains."""
+def read_lightning(options: Options) -> dict[str, Any]:
+    """``gate.json``: the namespace to check (``--package``'s, the model's, else the first installed), its version,
+    import failure, the shim's fix states and the runs planned; the other installed namespaces' versions."""
     import torch
-
-    from _fsdp_shim.distributions import import_failure, installed_packages
 
     if not torch.cuda.is_available():
         check_fsdp_on_cpu()
-    model_namespaces, namespaces = user_modules(options, build=False)[-1], dict[str, dict[str, Any]]()
-    for namespace in [ns for ns in TRAINER_NAMESPACES if ns.partition(".")[0] in installed_packages()]:
+    own, versions, failures = user_modules(options, build=False)[-1], dict[str, str](), dict[str, Any]()
+    installed = [ns for ns in TRAINER_NAMESPACES if ns.partition(".")[0] in installed_packages()]
+    namespace = PACKAGES[options.package] if options.package else (own + installed)[0]
+    for ns in installed:
         try:
-            version = getattr(importlib.import_module(namespace), "__version__", None) or "(unknown)"
+            versions[ns] = getattr(importlib.import_module(ns), "__version__", None) or "(unknown)"
         except Exception as error:
-            namespaces[namespace] = {"version": "", "fixes": {}, "import_failure": import_failure(error)}
-        else:
-            namespaces[namespace] = {"version": version, "fixes": fix_states(namespace), "import_failure": None}
-    return {"namespaces": namespaces, "model_namespaces": model_namespaces}
+            versions[ns], failures[ns] = "", import_failure(error)
+    failure, version = failures.get(namespace), versions[namespace]
+    fixes, runs = (fix_states(namespace), plan(options, version)) if failure is None else ({}, [])
+    others = {ns: v for ns, v in versions.items() if ns != namespace}
+    return {
+        "namespace": namespace,
+        "version": version,
+        "import_failure": failure,
+        "fixes": fixes,
+        "plan": runs,
+        "others": others,
+    }
+
+
+def fix_states(namespace: str) -> dict[str, dict[str, Any]]:
+    return {fix.fix: fix.as_dict() for fix in status().namespace(namespace).fixes}
 
 
 def seed_model(pl: Any, steps: int, devices: int) -> tuple[Any, Any, type]:
@@ -184,14 +206,13 @@ def seed_model(pl: Any, steps: int, devices: int) -> tuple[Any, Any, type]:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.Adam(self.trainer.model.parameters(), lr=1e-3)
 
-    tokens = torch.randint(
-        0, VOCAB, (BATCH * steps * devices, SEQUENCE + 1), generator=torch.Generator().manual_seed(0)
-    )
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (BATCH * steps * devices, SEQUENCE + 1), generator=generator)
     return SeedModel(), DataLoader(TensorDataset(tokens), batch_size=BATCH), CausalBlock
 
 
-def train_and_measure(request: ProbeRequest) -> None:
-    """Train the seed's model for ``request.namespace`` (or ``--model``) with FSDP; write this rank's result."""
+def train(request: ProbeRequest, namespace: str) -> None:
+    """Train the seed's model (or ``--model``) in ``namespace`` with FSDP; write this rank's result."""
     import torch
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
@@ -199,26 +220,31 @@ def train_and_measure(request: ProbeRequest) -> None:
 
     options, cuda = request.options, torch.cuda.is_available()
     torch.manual_seed(0)  # the runs compared bit for bit start from the same weights
-    model, datamodule, classes, wrapped, namespaces = user_modules(options, build=True)
-    namespace = request.namespace or namespaces[0]
+    model, datamodule, classes, wrapped, _ = user_modules(options, build=True)
     pl, loader = importlib.import_module(namespace), None
-    strategy_options: dict[str, Any] = {"auto_wrap_policy": wrapped} if wrapped else {}
     if options.model is None:
         model, loader, block = seed_model(pl, options.steps, options.devices)
         classes = classes or {block}
+    policies: dict[str, Any] = {"auto_wrap_policy": wrapped} if wrapped else {}
     counted: tuple[type, ...] = tuple(classes)  # a checkpointed run counts the wrappers Lightning's policy put in
     if request.checkpointing:
-        strategy_options["activation_checkpointing_policy"], counted = classes, (CheckpointWrapper,)
+        policies["activation_checkpointing_policy"], counted = classes, (CheckpointWrapper,)
     if not cuda:
         cpu_guards.lift(namespace)
     callback = measure.measuring_callback(pl, counted)
-    strategy = importlib.import_module(f"{namespace}.strategies").FSDPStrategy(**strategy_options)
-    flags: dict[str, Any] = dict.fromkeys(
-        ("logger", "enable_checkpointing", "enable_progress_bar", "enable_model_summary"), False
+    quiet = dict.fromkeys(("logger", "enable_checkpointing", "enable_progress_bar", "enable_model_summary"), False)
+    trainer = pl.Trainer(
+        strategy=importlib.import_module(f"{namespace}.strategies").FSDPStrategy(**policies),
+        callbacks=[callback],
+        accelerator="cuda" if cuda else "cpu",
+        devices=options.devices,
+        precision=options.precision,
+        max_steps=options.steps,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        deterministic=bool(classes),  # bit for bit
+        **quiet,
     )
-    flags.update(precision=options.precision, max_steps=options.steps, limit_val_batches=0, num_sanity_val_steps=0)
-    device = {"accelerator": "cuda" if cuda else "cpu", "devices": options.devices}  # deterministic: bit for bit
-    trainer = pl.Trainer(strategy=strategy, callbacks=[callback], deterministic=bool(classes), **device, **flags)
     error = None
     try:
         trainer.fit(model, loader, datamodule=datamodule)
@@ -235,8 +261,8 @@ def train_and_measure(request: ProbeRequest) -> None:
     result = RankResult(rank, checkpointed=callback.checkpointed, fixes=fix_states(namespace), error=error)
     if not error:
         flat = measure.flat_parameters(root)
-        result = RankResult(
-            rank=rank,
+        result = replace(
+            result,
             module_dtype=str(trainer.lightning_module.dtype),
             flat_param_dtypes=sorted({str(p.dtype) for p in flat}),
             param_bytes=measure.nbytes(flat),
@@ -244,10 +270,8 @@ def train_and_measure(request: ProbeRequest) -> None:
             optimizer_state_bytes=measure.optimizer_state_bytes(trainer.optimizers[0]),
             losses=callback.losses,
             param_hashes=measure.parameter_hashes(root),
-            checkpointed=callback.checkpointed,
             lightning=pl.__version__,
             namespace=pl.__name__,
-            fixes=result.fixes,
         )
     Path(f"{request.out}.rank{rank}.json").write_text(json.dumps(asdict(result)))
     leave_process_group(0, barrier=not error)  # after an error a collective may be pending: no barrier
@@ -267,7 +291,8 @@ def leave_process_group(code: int = 0, barrier: bool = True) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """Run the probe that ``argv[0]`` (a ``ProbeRequest`` as JSON) asks for; never returns."""
+    """Run the probe ``argv[0]`` (a ``ProbeRequest`` as JSON) asks for; never returns. Without a namespace, read
+    Lightning into ``gate.json`` first, then train the plan's first run, unless it has none."""
     import fsdp_shim  # noqa: F401  (activates, before Lightning is imported, unless FSDP_SHIM=0)
 
     data = json.loads(argv[0])
@@ -275,10 +300,15 @@ def main(argv: list[str]) -> None:
     if request.options.model_path is not None:  # only for the modules the user named, from their folder
         sys.path.insert(0, request.options.model_path)
     try:
-        if request.mode == "gate":
-            Path(request.out).write_text(json.dumps(gate(request.options)))
-        else:
-            train_and_measure(request)
+        if request.namespace is None:
+            gate, written = read_lightning(request.options), Path(f"{request.out}.gate")
+            written.write_text(json.dumps(gate))
+            written.replace(Path(request.out).parent / "gate.json")  # whole, for the command that watches for it
+            if not gate["plan"]:
+                leave_process_group()
+            request = replace(request, namespace=gate["namespace"])
+            sys.argv[1:] = [json.dumps(asdict(request))]  # Lightning's launcher starts the other ranks with sys.argv
+        train(request, str(request.namespace))
     except ProbeStop as stop:
         rank = stop.record.get("rank", int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))))
         Path(f"{request.out}.rank{rank}.error.json").write_text(json.dumps(stop.record))

@@ -9,7 +9,6 @@ from typing import Any
 PROBE_TIMEOUT = 1800  # seconds one probe (reading Lightning, or one training run) may take (--timeout)
 PACKAGES = {"lightning": "lightning.pytorch", "pytorch_lightning": "pytorch_lightning"}  # --package: namespace
 CHOICES = tuple(PACKAGES)
-SEED_CHECKPOINTED = "CausalBlock"  # the seed's checkpointed class, named as --activation-checkpointing's are
 
 
 @dataclass(frozen=True)
@@ -31,10 +30,9 @@ class Options:
 
 @dataclass(frozen=True)
 class ProbeRequest:
-    mode: str  # "gate", or "measure": train ``namespace`` (None: the user's model's)
     out: str  # a path prefix
     options: Options
-    namespace: str | None = None
+    namespace: str | None = None  # None: the first probe, which reads Lightning (gate.json) and picks it
     checkpointing: bool = False
 
 
