@@ -87,10 +87,10 @@ def main(options: Options) -> int:
     return 1 if verdict == "FAILED" else 0
 
 
-def run_probe(request: ProbeRequest, shim: str, step: str, read: Callable[[], str] | None = None) -> Any:
+def run_probe(request: ProbeRequest, shim: str, step: str, started: Callable[[], str | None]) -> Any:
     """Run one probe in a session of its own, SIGKILLed whatever happens (a rank hung in a collective survives
-    SIGTERM): ``""``, why it failed, or the user's error record. ``read``: once ``gate.json`` is there, the step the
-    first probe goes on with (each step has ``--timeout``). Only user modules get a folder on its path."""
+    SIGTERM): ``""``, why it failed, or the user's error record. ``started``: the step of a run it has started since,
+    if any (each step has ``--timeout``). Only user modules get a folder on its path."""
     options, out = request.options, Path(request.out)
     path = (options.model_path or os.getcwd()) if options.model or options.activation_checkpointing else None
     argument = json.dumps(asdict(replace(request, options=replace(options, model_path=path))))
@@ -102,8 +102,8 @@ def run_probe(request: ProbeRequest, shim: str, step: str, read: Callable[[], st
     try:
         while True:
             done = proc.poll() is not None
-            if read and (out.parent / "gate.json").exists():
-                step, read, deadline = read(), None, time.monotonic() + options.timeout
+            while (new := started()) is not None:
+                step, deadline = new, time.monotonic() + options.timeout
             if done:
                 break
             if time.monotonic() > deadline:
@@ -131,59 +131,63 @@ def users_code_raised(record: dict[str, Any], shim: str, also: str = "") -> Stop
 
 
 def verify(options: Options, workdir: Path) -> tuple[Section, dict[str, str]]:
-    """The section of the Lightning namespace checked, and the other installed ones, not checked. The first probe
-    reads Lightning into ``gate.json`` (the namespace, its fix states, the runs planned) and trains the first run."""
+    """The section of the Lightning namespace checked, and the other installed ones, not checked. Two probes: the
+    first reads Lightning into ``gate.json`` (the namespace, the fix states, the runs planned), then trains the runs
+    with the shim on; the second, those with it off."""
     print(f"fsdp-shim verify: {READING} ...", file=sys.stderr, flush=True)  # with --json, stdout is the document
-    gate: dict[str, Any] = {}
+    gate, said, gate_file = dict[str, Any](), [0], workdir / "gate.json"  # said: the runs said to have started
 
     def step(number: int, then: str = " ...") -> str:
-        """Run ``number``'s step, said as it starts (numbered out of all the runs planned, each counted once)."""
-        gate.update(gate or json.loads((workdir / "gate.json").read_text()))
-        if not gate["plan"]:
-            return READING
-        shim, ac = gate["plan"][number - 1]
-        said = f"[{number}/{len(gate['plan'])}] {gate['namespace']} {gate['version']}: training with the shim "
-        print(f"fsdp-shim verify: {said}{SHIM[shim]}{', checkpointed' * ac}{then}", file=sys.stderr, flush=True)
-        return f"{said}{SHIM[shim]}{', checkpointed' * ac}"
+        """Run ``number``'s step, said on stderr, numbered out of all the runs planned (each counted once)."""
+        gate.update(gate or json.loads(gate_file.read_text()))
+        (shim, ac), said[0] = gate["plan"][number - 1], number
+        text = f"[{number}/{len(gate['plan'])}] {gate['namespace']} {gate['version']}: training with the shim"
+        print(f"fsdp-shim verify: {text} {SHIM[shim]}{', checkpointed' * ac}{then}", file=sys.stderr, flush=True)
+        return f"{text} {SHIM[shim]}{', checkpointed' * ac}"
 
-    failed = run_probe(ProbeRequest(str(workdir / "shim1"), options), "1", READING, lambda: step(1))
-    if not gate and isinstance(failed, dict):
-        raise users_code_raised(failed, "1")
+    def started() -> str | None:
+        return step(said[0] + 1) if (workdir / f"run{said[0] + 1}").exists() else None
+
+    on = run_probe(ProbeRequest(str(workdir / "shim1"), options), "1", READING, started)
+    if not gate and gate_file.exists():
+        gate.update(json.loads(gate_file.read_text()))
+    if not gate and isinstance(on, dict):
+        raise users_code_raised(on, "1")
     if not gate:
-        return Section("Lightning", None, "FAILED", f"{READING} {failed or 'wrote nothing'}"), {}
-    namespace, version, others = gate["namespace"], gate["version"], gate["others"]
+        return Section("Lightning", None, "FAILED", f"{READING} {on or 'wrote nothing'}"), {}
+    namespace, version, others, plan = gate["namespace"], gate["version"], gate["others"], gate["plan"]
     if gate["import_failure"] is not None:
         return Section(namespace, None, "FAILED", describe_import_failure(namespace, gate["import_failure"])), others
-    if not gate["plan"]:
+    if not plan:
         reason = unaffected(CAST, version) + "; nothing was trained (--measure trains anyway)" * CAST.built_in(version)
         verdicts = {fix.name: ("not needed", unaffected(fix, version)) for fix in FIXES if not fix.affects(version)}
         fixes = fix_entries(gate["fixes"], {**verdicts, CAST.name: ("not needed", reason)})
         return Section(namespace, version, "not needed", reason, fixes), others
-    runs, raised, on_raised = dict[tuple[str, bool], Runs](), None, None
-    for number, (shim, ac) in enumerate(gate["plan"], 1):
-        out = workdir / f"shim{shim}{'-ac' if ac else ''}"
-        if raised is not None and (shim, ac) == ("0", True):  # the last run: the counter still reaches its total
-            step(number, ": skipped, it raised without the shim")
-            break
-        if number > 1:
-            failed = run_probe(ProbeRequest(str(out), options, namespace, ac), shim, step(number))
-        if isinstance(failed, dict) and (shim, ac) == ("1", False):
-            on_raised = failed  # the run without the shim follows: does the user's code raise there too?
-        elif isinstance(failed, dict) and (shim, ac) == ("0", False) and on_raised is None:
-            raised = failed  # only without the shim: judged by what the shim made train
-        elif isinstance(failed, dict) or on_raised:
-            user = failed if isinstance(failed, dict) else None
-            without, within = raised or (user if shim == "0" else None), on_raised or (user if shim == "1" else None)
-            also = f", and with the shim on too ({within['message']})" if without and within else ""
-            raise users_code_raised(without or within or {}, "0" if without else "1", also)
-        else:
-            paths = workdir.glob(f"{out.name}.rank*.json")
-            results = sorted((RankResult(**json.loads(p.read_text())) for p in paths), key=lambda r: r.rank)
-            if failed or (len(results) != options.devices and not any(result.error for result in results)):
-                error = f"the run with FSDP_SHIM={shim} {failed or 'wrote no result on some rank'}"
-                return Section(namespace, version, "FAILED", error, [], runs.get(("0", False)), results or None), others
-            runs[shim, ac] = results
-    return judged(options, version, runs, raised), others
+    # With the shim on, the user's code raised: does it without the shim too? Only the run without checkpointing.
+    runs = [(n, ac) for n, (shim, ac) in enumerate(plan, 1) if shim == "0" and not (ac and isinstance(on, dict))]
+    off = (
+        on
+        if isinstance(on, str) and on
+        else run_probe(ProbeRequest(str(workdir / "shim0"), options, namespace, runs), "0", step(runs[0][0]), started)
+    )
+    raised = off if isinstance(off, dict) else None  # without the shim only: judged by what the shim made train
+    if isinstance(on, dict):
+        also = f", and with the shim on too ({on['message']})" if raised else ""
+        raise users_code_raised(raised or on, "0" if raised else "1", also)
+    if raised and plan[-1] == ["0", True]:
+        step(len(plan), ": skipped, it raised without the shim")
+    results = dict[tuple[str, bool], Runs]()
+    for number, (shim, ac) in enumerate(plan, 1):
+        paths = workdir.glob(f"run{number}.rank*.json")
+        found = sorted((RankResult(**json.loads(p.read_text())) for p in paths), key=lambda r: r.rank)
+        failed = on if shim == "1" else off
+        if failed or (len(found) != options.devices and not any(r.error for r in found)):
+            if shim == "0" and raised:
+                continue
+            error = f"the run with FSDP_SHIM={shim} {failed or 'wrote no result on some rank'}"
+            return Section(namespace, version, "FAILED", error, [], results.get(("0", False)), found or None), others
+        results[shim, ac] = found
+    return judged(options, version, results, raised), others
 
 
 def judged(options: Options, version: str, runs: dict[tuple[str, bool], Runs], raised: Any) -> Section:

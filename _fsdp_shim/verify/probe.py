@@ -1,6 +1,6 @@
-"""verify's probe, in fresh processes: the first reads the installed Lightning into ``gate.json`` (refusing unusable
-user modules before anything trains), then, unless its plan trains nothing, each trains with FSDP: a ``RankResult``
-per rank, or an error record."""
+"""verify's probe, one fresh process per shim state: the first reads the installed Lightning into ``gate.json``
+(refusing unusable user modules before anything trains); each trains its runs of the plan with FSDP, writing a
+``RankResult`` per run and rank, or an error record."""
 
 from __future__ import annotations
 
@@ -142,7 +142,7 @@ def plan(options: Options, version: str) -> list[tuple[str, bool]]:
             return []
         if options.model is None and not options.measure and not options.activation_checkpointing:
             return [("1", False), ("1", True), ("0", True)]  # the seed, for the recompute only
-    return [("1", False), ("0", False), *([("1", True), ("0", True)] if checking else [])]
+    return [("1", False), *([("1", True)] if checking else []), ("0", False), *([("0", True)] if checking else [])]
 
 
 def read_lightning(options: Options) -> dict[str, Any]:
@@ -211,14 +211,15 @@ def seed_model(pl: Any, steps: int, devices: int) -> tuple[Any, Any, type]:
     return SeedModel(), DataLoader(TensorDataset(tokens), batch_size=BATCH), CausalBlock
 
 
-def train(request: ProbeRequest, namespace: str) -> None:
-    """Train the seed's model (or ``--model``) in ``namespace`` with FSDP; write this rank's result."""
+def train(options: Options, namespace: str, checkpointing: bool, out: Path) -> str | None:
+    """Train the seed's model (or ``--model``) in ``namespace`` with FSDP, from the same weights as every run; write
+    this rank's result. What a checkpointed run raised, else None."""
     import torch
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     from _fsdp_shim.verify import cpu_guards, measure
 
-    options, cuda = request.options, torch.cuda.is_available()
+    cuda = torch.cuda.is_available()
     torch.manual_seed(0)  # the runs compared bit for bit start from the same weights
     model, datamodule, classes, wrapped, _ = user_modules(options, build=True)
     pl, loader = importlib.import_module(namespace), None
@@ -227,31 +228,25 @@ def train(request: ProbeRequest, namespace: str) -> None:
         classes = classes or {block}
     policies: dict[str, Any] = {"auto_wrap_policy": wrapped} if wrapped else {}
     counted: tuple[type, ...] = tuple(classes)  # a checkpointed run counts the wrappers Lightning's policy put in
-    if request.checkpointing:
+    if checkpointing:
         policies["activation_checkpointing_policy"], counted = classes, (CheckpointWrapper,)
     if not cuda:
         cpu_guards.lift(namespace)
     callback = measure.measuring_callback(pl, counted)
-    quiet = dict.fromkeys(("logger", "enable_checkpointing", "enable_progress_bar", "enable_model_summary"), False)
-    trainer = pl.Trainer(
-        strategy=importlib.import_module(f"{namespace}.strategies").FSDPStrategy(**policies),
-        callbacks=[callback],
-        accelerator="cuda" if cuda else "cpu",
-        devices=options.devices,
-        precision=options.precision,
-        max_steps=options.steps,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        deterministic=bool(classes),  # bit for bit
-        **quiet,
+    flags: dict[str, Any] = dict.fromkeys(
+        ("logger", "enable_checkpointing", "enable_progress_bar", "enable_model_summary"), False
     )
+    flags.update(precision=options.precision, max_steps=options.steps, limit_val_batches=0, num_sanity_val_steps=0)
+    device = {"accelerator": "cuda" if cuda else "cpu", "devices": options.devices}  # deterministic: bit for bit
+    strategy = importlib.import_module(f"{namespace}.strategies").FSDPStrategy(**policies)
+    trainer = pl.Trainer(strategy=strategy, callbacks=[callback], deterministic=bool(classes), **device, **flags)
     error = None
     try:
         trainer.fit(model, loader, datamodule=datamodule)
     except Exception as raised:
-        if not request.checkpointing and options.model is not None:
+        if not checkpointing and options.model is not None:
             raise user_error("training", raised, rank=trainer.global_rank) from raised
-        if not request.checkpointing:
+        if not checkpointing:
             raise  # the seed's: verify's failure, not the user's
         error = one_line(raised)
     if options.activation_checkpointing and not callback.checkpointed and not error:
@@ -273,8 +268,8 @@ def train(request: ProbeRequest, namespace: str) -> None:
             lightning=pl.__version__,
             namespace=pl.__name__,
         )
-    Path(f"{request.out}.rank{rank}.json").write_text(json.dumps(asdict(result)))
-    leave_process_group(0, barrier=not error)  # after an error a collective may be pending: no barrier
+    Path(f"{out}.rank{rank}.json").write_text(json.dumps(asdict(result)))
+    return error
 
 
 def leave_process_group(code: int = 0, barrier: bool = True) -> None:
@@ -291,24 +286,26 @@ def leave_process_group(code: int = 0, barrier: bool = True) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """Run the probe ``argv[0]`` (a ``ProbeRequest`` as JSON) asks for; never returns. Without a namespace, read
-    Lightning into ``gate.json`` first, then train the plan's first run, unless it has none."""
+    """Run the probe ``argv[0]`` (a ``ProbeRequest`` as JSON) asks for; never returns. The first reads Lightning into
+    ``gate.json``, then trains the plan's runs with the shim on; each run's start is a file, ``runN``."""
     import fsdp_shim  # noqa: F401  (activates, before Lightning is imported, unless FSDP_SHIM=0)
 
     data = json.loads(argv[0])
-    request = ProbeRequest(**{**data, "options": Options(**data["options"])})
+    request, folder = ProbeRequest(**{**data, "options": Options(**data["options"])}), Path(data["out"]).parent
     if request.options.model_path is not None:  # only for the modules the user named, from their folder
         sys.path.insert(0, request.options.model_path)
     try:
         if request.namespace is None:
             gate, written = read_lightning(request.options), Path(f"{request.out}.gate")
             written.write_text(json.dumps(gate))
-            written.replace(Path(request.out).parent / "gate.json")  # whole, for the command that watches for it
-            if not gate["plan"]:
-                leave_process_group()
-            request = replace(request, namespace=gate["namespace"])
+            written.replace(folder / "gate.json")  # whole, for the command that watches for it
+            runs = [(number, ac) for number, (shim, ac) in enumerate(gate["plan"], 1) if shim == "1"]
+            request = replace(request, namespace=gate["namespace"], runs=runs)
             sys.argv[1:] = [json.dumps(asdict(request))]  # Lightning's launcher starts the other ranks with sys.argv
-        train(request, str(request.namespace))
+        for number, checkpointing in request.runs:
+            (folder / f"run{number}").touch()
+            if train(request.options, str(request.namespace), checkpointing, folder / f"run{number}"):
+                leave_process_group(0, barrier=False)  # after an error a collective may be pending: no barrier
     except ProbeStop as stop:
         rank = stop.record.get("rank", int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))))
         Path(f"{request.out}.rank{rank}.error.json").write_text(json.dumps(stop.record))

@@ -30,10 +30,10 @@ class Options:
 
 @dataclass(frozen=True)
 class ProbeRequest:
-    out: str  # a path prefix
+    out: str  # a path prefix: shim1, shim0 in verify's folder
     options: Options
     namespace: str | None = None  # None: the first probe, which reads Lightning (gate.json) and picks it
-    checkpointing: bool = False
+    runs: list[tuple[int, bool]] = field(default_factory=list)  # (number in the plan, checkpointed)
 
 
 @dataclass(frozen=True)
