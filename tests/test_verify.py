@@ -117,6 +117,9 @@ def test_the_seed_model_gets_a_verdict_per_fix(layouts: dict[str, Layout], plant
     phases = [line for line in proc.stderr.splitlines() if line.startswith("fsdp-shim verify: ")]
     assert phases[0] == "fsdp-shim verify: reading the installed Lightning ..."
     assert [line.split("]")[0] for line in phases[1:]] == [f"fsdp-shim verify: [{i}/{runs}" for i in range(1, runs + 1)]
+    said = [line.partition("training with the shim ")[2] for line in phases[1:]]  # as they run: the shim on first
+    order = ["on ...", "on, checkpointed ...", *["off ..."] * lacks_cast, "off, checkpointed ..."]
+    assert said == order[:runs]
     text = render(as_section(section), Options(), dict(others))
     assert ("    param_bytes: " in text) is lacks_cast and text.endswith(f"verdict: {document(proc)['verdict']}")
     for other, other_version in others:

@@ -139,7 +139,7 @@ def verify(options: Options, workdir: Path) -> tuple[Section, dict[str, str]]:
 
     def step(number: int, then: str = " ...") -> str:
         """Run ``number``'s step, said on stderr, numbered out of all the runs planned (each counted once)."""
-        gate.update(gate or json.loads(gate_file.read_text()))
+        gate.update(gate or json.loads(gate_file.read_text()))  # the first probe wrote it before it started run 1
         (shim, ac), said[0] = gate["plan"][number - 1], number
         text = f"[{number}/{len(gate['plan'])}] {gate['namespace']} {gate['version']}: training with the shim"
         print(f"fsdp-shim verify: {text} {SHIM[shim]}{', checkpointed' * ac}{then}", file=sys.stderr, flush=True)
@@ -165,11 +165,8 @@ def verify(options: Options, workdir: Path) -> tuple[Section, dict[str, str]]:
         return Section(namespace, version, "not needed", reason, fixes), others
     # With the shim on, the user's code raised: does it without the shim too? Only the run without checkpointing.
     runs = [(n, ac) for n, (shim, ac) in enumerate(plan, 1) if shim == "0" and not (ac and isinstance(on, dict))]
-    off = (
-        on
-        if isinstance(on, str) and on
-        else run_probe(ProbeRequest(str(workdir / "shim0"), options, namespace, runs), "0", step(runs[0][0]), started)
-    )
+    request = ProbeRequest(str(workdir / "shim0"), options, namespace, runs)
+    off = on if isinstance(on, str) and on else run_probe(request, "0", step(runs[0][0]), started)  # on failed: none
     raised = off if isinstance(off, dict) else None  # without the shim only: judged by what the shim made train
     if isinstance(on, dict):
         also = f", and with the shim on too ({on['message']})" if raised else ""

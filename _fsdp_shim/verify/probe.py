@@ -163,14 +163,7 @@ def read_lightning(options: Options) -> dict[str, Any]:
     failure, version = failures.get(namespace), versions[namespace]
     fixes, runs = (fix_states(namespace), plan(options, version)) if failure is None else ({}, [])
     others = {ns: v for ns, v in versions.items() if ns != namespace}
-    return {
-        "namespace": namespace,
-        "version": version,
-        "import_failure": failure,
-        "fixes": fixes,
-        "plan": runs,
-        "others": others,
-    }
+    return dict(namespace=namespace, version=version, import_failure=failure, fixes=fixes, plan=runs, others=others)
 
 
 def fix_states(namespace: str) -> dict[str, dict[str, Any]]:
