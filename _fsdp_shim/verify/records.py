@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-PROBE_TIMEOUT = 1800  # seconds one probe (reading Lightning, or one training run) may take (--timeout)
+PROBE_TIMEOUT = 1800  # seconds one step (reading Lightning, or one training run) may take (--timeout)
 PACKAGES = {"lightning": "lightning.pytorch", "pytorch_lightning": "pytorch_lightning"}  # --package: namespace
 CHOICES = tuple(PACKAGES)
 
