@@ -261,8 +261,10 @@ def test_a_release_that_has_the_cast_is_not_trained_unless_measure(layouts: dict
     standalone = layout_or_skip(layouts, "standalone")
     if base_release(standalone.trainer_version) < (2, 5, 0):
         pytest.skip("needs a standalone pytorch_lightning that has the cast")
-    plain = only_section(verify_model(TRAINER["standalone"], "--model", "user_models:make_model", "--json"))
+    untrained = verify_model(TRAINER["standalone"], "--model", "user_models:make_model", "--json")
+    plain = only_section(untrained)
     assert plain["verdict"] == "not needed" and "nothing was trained" in plain["reason"]
+    assert "training with the shim" not in untrained.stderr  # the probe that read Lightning ended there
     assert plain["shim_off"] is plain["shim_on"] is None and fixes(plain)["recompute"]["verdict"] is None
     args = ("--model", "user_models:make_model", "--precision", "16-true", "--measure", "--json")
     proc = verify_model(TRAINER["standalone"], *args)

@@ -289,9 +289,8 @@ def main(argv: list[str]) -> None:
         sys.path.insert(0, request.options.model_path)
     try:
         if request.namespace is None:
-            gate, written = read_lightning(request.options), Path(f"{request.out}.gate")
-            written.write_text(json.dumps(gate))
-            written.replace(folder / "gate.json")  # whole, for the command that watches for it
+            gate = read_lightning(request.options)
+            (folder / "gate.json").write_text(json.dumps(gate))  # the command reads it once run 1 starts, or at the end
             runs = [(number, ac) for number, (shim, ac) in enumerate(gate["plan"], 1) if shim == "1"]
             request = replace(request, namespace=gate["namespace"], runs=runs)
             sys.argv[1:] = [json.dumps(asdict(request))]  # Lightning's launcher starts the other ranks with sys.argv
