@@ -35,7 +35,7 @@ def one_line(error: BaseException) -> str:
 
 def user_error(phase: str, error: BaseException, **extra: int) -> ProbeStop:
     """``error``, raised by the user's code: its traceback, and whether a recompute of torch's checkpoint raised it."""
-    frames = {Path(frame.filename).parts[-3:] for frame in traceback.extract_tb(error.__traceback__)}
+    frames = [Path(frame.filename).parts[-3:] for frame in traceback.extract_tb(error.__traceback__)]
     text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
     in_recompute = ("torch", "utils", "checkpoint.py") in frames
     return ProbeStop("user", one_line(error), phase=phase, traceback=text, in_recompute=in_recompute, **extra)
@@ -89,9 +89,8 @@ def checked(spec: str, kind: str, init_args: dict[str, Any] | None) -> Any:
     """The class or factory ``spec`` names, refused unless it gives a Lightning ``kind``; built with ``init_args``."""
     target = resolve(spec)
     if not callable(target):
-        raise ProbeStop(
-            "usage", f"{spec} is {type(target).__name__!r}, not a {kind} class or a factory that returns one"
-        )
+        message = f"{spec} is {type(target).__name__!r}, not a {kind} class or a factory that returns one"
+        raise ProbeStop("usage", message)
     if isinstance(target, type) and namespace_of(target, kind) is None:
         raise ProbeStop("usage", f"{spec} is a class, but not a subclass of Lightning's {kind}")
     if init_args is None:
