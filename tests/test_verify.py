@@ -5,6 +5,7 @@ so each serves several assertions; verdicts on states no real run gives here are
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import signal
@@ -373,6 +374,24 @@ def test_bad_options_are_usage_errors_before_anything_starts(
     except SystemExit as stop:
         code = stop.code
     assert code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("lightning_installed")
+def test_a_package_that_is_not_installed_is_refused_before_anything_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--package`` names one this interpreter cannot find (found without importing it): exit 2, nothing started."""
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("needs torch, which verify looks for first")
+    from _fsdp_shim.distributions import installed_packages
+    from _fsdp_shim.verify.command import main
+    from _fsdp_shim.verify.records import CHOICES
+
+    missing = [package for package in CHOICES if package not in installed_packages()]
+    if not missing:
+        pytest.skip("both Lightning packages are installed")
+    assert main(Options(package=missing[0])) == 2
+    assert capsys.readouterr().err == (
+        f"fsdp-shim verify: --package {missing[0]} is not installed in this interpreter ({sys.executable})\n"
+    )
 
 
 def test_the_help_says_each_default(capsys: pytest.CaptureFixture[str]) -> None:
