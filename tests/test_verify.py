@@ -5,6 +5,7 @@ so each serves several assertions; verdicts on states no real run gives here are
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import signal
@@ -117,6 +118,9 @@ def test_the_seed_model_gets_a_verdict_per_fix(layouts: dict[str, Layout], plant
     phases = [line for line in proc.stderr.splitlines() if line.startswith("fsdp-shim verify: ")]
     assert phases[0] == "fsdp-shim verify: reading the installed Lightning ..."
     assert [line.split("]")[0] for line in phases[1:]] == [f"fsdp-shim verify: [{i}/{runs}" for i in range(1, runs + 1)]
+    said = [line.partition("training with the shim ")[2] for line in phases[1:]]  # as they run: the shim on first
+    order = ["on ...", "on, checkpointed ...", *["off ..."] * lacks_cast, "off, checkpointed ..."]
+    assert said == order[:runs]
     text = render(as_section(section), Options(), dict(others))
     assert ("    param_bytes: " in text) is lacks_cast and text.endswith(f"verdict: {document(proc)['verdict']}")
     for other, other_version in others:
@@ -258,8 +262,10 @@ def test_a_release_that_has_the_cast_is_not_trained_unless_measure(layouts: dict
     standalone = layout_or_skip(layouts, "standalone")
     if base_release(standalone.trainer_version) < (2, 5, 0):
         pytest.skip("needs a standalone pytorch_lightning that has the cast")
-    plain = only_section(verify_model(TRAINER["standalone"], "--model", "user_models:make_model", "--json"))
+    untrained = verify_model(TRAINER["standalone"], "--model", "user_models:make_model", "--json")
+    plain = only_section(untrained)
     assert plain["verdict"] == "not needed" and "nothing was trained" in plain["reason"]
+    assert "training with the shim" not in untrained.stderr  # the probe that read Lightning ended there
     assert plain["shim_off"] is plain["shim_on"] is None and fixes(plain)["recompute"]["verdict"] is None
     args = ("--model", "user_models:make_model", "--precision", "16-true", "--measure", "--json")
     proc = verify_model(TRAINER["standalone"], *args)
@@ -368,6 +374,24 @@ def test_bad_options_are_usage_errors_before_anything_starts(
     except SystemExit as stop:
         code = stop.code
     assert code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.usefixtures("lightning_installed")
+def test_a_package_that_is_not_installed_is_refused_before_anything_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--package`` names one this interpreter cannot find (found without importing it): exit 2, nothing started."""
+    if importlib.util.find_spec("torch") is None:
+        pytest.skip("needs torch, which verify looks for first")
+    from _fsdp_shim.distributions import installed_packages
+    from _fsdp_shim.verify.command import main
+    from _fsdp_shim.verify.records import CHOICES
+
+    missing = [package for package in CHOICES if package not in installed_packages()]
+    if not missing:
+        pytest.skip("both Lightning packages are installed")
+    assert main(Options(package=missing[0])) == 2
+    assert capsys.readouterr().err == (
+        f"fsdp-shim verify: --package {missing[0]} is not installed in this interpreter ({sys.executable})\n"
+    )
 
 
 def test_the_help_says_each_default(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,5 +1,5 @@
-"""``fsdp-shim verify`` (docs/verify.md): read every installed Trainer namespace (the gate probe), train what it
-cannot decide with the shim off and on, in fresh processes (measure probes), judge each fix, and report."""
+"""``fsdp-shim verify`` (docs/verify.md): train the seed model (or ``--model``) with the shim on and off in fresh
+processes (probes; the first reads the installed Lightning before it trains), judge each fix, and report."""
 
 from __future__ import annotations
 
@@ -16,18 +16,19 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
-from _fsdp_shim.config import CAST, DOCS, FIXES, RECOMPUTE, TRAINER_NAMESPACES, Fix, State
+from _fsdp_shim.config import CAST, DOCS, FIXES, RECOMPUTE, Fix, State
 from _fsdp_shim.distributions import describe_import_failure, installed_packages
-from _fsdp_shim.verify.records import PACKAGES, SEED_CHECKPOINTED, Options, ProbeRequest, RankResult
+from _fsdp_shim.verify.records import CHOICES, Options, ProbeRequest, RankResult
 
 PROBE_SCRIPT = Path(__file__).resolve().parent.parent / "children" / "verify_probe.py"
-GATE_STEP = "reading the installed Lightning"
+READING = "reading the installed Lightning"
 DTYPES = {"bf16-true": "torch.bfloat16", "16-true": "torch.float16"}
 BYTE_KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes")
 FIGURES = ("module_dtype", "flat_param_dtypes", *BYTE_KEYS, "losses")
 NOT_CHECKED = "--activation-checkpointing MODULE:CLASS[,...] trains your checkpointed blocks with it"
+SHIM = {"0": "off", "1": "on"}
 Runs = list[RankResult]
 Verdict = tuple[Optional[str], str]  # None: not checked
 
@@ -62,8 +63,10 @@ def main(options: Options) -> int:
     try:
         if importlib.util.find_spec("torch") is None:
             raise Stop(f"torch is not installed {here}; install torch and Lightning, then run verify again", 2)
-        if not any(ns.partition(".")[0] in installed_packages() for ns in TRAINER_NAMESPACES):
+        if not set(CHOICES) & set(installed_packages()):
             raise Stop(f"neither lightning nor pytorch_lightning is installed {here}", 2)
+        if options.package and options.package not in installed_packages():
+            raise Stop(f"--package {options.package} is not installed {here}", 2)
         try:
             workdir = tempfile.mkdtemp(prefix="fsdp-shim-verify-")
         except OSError as error:
@@ -84,9 +87,10 @@ def main(options: Options) -> int:
     return 1 if verdict == "FAILED" else 0
 
 
-def run_probe(request: ProbeRequest, shim: str, step: str) -> str | dict[str, Any]:
+def run_probe(request: ProbeRequest, shim: str, step: str, started: Callable[[], str | None]) -> Any:
     """Run one probe in a session of its own, SIGKILLed whatever happens (a rank hung in a collective survives
-    SIGTERM): ``""``, why it failed, or the user's error record. Only user modules get a folder on its path."""
+    SIGTERM): ``""``, why it failed, or the user's error record. ``started``: the step of a run it has started since,
+    if any (each step has ``--timeout``). Only user modules get a folder on its path."""
     options, out = request.options, Path(request.out)
     path = (options.model_path or os.getcwd()) if options.model or options.activation_checkpointing else None
     argument = json.dumps(asdict(replace(request, options=replace(options, model_path=path))))
@@ -94,11 +98,18 @@ def run_probe(request: ProbeRequest, shim: str, step: str) -> str | dict[str, An
         env = dict(os.environ, FSDP_SHIM=shim, PYTHONWARNINGS="ignore")
         command = [sys.executable, str(PROBE_SCRIPT), argument]
         proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, env=env, start_new_session=True)
+    deadline = time.monotonic() + options.timeout
     try:
-        proc.wait(options.timeout)
-    except subprocess.TimeoutExpired:
-        message = f"{step} did not finish within {options.timeout:g} s, so verify stopped it and every process it"
-        raise Stop(f"{message} started; --timeout SECONDS allows longer") from None
+        while True:
+            done = proc.poll() is not None
+            while (new := started()) is not None:
+                step, deadline = new, time.monotonic() + options.timeout
+            if done:
+                break
+            if time.monotonic() > deadline:
+                message = f"{step} did not finish within {options.timeout:g} s, so verify stopped it and every process"
+                raise Stop(f"{message} it started; --timeout SECONDS allows longer")
+            time.sleep(0.1)
     except KeyboardInterrupt:
         raise Stop(f"interrupted while {step}; every process it started was stopped", 130) from None
     finally:
@@ -115,49 +126,72 @@ def run_probe(request: ProbeRequest, shim: str, step: str) -> str | dict[str, An
 
 
 def users_code_raised(record: dict[str, Any], shim: str, also: str = "") -> Stop:
-    message = f"your code raised while {record['phase']} (shim {'off' if shim == '0' else 'on'}){also}; the traceback"
-    return Stop(f"{message} above is from your model, not from fsdp-shim.", 1, record["traceback"].rstrip() + "\n\n")
+    message = f"your code raised while {record['phase']} (shim {SHIM[shim]}){also}; the traceback above is from your"
+    return Stop(f"{message} model, not from fsdp-shim.", 1, record["traceback"].rstrip() + "\n\n")
 
 
-def plan(options: Options, version: str | None) -> list[tuple[str, bool]]:
-    """A section's runs, as (FSDP_SHIM, checkpointed): none where the gate decides (2.0.x; 2.5+ unless --measure,
-    --activation-checkpointing or the seed's recompute). Last: the run a model that raised without the shim skips."""
-    checking = options.model is None or bool(options.activation_checkpointing)
-    if version is not None and not CAST.affects(version):
-        if not CAST.built_in(version) or not (options.measure or checking):
-            return []
-        if options.model is None and not options.measure and not options.activation_checkpointing:
-            return [("1", False), ("1", True), ("0", True)]  # the seed, for the recompute only
-    return [("0", False), ("1", False), *([("1", True), ("0", True)] if checking else [])]
+def verify(options: Options, workdir: Path) -> tuple[Section, dict[str, str]]:
+    """The section of the Lightning namespace checked, and the other installed ones, not checked. Two probes: the
+    first reads Lightning into ``gate.json`` (the namespace, the fix states, the runs planned), then trains the runs
+    with the shim on; the second, those with it off."""
+    print(f"fsdp-shim verify: {READING} ...", file=sys.stderr, flush=True)  # with --json, stdout is the document
+    gate, said, gate_file = dict[str, Any](), [0], workdir / "gate.json"  # said: the runs said to have started
+
+    def step(number: int, then: str = " ...") -> str:
+        """Run ``number``'s step, said on stderr, numbered out of all the runs planned (each counted once)."""
+        gate.update(gate or json.loads(gate_file.read_text()))  # the first probe wrote it before it started run 1
+        (shim, ac), said[0] = gate["plan"][number - 1], number
+        text = f"[{number}/{len(gate['plan'])}] {gate['namespace']} {gate['version']}: training with the shim"
+        print(f"fsdp-shim verify: {text} {SHIM[shim]}{', checkpointed' * ac}{then}", file=sys.stderr, flush=True)
+        return f"{text} {SHIM[shim]}{', checkpointed' * ac}"
+
+    def started() -> str | None:
+        return step(said[0] + 1) if (workdir / f"run{said[0] + 1}").exists() else None
+
+    on = run_probe(ProbeRequest(str(workdir / "shim1"), options), "1", READING, started)
+    if not gate and gate_file.exists():
+        gate.update(json.loads(gate_file.read_text()))
+    if not gate and isinstance(on, dict):
+        raise users_code_raised(on, "1")
+    if not gate:
+        return Section("Lightning", None, "FAILED", f"{READING} {on or 'wrote nothing'}"), {}
+    namespace, version, others, plan = gate["namespace"], gate["version"], gate["others"], gate["plan"]
+    if gate["import_failure"] is not None:
+        return Section(namespace, None, "FAILED", describe_import_failure(namespace, gate["import_failure"])), others
+    if not plan:
+        reason = unaffected(CAST, version) + "; nothing was trained (--measure trains anyway)" * CAST.built_in(version)
+        verdicts = {fix.name: ("not needed", unaffected(fix, version)) for fix in FIXES if not fix.affects(version)}
+        fixes = fix_entries(gate["fixes"], {**verdicts, CAST.name: ("not needed", reason)})
+        return Section(namespace, version, "not needed", reason, fixes), others
+    # With the shim on, the user's code raised: does it without the shim too? Only the run without checkpointing.
+    runs = [(n, ac) for n, (shim, ac) in enumerate(plan, 1) if shim == "0" and not (ac and isinstance(on, dict))]
+    request = ProbeRequest(str(workdir / "shim0"), options, namespace, runs)
+    off = on if isinstance(on, str) and on else run_probe(request, "0", step(runs[0][0]), started)  # on failed: none
+    raised = off if isinstance(off, dict) else None  # without the shim only: judged by what the shim made train
+    if isinstance(on, dict):
+        also = f", and with the shim on too ({on['message']})" if raised else ""
+        raise users_code_raised(raised or on, "0" if raised else "1", also)
+    if raised and plan[-1] == ["0", True]:
+        step(len(plan), ": skipped, it raised without the shim")
+    results = dict[tuple[str, bool], Runs]()
+    for number, (shim, ac) in enumerate(plan, 1):
+        paths = workdir.glob(f"run{number}.rank*.json")
+        found = sorted((RankResult(**json.loads(p.read_text())) for p in paths), key=lambda r: r.rank)
+        failed = on if shim == "1" else off
+        if failed or (len(found) != options.devices and not any(r.error for r in found)):
+            if shim == "0" and raised:
+                continue
+            error = f"the run with FSDP_SHIM={shim} {failed or 'wrote no result on some rank'}"
+            return Section(namespace, version, "FAILED", error, [], results.get(("0", False)), found or None), others
+        results[shim, ac] = found
+    return judged(options, version, results, raised), others
 
 
-def measured(options: Options, workdir: Path, namespace: str, version: str) -> Section:
-    """Train the section's runs and judge each fix. A user's model that raised without the shim is trained with it
-    too; a checkpointed run that raised may end before every rank wrote: one rank's error result is enough."""
-    runs, raised, total = dict[tuple[str, bool], Runs](), None, len(plan(options, version))
-    for number, (shim, ac) in enumerate(plan(options, version), 1):
-        step = f"[{number}/{total}] {namespace} {version}: training with the shim {'off' if shim == '0' else 'on'}"
-        step += ", checkpointed" * ac
-        if raised is not None and (shim, ac) == ("0", True):  # the last run: the counter still reaches its total
-            print(f"fsdp-shim verify: {step}: skipped, it raised without the shim", file=sys.stderr)
-            break
-        print(f"fsdp-shim verify: {step} ...", file=sys.stderr, flush=True)
-        out = workdir / f"shim{shim}{'-ac' if ac else ''}"
-        failed = run_probe(ProbeRequest("measure", str(out), options, namespace, ac), shim, step)
-        if isinstance(failed, dict) and (shim, ac) == ("0", False):
-            raised = failed  # the run with the shim follows: does the shim make it train?
-        elif isinstance(failed, dict):
-            also = f", and with the shim on too ({failed['message']})" if raised else ""
-            raise users_code_raised(raised or failed, "0" if raised else shim, also)
-        else:
-            paths = workdir.glob(f"{out.name}.rank*.json")
-            results = sorted((RankResult(**json.loads(p.read_text())) for p in paths), key=lambda r: r.rank)
-            if failed or (len(results) != options.devices and not any(result.error for result in results)):
-                error = f"the run with FSDP_SHIM={shim} {failed or 'wrote no result on some rank'}"
-                return Section(namespace, version, "FAILED", error, [], runs.get(("0", False)), results or None)
-            runs[shim, ac] = results
+def judged(options: Options, version: str, runs: dict[tuple[str, bool], Runs], raised: Any) -> Section:
+    """The section of a namespace trained: each fix judged from its runs (a model that ``raised`` without the shim is
+    judged by the runs with it)."""
     on, on_ac, off, off_ac = runs["1", False], runs.get(("1", True)), runs.get(("0", False)), runs.get(("0", True))
-    classes = ", ".join(spec.rpartition(":")[2] for spec in options.activation_checkpointing) or SEED_CHECKPOINTED
+    classes = ", ".join(spec.rpartition(":")[2] for spec in options.activation_checkpointing) or "CausalBlock"
     if raised is not None:
         verdicts = judge_raised(raised, on, on_ac, options.precision)
     elif off is None:
@@ -166,35 +200,9 @@ def measured(options: Options, workdir: Path, namespace: str, version: str) -> S
         verdicts = {CAST.name: judge(off, on, options.precision)}
     if on_ac and off_ac:
         verdicts[RECOMPUTE.name] = judge_recompute(off or on, on, off_ac, on_ac, classes)
-    verdict, reason = verdicts[CAST.name]
-    fixes = fix_entries((on_ac or on)[0].fixes, verdicts)
-    section = Section(namespace, version, verdict or "not checked", reason, fixes, off, on, off_ac, on_ac)
+    (verdict, reason), fixes = verdicts[CAST.name], fix_entries((on_ac or on)[0].fixes, verdicts)
+    section = Section(on[0].namespace, version, verdict or "not checked", reason, fixes, off, on, off_ac, on_ac)
     return replace(section, shim_off_error=raised["traceback"] if raised else None)
-
-
-def verify(options: Options, workdir: Path) -> tuple[Section, dict[str, str]]:
-    """The section of the Lightning namespace checked (``--package``'s, ``--model``'s, else the first installed), and
-    the other installed ones, not checked; the probes write in ``workdir``."""
-    print(f"fsdp-shim verify: {GATE_STEP} ...", file=sys.stderr, flush=True)  # with --json, stdout is the document
-    failed = run_probe(ProbeRequest("gate", str(out := workdir / "gate.json"), options), "1", GATE_STEP)
-    if isinstance(failed, dict):
-        raise users_code_raised(failed, "1")
-    if failed or not out.exists():
-        return Section("Lightning", None, "FAILED", f"{GATE_STEP} {failed or 'wrote nothing'}"), {}
-    gate = json.loads(out.read_text())
-    installed: dict[str, dict[str, Any]] = gate["namespaces"]
-    namespace = PACKAGES[options.package] if options.package else (gate["model_namespaces"] + list(installed))[0]
-    if namespace not in installed:
-        raise Stop(f"--package {options.package} is not installed {sys.executable}", 2)
-    info, others = installed[namespace], {ns: i["version"] for ns, i in installed.items() if ns != namespace}
-    if info["import_failure"] is not None:
-        return Section(namespace, None, "FAILED", describe_import_failure(namespace, info["import_failure"])), others
-    if plan(options, version := info["version"]):
-        return measured(options, workdir, namespace, version), others
-    reason = unaffected(CAST, version) + "; nothing was trained (--measure trains anyway)" * CAST.built_in(version)
-    verdicts = {fix.name: ("not needed", unaffected(fix, version)) for fix in FIXES if not fix.affects(version)}
-    fixes = fix_entries(info["fixes"], {**verdicts, CAST.name: ("not needed", reason)})
-    return Section(namespace, version, "not needed", reason, fixes), others
 
 
 def unaffected(fix: Fix, version: str) -> str:
@@ -239,8 +247,7 @@ def judge(off: Runs, on: Runs, precision: str) -> Verdict:
     """The cast's verdict: ``fixed`` must hold on every rank, exactly; ``not needed`` if the shim changes nothing."""
     version, want = on[0].lightning, DTYPES[precision]
     if not CAST.affects(version):
-        keys = FIGURES[:-1]
-        if all(getattr(a, key) == getattr(b, key) for a, b in zip(off, on) for key in keys):
+        if all(getattr(a, key) == getattr(b, key) for a, b in zip(off, on) for key in FIGURES[:-1]):
             return "not needed", f"{unaffected(CAST, version)}; measured: the shim changes nothing"
         return "FAILED", f"{unaffected(CAST, version)}, but the figures differ with the shim on"
     problems = unapplied(on[0].fixes[CAST.name], on[0].namespace) + dtype_problems(on, want)
@@ -297,8 +304,7 @@ def judge_raised(raised: dict[str, Any], on: Runs, on_ac: Runs | None, precision
     checkpoint raised, else the cast did; the other fix has no run without the shim to compare with."""
     by = RECOMPUTE if raised["in_recompute"] or not CAST.affects(on[0].lightning) else CAST
     who = "a recompute of torch's checkpoint" if raised["in_recompute"] else "training"
-    without = f"without the shim, {who} raised {raised['message']}"
-    changed = what_changed(on, on_ac) if on_ac else None
+    without, changed = f"without the shim, {who} raised {raised['message']}", what_changed(on, on_ac) if on_ac else None
     problems = {
         CAST: dtype_problems(on, DTYPES[precision]),
         RECOMPUTE: [f"the checkpointed run {changed}"] * bool(changed),

@@ -1,5 +1,6 @@
-"""verify's probe, in fresh processes: ``gate`` reads every installed Trainer namespace and refuses unusable user
-modules before anything trains; ``measure`` trains with FSDP and writes a ``RankResult`` per rank."""
+"""verify's probe, one fresh process per shim state: the first reads the installed Lightning into ``gate.json``
+(refusing unusable user modules before anything trains); each trains its runs of the plan with FSDP, writing a
+``RankResult`` per run and rank, or an error record."""
 
 from __future__ import annotations
 
@@ -8,13 +9,14 @@ import json
 import os
 import sys
 import traceback
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 from _fsdp_shim.activation import status
-from _fsdp_shim.config import TRAINER_NAMESPACES
-from _fsdp_shim.verify.records import Options, ProbeRequest, RankResult
+from _fsdp_shim.config import CAST, TRAINER_NAMESPACES
+from _fsdp_shim.distributions import import_failure, installed_packages
+from _fsdp_shim.verify.records import PACKAGES, Options, ProbeRequest, RankResult
 
 VOCAB, SEQUENCE, BATCH, WIDTH = 256, 32, 4, 32  # the seed model's
 
@@ -51,9 +53,8 @@ def check_fsdp_on_cpu() -> None:
         FSDP(torch.nn.Linear(2, 2), device_id=torch.device("cpu"))(torch.ones(1, 2)).sum().backward()
     except Exception as error:
         release = ".".join(torch.__version__.split("+")[0].split(".")[:2])
-        raise ProbeStop(
-            "usage", f"torch {release} cannot run FSDP on this machine's CPU ({one_line(error)})"
-        ) from error
+        message = f"torch {release} cannot run FSDP on this machine's CPU ({one_line(error)})"
+        raise ProbeStop("usage", message) from error
     finally:
         dist.destroy_process_group()
 
@@ -131,28 +132,41 @@ def user_modules(options: Options, build: bool) -> tuple[Any, Any, set[type], se
     return model, datamodule, checkpointed, wrapped, namespaces
 
 
-def fix_states(namespace: str) -> dict[str, dict[str, Any]]:
-    return {fix.fix: fix.as_dict() for fix in status().namespace(namespace).fixes}
+def plan(options: Options, version: str) -> list[tuple[str, bool]]:
+    """The runs, as (FSDP_SHIM, checkpointed), the shim on first: none on 2.0.x, nor on 2.5+ unless --measure,
+    --activation-checkpointing or the seed's recompute. Last: the run a model that raised without the shim skips."""
+    checking = options.model is None or bool(options.activation_checkpointing)
+    if not CAST.affects(version):
+        if not CAST.built_in(version) or not (options.measure or checking):
+            return []
+        if options.model is None and not options.measure and not options.activation_checkpointing:
+            return [("1", False), ("1", True), ("0", True)]  # the seed, for the recompute only
+    return [("1", False), *([("1", True)] if checking else []), ("0", False), *([("0", True)] if checking else [])]
 
 
-def gate(options: Options) -> dict[str, Any]:
-    """Every installed Trainer namespace's ``version`` and the shim's ``fixes``, or its ``import_failure``, and the
-    ``--model``'s namespaces; user modules are refused here, before anything trains."""
+def read_lightning(options: Options) -> dict[str, Any]:
+    """``gate.json``: the namespace to check (``--package``'s, the model's, else the first installed), its version,
+    import failure, the shim's fix states and the runs planned; the other installed namespaces' versions."""
     import torch
-
-    from _fsdp_shim.distributions import import_failure, installed_packages
 
     if not torch.cuda.is_available():
         check_fsdp_on_cpu()
-    model_namespaces, namespaces = user_modules(options, build=False)[-1], dict[str, dict[str, Any]]()
-    for namespace in [ns for ns in TRAINER_NAMESPACES if ns.partition(".")[0] in installed_packages()]:
+    own, versions, failures = user_modules(options, build=False)[-1], dict[str, str](), dict[str, Any]()
+    installed = [ns for ns in TRAINER_NAMESPACES if ns.partition(".")[0] in installed_packages()]
+    namespace = PACKAGES[options.package] if options.package else (own + installed)[0]
+    for ns in installed:
         try:
-            version = getattr(importlib.import_module(namespace), "__version__", None) or "(unknown)"
+            versions[ns] = getattr(importlib.import_module(ns), "__version__", None) or "(unknown)"
         except Exception as error:
-            namespaces[namespace] = {"version": "", "fixes": {}, "import_failure": import_failure(error)}
-        else:
-            namespaces[namespace] = {"version": version, "fixes": fix_states(namespace), "import_failure": None}
-    return {"namespaces": namespaces, "model_namespaces": model_namespaces}
+            versions[ns], failures[ns] = "", import_failure(error)
+    failure, version = failures.get(namespace), versions[namespace]
+    fixes, runs = (fix_states(namespace), plan(options, version)) if failure is None else ({}, [])
+    others = {ns: v for ns, v in versions.items() if ns != namespace}
+    return dict(namespace=namespace, version=version, import_failure=failure, fixes=fixes, plan=runs, others=others)
+
+
+def fix_states(namespace: str) -> dict[str, dict[str, Any]]:
+    return {fix.fix: fix.as_dict() for fix in status().namespace(namespace).fixes}
 
 
 def seed_model(pl: Any, steps: int, devices: int) -> tuple[Any, Any, type]:
@@ -184,48 +198,47 @@ def seed_model(pl: Any, steps: int, devices: int) -> tuple[Any, Any, type]:
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.Adam(self.trainer.model.parameters(), lr=1e-3)
 
-    tokens = torch.randint(
-        0, VOCAB, (BATCH * steps * devices, SEQUENCE + 1), generator=torch.Generator().manual_seed(0)
-    )
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (BATCH * steps * devices, SEQUENCE + 1), generator=generator)
     return SeedModel(), DataLoader(TensorDataset(tokens), batch_size=BATCH), CausalBlock
 
 
-def train_and_measure(request: ProbeRequest) -> None:
-    """Train the seed's model for ``request.namespace`` (or ``--model``) with FSDP; write this rank's result."""
+def train(options: Options, namespace: str, checkpointing: bool, out: Path) -> str | None:
+    """Train the seed's model (or ``--model``) in ``namespace`` with FSDP, from the same weights as every run; write
+    this rank's result. What a checkpointed run raised, else None."""
     import torch
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
     from _fsdp_shim.verify import cpu_guards, measure
 
-    options, cuda = request.options, torch.cuda.is_available()
+    cuda = torch.cuda.is_available()
     torch.manual_seed(0)  # the runs compared bit for bit start from the same weights
-    model, datamodule, classes, wrapped, namespaces = user_modules(options, build=True)
-    namespace = request.namespace or namespaces[0]
+    model, datamodule, classes, wrapped, _ = user_modules(options, build=True)
     pl, loader = importlib.import_module(namespace), None
-    strategy_options: dict[str, Any] = {"auto_wrap_policy": wrapped} if wrapped else {}
     if options.model is None:
         model, loader, block = seed_model(pl, options.steps, options.devices)
         classes = classes or {block}
+    policies: dict[str, Any] = {"auto_wrap_policy": wrapped} if wrapped else {}
     counted: tuple[type, ...] = tuple(classes)  # a checkpointed run counts the wrappers Lightning's policy put in
-    if request.checkpointing:
-        strategy_options["activation_checkpointing_policy"], counted = classes, (CheckpointWrapper,)
+    if checkpointing:
+        policies["activation_checkpointing_policy"], counted = classes, (CheckpointWrapper,)
     if not cuda:
         cpu_guards.lift(namespace)
     callback = measure.measuring_callback(pl, counted)
-    strategy = importlib.import_module(f"{namespace}.strategies").FSDPStrategy(**strategy_options)
     flags: dict[str, Any] = dict.fromkeys(
         ("logger", "enable_checkpointing", "enable_progress_bar", "enable_model_summary"), False
     )
     flags.update(precision=options.precision, max_steps=options.steps, limit_val_batches=0, num_sanity_val_steps=0)
     device = {"accelerator": "cuda" if cuda else "cpu", "devices": options.devices}  # deterministic: bit for bit
+    strategy = importlib.import_module(f"{namespace}.strategies").FSDPStrategy(**policies)
     trainer = pl.Trainer(strategy=strategy, callbacks=[callback], deterministic=bool(classes), **device, **flags)
     error = None
     try:
         trainer.fit(model, loader, datamodule=datamodule)
     except Exception as raised:
-        if not request.checkpointing and options.model is not None:
+        if not checkpointing and options.model is not None:
             raise user_error("training", raised, rank=trainer.global_rank) from raised
-        if not request.checkpointing:
+        if not checkpointing:
             raise  # the seed's: verify's failure, not the user's
         error = one_line(raised)
     if options.activation_checkpointing and not callback.checkpointed and not error:
@@ -235,8 +248,8 @@ def train_and_measure(request: ProbeRequest) -> None:
     result = RankResult(rank, checkpointed=callback.checkpointed, fixes=fix_states(namespace), error=error)
     if not error:
         flat = measure.flat_parameters(root)
-        result = RankResult(
-            rank=rank,
+        result = replace(
+            result,
             module_dtype=str(trainer.lightning_module.dtype),
             flat_param_dtypes=sorted({str(p.dtype) for p in flat}),
             param_bytes=measure.nbytes(flat),
@@ -244,13 +257,11 @@ def train_and_measure(request: ProbeRequest) -> None:
             optimizer_state_bytes=measure.optimizer_state_bytes(trainer.optimizers[0]),
             losses=callback.losses,
             param_hashes=measure.parameter_hashes(root),
-            checkpointed=callback.checkpointed,
             lightning=pl.__version__,
             namespace=pl.__name__,
-            fixes=result.fixes,
         )
-    Path(f"{request.out}.rank{rank}.json").write_text(json.dumps(asdict(result)))
-    leave_process_group(0, barrier=not error)  # after an error a collective may be pending: no barrier
+    Path(f"{out}.rank{rank}.json").write_text(json.dumps(asdict(result)))
+    return error
 
 
 def leave_process_group(code: int = 0, barrier: bool = True) -> None:
@@ -267,18 +278,25 @@ def leave_process_group(code: int = 0, barrier: bool = True) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """Run the probe that ``argv[0]`` (a ``ProbeRequest`` as JSON) asks for; never returns."""
+    """Run the probe ``argv[0]`` (a ``ProbeRequest`` as JSON) asks for; never returns. The first reads Lightning into
+    ``gate.json``, then trains the plan's runs with the shim on; each run's start is a file, ``runN``."""
     import fsdp_shim  # noqa: F401  (activates, before Lightning is imported, unless FSDP_SHIM=0)
 
     data = json.loads(argv[0])
-    request = ProbeRequest(**{**data, "options": Options(**data["options"])})
+    request, folder = ProbeRequest(**{**data, "options": Options(**data["options"])}), Path(data["out"]).parent
     if request.options.model_path is not None:  # only for the modules the user named, from their folder
         sys.path.insert(0, request.options.model_path)
     try:
-        if request.mode == "gate":
-            Path(request.out).write_text(json.dumps(gate(request.options)))
-        else:
-            train_and_measure(request)
+        if request.namespace is None:
+            gate = read_lightning(request.options)
+            (folder / "gate.json").write_text(json.dumps(gate))  # the command reads it once run 1 starts, or at the end
+            runs = [(number, ac) for number, (shim, ac) in enumerate(gate["plan"], 1) if shim == "1"]
+            request = replace(request, namespace=gate["namespace"], runs=runs)
+            sys.argv[1:] = [json.dumps(asdict(request))]  # Lightning's launcher starts the other ranks with sys.argv
+        for number, checkpointing in request.runs:
+            (folder / f"run{number}").touch()
+            if train(request.options, str(request.namespace), checkpointing, folder / f"run{number}"):
+                leave_process_group(0, barrier=False)  # after an error a collective may be pending: no barrier
     except ProbeStop as stop:
         rank = stop.record.get("rank", int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))))
         Path(f"{request.out}.rank{rank}.error.json").write_text(json.dumps(stop.record))

@@ -6,10 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-PROBE_TIMEOUT = 1800  # seconds one probe (reading Lightning, or one training run) may take (--timeout)
+PROBE_TIMEOUT = 1800  # seconds one step (reading Lightning, or one training run) may take (--timeout)
 PACKAGES = {"lightning": "lightning.pytorch", "pytorch_lightning": "pytorch_lightning"}  # --package: namespace
 CHOICES = tuple(PACKAGES)
-SEED_CHECKPOINTED = "CausalBlock"  # the seed's checkpointed class, named as --activation-checkpointing's are
 
 
 @dataclass(frozen=True)
@@ -31,11 +30,10 @@ class Options:
 
 @dataclass(frozen=True)
 class ProbeRequest:
-    mode: str  # "gate", or "measure": train ``namespace`` (None: the user's model's)
-    out: str  # a path prefix
+    out: str  # a path prefix: shim1, shim0 in verify's folder
     options: Options
-    namespace: str | None = None
-    checkpointing: bool = False
+    namespace: str | None = None  # None: the first probe, which reads Lightning (gate.json) and picks it
+    runs: list[tuple[int, bool]] = field(default_factory=list)  # (number in the plan, checkpointed)
 
 
 @dataclass(frozen=True)

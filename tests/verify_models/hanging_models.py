@@ -21,4 +21,4 @@ def hang() -> None:
     time.sleep(3600)
 
 
-hang()  # while verify reads the installed Lightning (the gate probe imports this module first)
+hang()  # while verify reads the installed Lightning (its first probe imports this module before it trains)
