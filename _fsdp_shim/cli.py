@@ -189,9 +189,9 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from _fsdp_shim import environment
+    from _fsdp_shim import status
 
-    return environment.main(args.json, args.python_check)
+    return status.main(args.json, args.python_check)
 
 
 def main(argv: list[str] | None = None) -> int:
