@@ -204,7 +204,7 @@ def test_the_command_and_each_commands_help_on_an_ascii_terminal() -> None:
     assert [c for c in ("run", "status", "verify") if f"\n    {c} " in bare.stdout] == ["run", "status", "verify"]
     for command, description, example in (
         ("run", "Run CMD with the shim active in every Python process it starts", "run torchrun --nproc-per-node 8"),
-        ("status", "What is installed and active (fsdp-shim run, FSDP_SHIM)", "status --python-check"),
+        ("status", "What is installed and active, and whether the pieces agree", "status --python-check"),
         ("verify", "Train a model for a few steps with FSDP, with the shim off and on", "verify --model my_project"),
     ):
         proc = run_command([FSDP_SHIM, command, "--help"], env=env)
