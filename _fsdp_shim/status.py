@@ -10,7 +10,7 @@ import os
 import site
 import subprocess
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +66,6 @@ class NamespaceStatus:
     version: str | None = None
     activated_after_import: bool = False  # models FSDP wrapped before keep their dtype
     fixes: tuple[FixStatus, ...] = ()
-    note: str = ""  # why it was not checked, where a finder in front of the shim's loaded it
 
     @property
     def affected(self) -> bool | None:
@@ -86,8 +85,6 @@ class NamespaceStatus:
     @property
     def reason(self) -> str:
         """``patched`` (with the fixes' notes), else what keeps each fix off."""
-        if all(f.state is State.NOT_CHECKED for f in self.fixes):
-            return _SAID[State.NOT_CHECKED] + (f": {self.note}" if self.note else "")
         if self.patched:
             notes = [f"{f.fix}: {f.detail}" for f in self.fixes if f.patched and f.detail]
             return "patched" + (f" ({'; '.join(notes)})" if notes else "")
@@ -123,13 +120,12 @@ class ShimStatus:
         return {**asdict(self), "namespaces": [n.as_dict() for n in self.namespaces]}
 
     def __str__(self) -> str:
-        state = "active" if self.active else "inactive"
+        state = ("active" if self.active else "inactive") + (f" via {', '.join(self.sources)}" if self.sources else "")
         if not self.enabled:
             patched = any(f.patched for n in self.namespaces for f in n.fixes)
             kept = " (what it patched before stays patched; fsdp_shim.deactivate() removes it)" if patched else ""
             state = f"switched off by {SHIM_VARIABLE}{kept}"
-        via = f" via {', '.join(self.sources)}" if self.sources and self.enabled else ""
-        lines = [f"fsdp-shim {self.shim_version}: {state}{via}" + (" (strict)" if self.strict else "")]
+        lines = [f"fsdp-shim {self.shim_version}: {state}" + (" (strict)" if self.strict else "")]
         if self.disabled_fixes:
             lines.append(f"  fixes switched off: {', '.join(self.disabled_fixes)}")
         for status in self.namespaces:
@@ -163,13 +159,13 @@ def _namespace(name: str, on: bool, late: bool) -> NamespaceStatus:
             f if f.patched or f.affected is False else FixStatus(f.fix, State.SWITCHED_OFF, f.affected, off)
             for f in fixes
         )
-    note = ""
-    if name in startup.not_handed_over():
+    if name in startup.not_handed_over():  # not checked: say why
         from _fsdp_shim.late import finders_in_front
 
-        note = f"{finders_in_front(module)} loaded it without fsdp-shim's import watcher seeing it "
-        note += "(fsdp_shim.activate() checks it now)"
-    return NamespaceStatus(name, True, version, late, fixes, note)
+        why = f"{finders_in_front(module)} loaded it without fsdp-shim's import watcher seeing it "
+        why += "(fsdp_shim.activate() checks it now)"
+        fixes = tuple(replace(f, detail=why) if f.state is State.NOT_CHECKED else f for f in fixes)
+    return NamespaceStatus(name, True, version, late, fixes)
 
 
 def reading(namespace: str, fix: Fix) -> FixStatus:
