@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +57,8 @@ def _parser() -> argparse.ArgumentParser:
     classes: dict[str, Any] = {"type": _class_list, "metavar": "MODULE:CLASS[,...]", "default": []}
     verify, default = add["verify"].add_argument, "(default: %(default)s)"
     verify("--precision", choices=("bf16-true", "16-true"), default="bf16-true", help=f"of both runs {default}")
-    verify("--devices", type=_positive(int), default=1, metavar="N", help=f"processes (GPUs with CUDA) {default}")
-    verify("--steps", type=_positive(int), default=3, metavar="N", help=f"training steps per run {default}")
+    verify("--devices", type=_positive, default=1, metavar="N", help=f"processes (GPUs with CUDA) {default}")
+    verify("--steps", type=_positive, default=3, metavar="N", help=f"training steps per run {default}")
     verify("--measure", action="store_true", help="train even where the installed Lightning has the fix")
     verify("--model", **attr, help="your LightningModule class (no arguments) or a factory (default: the seed model)")
     verify("--init-args", type=_json_object, default={}, metavar="JSON", help="keyword arguments for --model")
@@ -71,25 +72,21 @@ def _parser() -> argparse.ArgumentParser:
     verify("--auto-wrap", **classes, help="with --model: FSDP's auto-wrap classes (default: one unit, the whole model)")
     verify("--model-path", type=Path, metavar="DIR", help="the folder --model and the classes come from (default: .)")
     seconds = f"how long one probe may take: past it, verify stops it and every process it started, exits 1 {default}"
-    verify("--timeout", type=_positive(float), default=PROBE_TIMEOUT, metavar="SECONDS", help=seconds)
+    verify("--timeout", type=partial(_positive, kind=float), default=PROBE_TIMEOUT, metavar="SECONDS", help=seconds)
     verify("--package", choices=CHOICES, help="for the seed model (default: lightning, else pytorch_lightning)")
     verify("--json", action="store_true", dest="as_json", help="machine-readable output, every figure per rank")
     return parser
 
 
-def _positive(kind: type[float]) -> Any:
-    """An argparse type: a number of ``kind`` (int or float) above 0."""
-
-    def parse(text: str) -> float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a {'whole ' if kind is int else ''}number") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"{text} is not a positive number")
-        return value
-
-    return parse
+def _positive(text: str, kind: type[float] = int) -> float:
+    """An argparse type: a number of ``kind`` (int, or float by ``partial``) above 0."""
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a {'whole ' if kind is int else ''}number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
+    return value
 
 
 def _module_attribute(text: str, spelling: str = "MODULE:ATTR (e.g. my_project.model:MyModule)") -> str:
