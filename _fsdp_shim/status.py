@@ -338,14 +338,16 @@ def _check_child(report: Report) -> None:
         return
     child = report["child"] = json.loads(parts[1])
     problems += [describe_import_failure(package, failure) for package, failure in child["failed"].items()]
+    if state == "off":
+        return
     if state == "armed" and child["imported"] and not child["shim_loaded"]:
         problems.append("a start-up activation is present but a fresh interpreter did not load the shim")
-    for ns in (child["status"] or {}).get("namespaces", []) if state != "off" else []:
-        problems += [
-            f"{ns['namespace']} {ns['version']} lacks the {fix['fix']} fix, and it was not applied: {fix['reason']}"
-            for fix in ns["fixes"]
-            if ns["imported"] and fix["affected"] and not fix["patched"] and fix["state"] != State.DISABLED.value
-        ]
+    problems += [
+        f"{ns['namespace']} {ns['version']} lacks the {fix['fix']} fix, and it was not applied: {fix['reason']}"
+        for ns in (child["status"] or {}).get("namespaces", [])
+        for fix in ns["fixes"]
+        if ns["imported"] and fix["affected"] and not fix["patched"] and fix["state"] != State.DISABLED.value
+    ]
 
 
 def environment_report(python_check: bool = False) -> Report:
@@ -377,7 +379,7 @@ def environment_report(python_check: bool = False) -> Report:
 
 def _armed_lines(report: Report, shown: str) -> list[str]:
     """Armed or not, by what (or what would, but for ``FSDP_SHIM=0``); where nothing arms it, the ways that would."""
-    state, env, on = report["armed"]["state"], report["environment_file"], shown in report["armed"]["by"]
+    state, env = report["armed"]["state"], report["environment_file"]
     how = {shown: f"read by {env['path']}", "fsdp-shim run": "its bootstrap is first on PYTHONPATH"}
     by = [(name, how[name]) for name in report["armed"]["by"]]
     if state == "off":
