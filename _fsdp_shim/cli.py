@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -14,117 +15,78 @@ from _fsdp_shim.config import SHIM_VARIABLE, switch_state
 from _fsdp_shim.verify.records import CHOICES, PROBE_TIMEOUT, Options
 
 BOOTSTRAP = str(Path(__file__).resolve().parent / "bootstrap")  # its sitecustomize arms the shim, then the user's
-COMMANDS = {  # summary, description, example
-    "run": (
-        "run CMD with the shim active in every Python process it starts",
-        "Run CMD with the shim active in every Python process it starts: a bootstrap sitecustomize goes\n"
-        "first on PYTHONPATH, which torchrun workers, Lightning's launcher and spawned processes inherit.\n"
-        "The command replaces fsdp-shim (exec): its exit code and signals are its own.",
-        "fsdp-shim run torchrun --nproc-per-node 8 train.py",
-    ),
-    "status": (
-        "what is installed and active, and whether it agrees",
-        "What is installed and active (fsdp-shim run, FSDP_SHIM), which Lightning releases are installed,\n"
-        "whether they still need each fix, and whether the pieces agree: exit code 1 with a PROBLEM line\n"
-        "when they do not.",
-        "fsdp-shim status --python-check",
-    ),
-    "verify": (
-        "train a model with the shim off and on, in fresh processes, and compare",
-        "Train a model for a few steps with FSDP, with the shim off and on, in fresh processes, and compare\n"
-        "dtypes and exact byte counts: a verdict per fix (fixed, not needed, FAILED) for one Lightning package\n"
-        "(--package); with --activation-checkpointing also each run with and without checkpointing, bit for bit.\n"
-        "Exit codes: 0 fixed or not needed; 1 FAILED, your model raised, or a step ran past --timeout;\n"
-        "2 verify could not run; 130 interrupted.",
-        "fsdp-shim verify --model my_project.model:MyModel --devices 2",
-    ),
+COMMANDS = {  # each command's description (its summary up to the colon) and example
+    "run": "Run CMD with the shim active in every Python process it starts: a bootstrap sitecustomize goes\n"
+    "first on PYTHONPATH, which torchrun workers, Lightning's launcher and spawned processes inherit.\n"
+    "The command replaces fsdp-shim (exec): its exit code and signals are its own.\n\n"
+    "example:\n  fsdp-shim run torchrun --nproc-per-node 8 train.py",
+    "status": "What is installed and active, and whether the pieces agree: fsdp-shim run and FSDP_SHIM, the\n"
+    "Lightning releases installed (read from metadata) and whether they still need each fix. Exit code 1,\n"
+    "with a PROBLEM line, where the pieces disagree.\n\nexample:\n  fsdp-shim status --python-check",
+    "verify": "Train a model for a few steps with FSDP, with the shim off and on, in fresh processes, and compare:\n"
+    "dtypes and exact byte counts, a verdict per fix (fixed, not needed, FAILED) for one Lightning package\n"
+    "(--package); with --activation-checkpointing also each run with and without checkpointing, bit for bit.\n"
+    "Exit codes: 0 fixed or not needed; 1 FAILED, your model raised, or a step ran past --timeout;\n"
+    "2 verify could not run; 130 interrupted.\n\n"
+    "example:\n  fsdp-shim verify --model my_project.model:MyModel --devices 2",
 }
-VERIFY_HELP = {  # the longer ones
-    "--model": "your LightningModule class (built with no arguments) or a factory returning one "
-    "(default: verify's seed model)",
-    "--activation-checkpointing": "also train with Lightning's FSDP activation checkpointing of these classes, each "
-    "MODULE:CLASS as activation_checkpointing_policy={...} takes them (torch.nn:TransformerEncoderLayer), shim off "
-    "and on, and judge the recompute fix (default: the seed model's own causal block; with --model, not checked)",
-    "--auto-wrap": "with --model: FSDP's auto_wrap_policy, as your strategy sets it, each class an FSDP unit of its "
-    "own (default: Lightning's, one unit for the whole model)",
-    "--model-path": "the folder --model, --datamodule and the classes are imported from (default: the current "
-    "folder; no other probe sees it)",
-    "--timeout": "how long one probe (reading Lightning, or one training run) may take before verify stops it and "
-    "every process it started, and exits 1",
-    "--package": "the Lightning package the seed model trains with (default: lightning where installed, else "
-    "pytorch_lightning)",
-}
-
-
-class _Formatter(argparse.RawDescriptionHelpFormatter):
-    """Descriptions as written; an option's default in its help, where it has one and the help does not say it."""
-
-    def _get_help_string(self, action: argparse.Action) -> str:
-        text, shown = action.help or "", action.default not in (None, False, argparse.SUPPRESS)
-        return f"{text} (default: %(default)s)" if shown and action.option_strings and "(default:" not in text else text
 
 
 def _parser() -> argparse.ArgumentParser:
+    raw = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(
         prog="fsdp-shim",
         description="Fixes for Lightning's FSDP 'true' precisions: the cast (2.1-2.4, as 2.5.0 does it) and\n"
         "the recompute (activation checkpointing in the forward's dtype, every release from 2.1).",
         epilog="example:\n  fsdp-shim verify          # does the shim fix this environment?\n"
         "  fsdp-shim run python train.py\n\n'fsdp-shim COMMAND --help' describes each command.",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=raw,
     )
     parser.add_argument("--version", action="version", version=f"fsdp-shim {__version__}")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands")
-    add = {
-        name: commands.add_parser(
-            name, help=summary, description=text, epilog=f"example:\n  {example}", formatter_class=_Formatter
-        ).add_argument
-        for name, (summary, text, example) in COMMANDS.items()
-    }
-    add["run"]("cmd", nargs=argparse.REMAINDER, help="the command and its arguments")
-    add["status"]("--json", action="store_true", help="machine-readable output")
-    add["status"](
-        "--python-check", action="store_true", help="also ask a fresh interpreter what importing Lightning gives"
-    )
-    verify = add["verify"]
+    add = {}
+    for name, text in COMMANDS.items():
+        description, _, epilog = text.partition("\n\n")
+        summary = text[0].lower() + text[1 : text.index(":")]
+        add[name] = commands.add_parser(name, help=summary, description=description, epilog=epilog, formatter_class=raw)
+    add["run"].add_argument("cmd", nargs=argparse.REMAINDER, help="the command and its arguments")
+    status = add["status"].add_argument
+    status("--json", action="store_true", help="machine-readable output")
+    status("--python-check", action="store_true", help="also ask a fresh interpreter what importing Lightning gives")
     attr: dict[str, Any] = {"type": _module_attribute, "metavar": "MODULE:ATTR"}  # --model and --datamodule
     classes: dict[str, Any] = {"type": _class_list, "metavar": "MODULE:CLASS[,...]", "default": []}
-    verify(
-        "--precision",
-        choices=("bf16-true", "16-true"),
-        default="bf16-true",
-        help="the Lightning precision both runs use",
-    )
-    verify("--devices", type=_positive(int), default=1, metavar="N", help="processes (GPUs with CUDA)")
-    verify("--steps", type=_positive(int), default=3, metavar="N", help="training steps per run")
-    verify("--measure", action="store_true", help="train even where the installed Lightning already has the fix")
-    verify("--model", **attr, help=VERIFY_HELP["--model"])
+    verify, default = add["verify"].add_argument, "(default: %(default)s)"
+    verify("--precision", choices=("bf16-true", "16-true"), default="bf16-true", help=f"of both runs {default}")
+    verify("--devices", type=_positive, default=1, metavar="N", help=f"processes (GPUs with CUDA) {default}")
+    verify("--steps", type=_positive, default=3, metavar="N", help=f"training steps per run {default}")
+    verify("--measure", action="store_true", help="train even where the installed Lightning has the fix")
+    verify("--model", **attr, help="your LightningModule class (no arguments) or a factory (default: the seed model)")
     verify("--init-args", type=_json_object, default={}, metavar="JSON", help="keyword arguments for --model")
+    verify("--datamodule", **attr, help="LightningDataModule class or factory (default: the model's train_dataloader)")
     verify(
-        "--datamodule", **attr, help="LightningDataModule class or factory (default: the model's own train_dataloader)"
+        "--activation-checkpointing",
+        **classes,
+        help="also train with FSDP activation checkpointing of these classes (torch.nn:TransformerEncoderLayer) and "
+        "judge the recompute fix (default: the seed model's own causal block; with --model, not checked)",
     )
-    verify("--activation-checkpointing", **classes, help=VERIFY_HELP["--activation-checkpointing"])
-    verify("--auto-wrap", **classes, help=VERIFY_HELP["--auto-wrap"])
-    verify("--model-path", type=Path, metavar="DIR", help=VERIFY_HELP["--model-path"])
-    verify("--timeout", type=_positive(float), default=PROBE_TIMEOUT, metavar="SECONDS", help=VERIFY_HELP["--timeout"])
-    verify("--package", choices=CHOICES, help=VERIFY_HELP["--package"])
+    verify("--auto-wrap", **classes, help="with --model: FSDP's auto-wrap classes (default: one unit, the whole model)")
+    verify("--model-path", type=Path, metavar="DIR", help="the folder --model and the classes come from (default: .)")
+    seconds = f"how long one probe may take: past it, verify stops it and every process it started, exits 1 {default}"
+    verify("--timeout", type=partial(_positive, kind=float), default=PROBE_TIMEOUT, metavar="SECONDS", help=seconds)
+    verify("--package", choices=CHOICES, help="for the seed model (default: lightning, else pytorch_lightning)")
     verify("--json", action="store_true", dest="as_json", help="machine-readable output, every figure per rank")
     return parser
 
 
-def _positive(kind: type[float]) -> Any:
-    """An argparse type: a number of ``kind`` (int or float) above 0."""
-
-    def parse(text: str) -> float:
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a {'whole ' if kind is int else ''}number") from None
-        if not value > 0:
-            raise argparse.ArgumentTypeError(f"{text} is not a positive number")
-        return value
-
-    return parse
+def _positive(text: str, kind: type[float] = int) -> float:
+    """An argparse type: a number of ``kind`` (int, or float by ``partial``) above 0."""
+    try:
+        value = kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a {'whole ' if kind is int else ''}number") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
+    return value
 
 
 def _module_attribute(text: str, spelling: str = "MODULE:ATTR (e.g. my_project.model:MyModule)") -> str:
@@ -135,8 +97,7 @@ def _module_attribute(text: str, spelling: str = "MODULE:ATTR (e.g. my_project.m
 
 
 def _class_list(text: str) -> list[str]:
-    spelling = "MODULE:CLASS (e.g. torch.nn:TransformerEncoderLayer)"
-    return [_module_attribute(item.strip(), spelling) for item in text.split(",")]
+    return [_module_attribute(item.strip(), "MODULE:CLASS (e.g. torch.nn:Linear)") for item in text.split(",")]
 
 
 def _json_object(text: str) -> dict[str, Any]:
@@ -189,9 +150,9 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from _fsdp_shim import environment
+    from _fsdp_shim import status
 
-    return environment.main(args.json, args.python_check)
+    return status.main(args.json, args.python_check)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,30 +1,32 @@
-"""``fsdp_shim.status()``: what the shim did in this process, read from the classes now, and the sentences that
-say it (``reason``, ``str()``). Loaded only when asked: a training process needs none of it."""
+"""``fsdp_shim.status()``: what the shim did in this process, read from the classes now, and the sentences that say
+it (``reason``, ``str()``); and ``fsdp-shim status``, what this environment holds and whether the pieces agree, read
+from metadata (``--python-check``: a fresh interpreter imports Lightning). Loaded only when asked."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
+import site
+import subprocess
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import _fsdp_shim as startup
 from _fsdp_shim import NAMESPACES, config, failures
 from _fsdp_shim._version import __version__
-from _fsdp_shim.config import FIXES, RECOMPUTE, SHIM_VARIABLE, Fix, State
+from _fsdp_shim.config import CAST, FIXES, RECOMPUTE, SHIM_VARIABLE, Fix, State, joined, switch_state
+from _fsdp_shim.distributions import describe_import_failure, distribution_of, installed_packages
 
-_SAID = {
+_SAID = {  # the states whose value alone does not say it
     State.NOT_IMPORTED: "not imported yet; it is checked when it is imported",
     State.NOT_CHECKED: "imported; not checked yet",
-    State.PATCHED: "patched",
-    State.NOT_SHOWN: "not shown yet",
-    State.NOT_IN_EFFECT: "not in effect",
     State.NOT_AFFECTED: "no 'true' precisions for FSDP in this release; nothing to fix",
     State.BUILT_IN: "left untouched: this release contains it",
     State.TORCH_HAS_IT: "not needed: torch left untouched",
     State.DISABLED: f"switched off by {config.DISABLED_FIXES_VARIABLE}",
-    State.SWITCHED_OFF: "switched off",
-    State.DEACTIVATED: "deactivated",
     State.FAILED: "not patched",
 }
 
@@ -46,9 +48,10 @@ class FixStatus:
     @property
     def reason(self) -> str:
         """The state in words, with its detail."""
-        if self.detail and self.state in (State.PATCHED, State.BUILT_IN):
-            return f"{_SAID[self.state]} ({self.detail})"
-        return f"{_SAID[self.state]}: {self.detail}" if self.detail else _SAID[self.state]
+        said = _SAID.get(self.state, self.state.value)
+        if not self.detail:
+            return said
+        return f"{said} ({self.detail})" if self.state in (State.PATCHED, State.BUILT_IN) else f"{said}: {self.detail}"
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "state": self.state.value, "patched": self.patched, "reason": self.reason}
@@ -63,7 +66,6 @@ class NamespaceStatus:
     version: str | None = None
     activated_after_import: bool = False  # models FSDP wrapped before keep their dtype
     fixes: tuple[FixStatus, ...] = ()
-    note: str = ""  # why it was not checked, where a finder in front of the shim's loaded it
 
     @property
     def affected(self) -> bool | None:
@@ -83,8 +85,6 @@ class NamespaceStatus:
     @property
     def reason(self) -> str:
         """``patched`` (with the fixes' notes), else what keeps each fix off."""
-        if all(f.state is State.NOT_CHECKED for f in self.fixes):
-            return _SAID[State.NOT_CHECKED] + (f": {self.note}" if self.note else "")
         if self.patched:
             notes = [f"{f.fix}: {f.detail}" for f in self.fixes if f.patched and f.detail]
             return "patched" + (f" ({'; '.join(notes)})" if notes else "")
@@ -120,20 +120,23 @@ class ShimStatus:
         return {**asdict(self), "namespaces": [n.as_dict() for n in self.namespaces]}
 
     def __str__(self) -> str:
-        state = "active" if self.active else "inactive"
+        state = ("active" if self.active else "inactive") + (f" via {', '.join(self.sources)}" if self.sources else "")
         if not self.enabled:
             patched = any(f.patched for n in self.namespaces for f in n.fixes)
             kept = " (what it patched before stays patched; fsdp_shim.deactivate() removes it)" if patched else ""
             state = f"switched off by {SHIM_VARIABLE}{kept}"
-        via = f" via {', '.join(self.sources)}" if self.sources and self.enabled else ""
-        lines = [f"fsdp-shim {self.shim_version}: {state}{via}" + (" (strict)" if self.strict else "")]
+        lines = [f"fsdp-shim {self.shim_version}: {state}" + (" (strict)" if self.strict else "")]
         if self.disabled_fixes:
             lines.append(f"  fixes switched off: {', '.join(self.disabled_fixes)}")
         for status in self.namespaces:
-            lines.append(f"  {status.namespace:<18} {status.version or '-':<10} {status.reason}")
+            lines.append(_line(status.namespace, status.version, status.reason))
             if status.imported:
                 lines += [f"    {fix.fix:<10} {fix.reason}" for fix in status.fixes]
         return "\n".join(lines)
+
+
+def _line(namespace: str, version: str | None, reason: str) -> str:
+    return f"  {namespace:<18} {version or '-':<10} {reason}"
 
 
 def collect(on: bool, active: bool, late: set[str]) -> ShimStatus:
@@ -146,43 +149,38 @@ def collect(on: bool, active: bool, late: set[str]) -> ShimStatus:
 
 
 def _namespace(name: str, on: bool, late: bool) -> NamespaceStatus:
-    module = sys.modules.get(name)
+    fixes, module = tuple(reading(name, fix) for fix in FIXES), sys.modules.get(name)
     if module is None:
-        return NamespaceStatus(name, fixes=tuple(FixStatus(fix.name) for fix in FIXES))
+        return NamespaceStatus(name, fixes=fixes)
     version = module.__version__ if isinstance(getattr(module, "__version__", None), str) else None
-    try:
-        from _fsdp_shim import wrappers  # noqa: F401 - its patching code (wrapt) may be missing
-    except ImportError as error:
-        detail = f"fsdp-shim's patching code cannot be imported ({error})"
-        fixes = tuple(FixStatus(f.name, State.FAILED, True, detail) for f in FIXES)
-        return NamespaceStatus(name, True, version, late, fixes)
-    fixes = tuple(reading(name, fix) for fix in FIXES)
     off = f"{SHIM_VARIABLE}={os.environ.get(SHIM_VARIABLE, '')!r}"
     if not on:  # what stays patched, or needs nothing, says so
         fixes = tuple(
             f if f.patched or f.affected is False else FixStatus(f.fix, State.SWITCHED_OFF, f.affected, off)
             for f in fixes
         )
-    note = ""
-    if name in startup.not_handed_over():
+    if name in startup.not_handed_over():  # not checked: say why
         from _fsdp_shim.late import finders_in_front
 
-        note = f"{finders_in_front(module)} loaded it without fsdp-shim's import watcher seeing it "
-        note += "(fsdp_shim.activate() checks it now)"
-    return NamespaceStatus(name, True, version, late, fixes, note)
+        why = f"{finders_in_front(module)} loaded it without fsdp-shim's import watcher seeing it "
+        why += "(fsdp_shim.activate() checks it now)"
+        fixes = tuple(replace(f, detail=why) if f.state is State.NOT_CHECKED else f for f in fixes)
+    return NamespaceStatus(name, True, version, late, fixes)
 
 
 def reading(namespace: str, fix: Fix) -> FixStatus:
     """The fix in the namespace, read from the classes now: another library's wrapper, a fallback or a
     namespace imported again changes it."""
-    from _fsdp_shim import recompute_check as check
-    from _fsdp_shim import wrappers
-    from _fsdp_shim.removal import describe, found_on_top
-
-    module = sys.modules.get(namespace)
-    record = None if module is None else wrappers.records.get((namespace, fix.name))
-    if module is None or record is None:
-        return FixStatus(fix.name, State.NOT_IMPORTED if module is None else State.NOT_CHECKED)
+    if (module := sys.modules.get(namespace)) is None:
+        return FixStatus(fix.name)
+    try:
+        from _fsdp_shim import recompute_check as check
+        from _fsdp_shim import wrappers
+        from _fsdp_shim.removal import describe, found_on_top
+    except ImportError as error:  # its patching code (wrapt) may be missing
+        return FixStatus(fix.name, State.FAILED, True, f"fsdp-shim's patching code cannot be imported ({error})")
+    if (record := wrappers.records.get((namespace, fix.name))) is None:
+        return FixStatus(fix.name, State.NOT_CHECKED)
     again = wrappers.imported_again(record, namespace, module)
     if again is not None:
         return FixStatus(fix.name, State.FAILED, record.affected, f"{again}, and its new classes were not checked yet")
@@ -209,18 +207,233 @@ def reading(namespace: str, fix: Fix) -> FixStatus:
         where = f"on torch {wrappers.torch_version()}"
         if not check.ran:
             return FixStatus(fix.name, State.NOT_SHOWN, True, f"{where}: its check has not run", targets)
-        failed, unchecked, shown = check.found(False, holds=True), check.found(False), check.found(True)
+        shown, again = check.found(True), "; checked again at a later checkpoint call, fsdp_shim.activate() or status()"
         also = f"; in effect for {check.the_checkpoints(shown)}" if shown else ""
-        if failed:
-            detail = f"{where} for {check.the_checkpoints(failed)} ({check.whys(failed)}){also}"
-            return FixStatus(fix.name, State.NOT_IN_EFFECT, True, detail, targets)
-        if unchecked:
-            again = "checked again at a later checkpoint call, fsdp_shim.activate() or status()"
-            detail = f"{where} for {check.the_checkpoints(unchecked)} ({check.whys(unchecked)}; {again}){also}"
-            return FixStatus(fix.name, State.NOT_SHOWN, True, detail, targets)
-        by_torch: dict[str, list[str]] = {}
-        for path in shown:
-            if check.findings[path].why:
-                by_torch.setdefault(check.findings[path].why, []).append(path)
-        notes += [f"{check.the_checkpoints(paths)}: {why}" for why, paths in by_torch.items()]
+        for decided, paths, later in (
+            (State.NOT_IN_EFFECT, check.found(False, holds=True), ""),
+            (State.NOT_SHOWN, check.found(False), again),
+        ):
+            if paths:
+                detail = f"{where} for {check.the_checkpoints(paths)} ({check.whys(paths)}{later}){also}"
+                return FixStatus(fix.name, decided, True, detail, targets)
+        by_torch = dict.fromkeys(check.findings[path].why for path in shown if check.findings[path].why)
+        notes += [
+            f"{check.the_checkpoints([p for p in shown if check.findings[p].why == why])}: {why}" for why in by_torch
+        ]
     return FixStatus(fix.name, State.PATCHED, True, "; ".join(notes), targets)
+
+
+# ----------------------------------------------------------------------------- fsdp-shim status
+ENVIRONMENT_FILE = "fsdp_shim_env.pth"
+OWN_ENVIRONMENT_FILE = Path(startup.__file__).resolve().parent.parent / ENVIRONMENT_FILE
+NOT_READ = f"this fsdp-shim, in {OWN_ENVIRONMENT_FILE.parent}, was not installed here by pip (a clone, --target)"
+NOTHING_TO_PATCH = (
+    "NOTHING TO PATCH HERE: neither torch nor Lightning is installed beside this fsdp-shim ({python}): an "
+    "isolated install (pipx, `uv tool`) cannot reach your training. Install fsdp-shim into the environment that "
+    "runs the training instead (`pip install fsdp-shim` there), and run `fsdp-shim status` with its Python."
+)
+MARK = "\n--- fsdp-shim status report ---\n"  # around the child's report: start-up code may print too
+PYTHON_CHECK = f"""
+import importlib, json, sys, warnings
+if sys.path[:1] == [""]:  # the current folder, which -c puts first: not where a training script imports from
+    del sys.path[0]
+warnings.simplefilter("ignore")
+report = {{"python": sys.executable, "imported": [], "failed": {{}}}}
+for name in sys.argv[1:]:
+    try:
+        report["imported"].append(importlib.import_module(name).__name__)
+    except Exception as error:  # as distributions.import_failure()
+        report["failed"][name] = [type(error).__name__, str(error), getattr(error, "name", None)]
+activation = sys.modules.get("_fsdp_shim.activation")  # imported by the start-up finder's hand-over
+report["shim_loaded"], report["status"] = activation is not None, activation and activation.status().as_dict()
+print({MARK!r} + json.dumps(report) + {MARK!r})
+"""
+Report = dict[str, Any]
+
+
+def _verdict(fix: Fix, version: str, off: str | None) -> str:
+    if not fix.affects(version):
+        return f"left untouched ({'fixed upstream' if fix.built_in(version) else 'nothing to fix'})"
+    return f"not patched: {off} switches it off" if off else "would be patched"
+
+
+def _lightning(off: str | None) -> list[dict[str, Any]]:
+    """Per installed namespace, from metadata: its release, and what the shim would do to each fix there."""
+    skipped, rows = config.disabled_fixes()[0], []
+    for namespace in sorted(NAMESPACES):
+        if found := distribution_of(namespace.partition(".")[0]):
+            by = {f.name: off or (config.DISABLED_FIXES_VARIABLE if f.name in skipped else None) for f in FIXES}
+            affected = any(fix.affects(found[1]) for fix in FIXES)
+            rows.append(dict(namespace=namespace, distribution=found[0], version=found[1], affected=affected))
+            rows[-1]["fixes"] = {f.name: _verdict(f, found[1], by[f.name]) for f in FIXES}
+    return rows
+
+
+def _still_needed(lightning: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per fix, whether this environment needs it (True, False, or None where it cannot tell) and why."""
+    if not lightning:
+        return {fix.name: {"needed": None, "why": "no Lightning in this environment"} for fix in FIXES}
+    releases = {f"{row['namespace']} {row['version']}": row["version"] for row in lightning}
+    lacking = [release for release, version in releases.items() if CAST.affects(version)]
+    cast = (False, f"every Lightning here has it or needs none ({joined(list(releases))})")
+    if lacking:
+        cast = (True, f"{joined(lacking)} lack it; it can go once every environment runs Lightning 2.5.0 or later")
+    recompute: tuple[bool | None, str] = (False, "no Lightning here has 'true' precisions for FSDP")
+    if any(RECOMPUTE.affects(version) for version in releases.values()):
+        recompute = _recompute_needed()
+    return {fix.name: {"needed": needed, "why": why} for fix, (needed, why) in zip(FIXES, (cast, recompute))}
+
+
+def _recompute_needed() -> tuple[bool | None, str]:
+    """Whether this environment's torch restores the forward's default dtype in every recompute itself."""
+    if importlib.util.find_spec("torch") is None:
+        return None, "cannot tell: no torch in this environment"
+    try:
+        import torch
+
+        from _fsdp_shim import recompute_check as check
+
+        left = [path for path in check.paths() if path not in check.restored_by_torch()]
+    except Exception as error:
+        return None, f"cannot tell: torch's checkpoint cannot be read ({type(error).__name__}: {error})"
+    if not left:
+        return False, f"torch {torch.__version__}'s checkpoint restores the default dtype itself"
+    return True, (
+        "with activation checkpointing: no Lightning release restores the default dtype for a recompute, nor does "
+        f"torch {torch.__version__}'s checkpoint for {check.the_checkpoints(left)}; it can go once torch's does, or "
+        "where you train without activation checkpointing"
+    )
+
+
+def _problems(shown: str, armed: bool, bootstrap: list[str]) -> list[str]:
+    """The variables' unreadable values, ``FSDP_SHIM=1`` where nothing reads it, and bootstrap folders gone."""
+    problems = [
+        f"{name}={os.environ.get(name)!r} is not a valid value ({config.valid_switch_values()}); {meaning}"
+        for name, meaning in ((SHIM_VARIABLE, "the shim is OFF"), (config.STRICT_VARIABLE, "strict mode is ON"))
+        if switch_state(os.environ.get(name)) == "invalid"
+    ]
+    if unknown := ", ".join(map(repr, config.disabled_fixes()[1])):
+        names = ", ".join(config.FIX_NAMES)
+        problems.append(f"{config.DISABLED_FIXES_VARIABLE} names {unknown}, no fix of fsdp-shim ({names})")
+    if timeout := config.rank_check_timeout()[1]:
+        problems.append(f"{timeout}; the rank check waits as long as the process group's timeout")
+    problems += filter(None, [config.log_setting()[1]])
+    if not armed and switch_state(os.environ.get(SHIM_VARIABLE)) == "on":
+        problems.append(
+            f"{shown} arms nothing in this interpreter: no folder it reads start-up files from holds "
+            f"{ENVIRONMENT_FILE} ({NOT_READ}). Install fsdp-shim into this environment with pip, or use "
+            "`fsdp-shim run`"
+        )
+    gone = [entry for entry in bootstrap if not os.path.isdir(entry)]
+    return problems + [f"PYTHONPATH holds an fsdp-shim bootstrap folder that does not exist: {e}" for e in gone]
+
+
+def _check_child(report: Report) -> None:
+    """A fresh interpreter imports Lightning as a training script does; what the shim did there."""
+    command = [sys.executable, "-c", PYTHON_CHECK, *installed_packages()]
+    proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    parts, problems, state = proc.stdout.split(MARK), report["problems"], report["armed"]["state"]
+    if proc.returncode != 0 or len(parts) != 3:
+        problems.append(f"a fresh interpreter failed to import Lightning: {proc.stderr.strip()[-500:] or 'no report'}")
+        return
+    child = report["child"] = json.loads(parts[1])
+    problems += [describe_import_failure(package, failure) for package, failure in child["failed"].items()]
+    if state == "off":
+        return
+    if state == "armed" and child["imported"] and not child["shim_loaded"]:
+        problems.append("a start-up activation is present but a fresh interpreter did not load the shim")
+    problems += [
+        f"{ns['namespace']} {ns['version']} lacks the {fix['fix']} fix, and it was not applied: {fix['reason']}"
+        for ns in (child["status"] or {}).get("namespaces", [])
+        for fix in ns["fixes"]
+        if ns["imported"] and fix["affected"] and not fix["patched"] and fix["state"] != State.DISABLED.value
+    ]
+
+
+def environment_report(python_check: bool = False) -> Report:
+    """What ``fsdp-shim status --json`` prints, in this key order; ``render`` writes it as text."""
+    state, shown = switch_state(os.environ.get(SHIM_VARIABLE)), f"{SHIM_VARIABLE}={os.environ.get(SHIM_VARIABLE)!r}"
+    user = [site.getusersitepackages()] if site.ENABLE_USER_SITE else []
+    found = next((p for d in [*user, *site.getsitepackages()] if (p := Path(d) / ENVIRONMENT_FILE).is_file()), None)
+    entries = os.environ.get("PYTHONPATH", "").split(os.pathsep)  # any fsdp-shim's bootstrap, existing or not
+    bootstrap = [e for e in entries if e and Path(e).parts[-2:] == ("_fsdp_shim", "bootstrap")]
+    off = shown if state in ("off", "invalid") else None
+    by = [shown] * (state == "on" and found is not None) + ["fsdp-shim run"] * bool(bootstrap)
+    report: Report = {
+        "shim_version": __version__,
+        "python": sys.executable,
+        "toggles": {name: os.environ.get(name) for name in config.VARIABLES},
+        "environment_file": {"path": str(found or OWN_ENVIRONMENT_FILE), "read": found is not None},
+        "bootstrap_on_pythonpath": bootstrap,
+        "lightning": (lightning := _lightning(off)),
+        "still_needed": _still_needed(lightning),
+        "nothing_to_patch": not installed_packages() and importlib.util.find_spec("torch") is None,
+        "armed": {"state": "off" if off else "armed" if by else "not armed", "by": by},
+        "child": None,
+        "problems": _problems(shown, bool(found or bootstrap), bootstrap),
+    }
+    if python_check:
+        _check_child(report)
+    return {**report, "consistent": not report["problems"]}
+
+
+def _armed_lines(report: Report, shown: str) -> list[str]:
+    """Armed or not, by what (or what would, but for ``FSDP_SHIM=0``); where nothing arms it, the ways that would."""
+    state, env = report["armed"]["state"], report["environment_file"]
+    how = {shown: f"read by {env['path']}", "fsdp-shim run": "its bootstrap is first on PYTHONPATH"}
+    by = [(name, how[name]) for name in report["armed"]["by"]]
+    if state == "off":
+        lines = [f"Shim: OFF. {shown} switches off every activation: Lightning runs as shipped."]
+        return lines + (["  Without it, this would arm the shim:", *_table(by)] if by else [])
+    if state == "armed":
+        return ["Shim: ARMED in every Python started from here, by:", *_table(by)]
+    on = switch_state(report["toggles"][SHIM_VARIABLE]) == "on"
+    if report["nothing_to_patch"] and not on:
+        return ["Shim: NOT ARMED, and there is nothing to arm it for: no torch, no Lightning here (see below)."]
+    read = f"one command and every process it starts (by {env['path']})" if env["read"] else None
+    ways = [
+        (f"{SHIM_VARIABLE}=1 python train.py", read or f"arms nothing here: {NOT_READ}"),
+        ("fsdp-shim run python train.py", "the same, also for interpreters of another environment"),
+        ("import fsdp_shim", "in the training script: that script only (status cannot see it)"),
+    ]
+    nothing = f"{shown} arms nothing here (see PROBLEM)" if on else "nothing arms it"
+    return [f"Shim: NOT ARMED in a Python started from here: {nothing}. Ways to arm it:", *_table(ways)]
+
+
+def _table(rows: list[tuple[str, str]]) -> list[str]:
+    width = max(len(name) for name, _ in rows)
+    return [f"  {name:<{width}}  {what}" for name, what in rows]
+
+
+def render(report: Report) -> str:
+    """``report`` as the text ``fsdp-shim status`` prints."""
+    shown, off = f"{SHIM_VARIABLE}={report['toggles'][SHIM_VARIABLE]!r}", report["armed"]["state"] == "off"
+    lines = [f"fsdp-shim {report['shim_version']}  (python: {report['python']})", "", *_armed_lines(report, shown)]
+    toggles = [f"{name}={value!r}" for name, value in report["toggles"].items() if value is not None]
+    lines += ["", f"Set: {', '.join(toggles) or 'no FSDP_SHIM variable'}", ""]
+    lines += ["Lightning (from package metadata; what the shim does where it is armed):"]
+    lines += [] if report["lightning"] else ["  none installed"]
+    for row in report["lightning"]:
+        lines += [f"  {row['namespace']:<18} {row['version']}", *(f"    {n:<10} {v}" for n, v in row["fixes"].items())]
+    answer = {True: "needed", False: "not needed", None: "unknown"}
+    lines += ["", f"Still needed here? ({config.DOCS}removal.html)"]
+    lines += [f"  {name:<10} {answer[a['needed']]}: {a['why']}" for name, a in report["still_needed"].items()]
+    if (child := report["child"]) is not None:
+        status = child["status"] or {}
+        loaded = f"shim loaded, armed by: {'; '.join(status.get('sources') or []) or 'unknown'}"
+        why = f"{shown} switches it off" if off else "nothing armed it at start-up"
+        lines += ["", "A fresh interpreter (imports Lightning, not fsdp_shim):"]
+        lines.append(f"  {loaded if child['shim_loaded'] else f'shim not loaded: {why}'}")
+        lines += [
+            _line(ns["namespace"], ns["version"], ns["reason"]) for ns in status.get("namespaces", []) if ns["imported"]
+        ]
+    ok = "OK: no problem found" + (f"; the shim is OFF ({shown}), so nothing is patched" if off else "")
+    ok = NOTHING_TO_PATCH.format(python=report["python"]) if report["nothing_to_patch"] else ok
+    return "\n".join([*lines, "", *([f"PROBLEM: {p}" for p in report["problems"]] or [ok])])
+
+
+def main(as_json: bool, python_check: bool) -> int:
+    """Print ``fsdp-shim status``'s report; 1 where the pieces disagree."""
+    report = environment_report(python_check)
+    print(json.dumps(report, indent=2) if as_json else render(report))
+    return 0 if report["consistent"] else 1

@@ -21,6 +21,7 @@ from conftest import (
     Layout,
     affected_layout,
     clean_env,
+    code_json,
     installed_versions,
     make_venv,
     run_command,
@@ -204,7 +205,7 @@ def test_the_command_and_each_commands_help_on_an_ascii_terminal() -> None:
     assert [c for c in ("run", "status", "verify") if f"\n    {c} " in bare.stdout] == ["run", "status", "verify"]
     for command, description, example in (
         ("run", "Run CMD with the shim active in every Python process it starts", "run torchrun --nproc-per-node 8"),
-        ("status", "What is installed and active (fsdp-shim run, FSDP_SHIM)", "status --python-check"),
+        ("status", "What is installed and active, and whether the pieces agree", "status --python-check"),
         ("verify", "Train a model for a few steps with FSDP, with the shim off and on", "verify --model my_project"),
     ):
         proc = run_command([FSDP_SHIM, command, "--help"], env=env)
@@ -244,3 +245,26 @@ def test_fsdp_shim_status_text_says_what_stays_patched_only_where_something_is()
         "fsdp-shim 0.3.0: switched off by FSDP_SHIM (what it patched before stays patched; "
         "fsdp_shim.deactivate() removes it)"
     )
+
+
+NOT_CHECKED_YET = """
+import importlib.util, json
+from _fsdp_shim.activation import status
+name = next(n for n in ("lightning.pytorch", "pytorch_lightning") if importlib.util.find_spec(n.partition(".")[0]))
+importlib.import_module(name)  # nothing armed the shim: its import watcher never saw this
+namespace = status().namespace(name)
+print(json.dumps([name, [fix.state.value for fix in namespace.fixes], namespace.reason, str(status())]))
+"""
+
+
+def test_a_namespace_the_import_watcher_did_not_see_is_not_checked_and_says_why(lightning_installed: None) -> None:
+    """Lightning imported where nothing armed the shim, ``status()`` read before anything activates it: each fix is
+    "not checked", and the namespace and its fixes say what loaded it past the watcher and what checks it."""
+    name, states, reason, text = code_json(NOT_CHECKED_YET, env=clean_env())
+    assert states == ["not checked", "not checked"]
+    assert reason.startswith("imported; not checked yet: ") and reason.endswith(
+        "without fsdp-shim's import watcher seeing it (fsdp_shim.activate() checks it now)"
+    )
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith(f"  {name} "))
+    assert [line.endswith(reason) for line in lines[at : at + 3]] == [True] * 3, text  # the namespace and its fixes

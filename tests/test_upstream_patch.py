@@ -184,7 +184,7 @@ import torch
 import fsdp_shim
 from _fsdp_shim import rank_check
 from _fsdp_shim.config import RECOMPUTE
-from _fsdp_shim.environment import collect
+from _fsdp_shim.status import environment_report
 from _fsdp_shim.status import reading
 from children.recompute_proof import COMPOSABLE, held, recompute_grads
 packages = {"lightning.pytorch": "lightning", "pytorch_lightning": "pytorch_lightning"}
@@ -206,7 +206,7 @@ print(json.dumps({
     "states": {name: reading(name, RECOMPUTE).state.value for name in namespaces},
     "rank_check": {name: rank_check.decide(name, torch.bfloat16)["fixes"]["recompute"] for name in namespaces},
     "held": [*held().values(), *held(COMPOSABLE).values()],
-    "still_needed": collect()["still_needed"]["recompute"]["needed"],
+    "still_needed": environment_report()["still_needed"]["recompute"]["needed"],
     "set_by_the_shim": by_shim,
     "grads": grads,
 }))
