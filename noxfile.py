@@ -143,7 +143,7 @@ WRAPT_DEPENDENT_TESTS = [
 and training through each fix's wrappers (2.1.x's conversion moved to setup included). What the cast and
 verify measure beyond that does not depend on wrapt's version (the 2.1.4 session runs it)."""
 SEED_VERIFY = "tests/test_verify.py::test_the_seed_model_gets_a_verdict_per_fix"
-"""``fsdp-shim verify`` on the seed model: four training runs, about 40 s of CPU. Its outcome is one of three, by the
+"""``fsdp-shim verify`` on the seed model: four training runs in two processes. Its outcome is one of three, by the
 first Trainer's release: nothing trained (2.0.x: lightning-2.0.9), the cast and the recompute measured (2.1-2.4) or
 the recompute alone (2.5+: the torch-2.15.0 session, 2.6.6). 2.1-2.4's runs on the oldest torch in the torch-2.3.1
 session (2.2.5); on this environment's torch 2.13, the default session's verify tests train the same path on 2.4.0

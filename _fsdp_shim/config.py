@@ -19,6 +19,7 @@ LIGHTNING_PACKAGES = tuple(dict.fromkeys(name.partition(".")[0] for name in NAME
 DOCS = "https://fsdp-shim.github.io/fsdp-shim/"
 
 
+VALID_SWITCH_VALUES = ", ".join((*ON_VALUES, *OFF_VALUES))
 FIRST_TRUE_PRECISIONS = (2, 1, 0)  # the "true" precisions for FSDP
 
 
@@ -79,15 +80,6 @@ def base_release(version: str) -> tuple[int, int, int] | None:
     return release[0], release[1], release[2]
 
 
-def valid_switch_values() -> str:
-    return ", ".join((*ON_VALUES, *OFF_VALUES))
-
-
-def joined(names: list[str]) -> str:
-    """``a``, ``a and b``, ``a, b and c``: a list in a message."""
-    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
-
-
 def disabled_fixes(environ: Mapping[str, str] = os.environ) -> tuple[frozenset[str], list[str]]:
     """The fixes ``FSDP_SHIM_DISABLED_FIXES`` names (``*`` or ``all``: every fix), and its names that are no fix."""
     names = [name.strip().lower() for name in environ.get(DISABLED_FIXES_VARIABLE, "").split(",") if name.strip()]
@@ -121,6 +113,6 @@ def log_setting(environ: Mapping[str, str] = os.environ) -> tuple[str, str | Non
         return "debug", None
     state = switch_state(raw)
     if state == "invalid":
-        valid = f"{valid_switch_values()}, debug"
+        valid = f"{VALID_SWITCH_VALUES}, debug"
         return "on", f"{LOG_VARIABLE}={raw!r} is not a valid value (valid: {valid}); the confirmation lines stay on"
     return ("off" if state == "off" else "on"), None

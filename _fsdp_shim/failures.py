@@ -1,4 +1,5 @@
-"""The failure policy: strict mode raises; otherwise one warning at the user's line. Loaded when a problem is."""
+"""The failure policy: strict mode raises; otherwise one warning at the user's line. Loaded when a problem is, or a
+risk (the float16 notice)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ from _fsdp_shim.config import (
     LIGHTNING_PACKAGES,
     RANK_CHECK,
     STRICT_VARIABLE,
+    VALID_SWITCH_VALUES,
     switch_state,
-    valid_switch_values,
 )
-from _fsdp_shim.log import first_time
+from _fsdp_shim.log import first_time, process_rank
 
 
 class FSDPShimError(RuntimeError):
@@ -36,7 +37,7 @@ def read_switch(name: str, meaning: str) -> str:
     if state == "invalid":
         warn_once(
             f"fsdp-shim: {name}={raw!r} is not a valid value and {meaning}. "
-            f"Valid values (case-insensitive): {valid_switch_values()}.",
+            f"Valid values (case-insensitive): {VALID_SWITCH_VALUES}.",
             key=f"toggle:{name}={raw}",
         )
     return state
@@ -116,13 +117,49 @@ def threads_clashed() -> None:
     )
 
 
-def recompute_passed_by(torch_version: str, checkpoints: str, why: str) -> None:
-    """torch's call path passes the recompute fix's wrappers by (its check showed it): taken off there."""
+def recompute_passed_by(paths: list[str], findings: dict[str, Any]) -> None:
+    """torch's call path passes the recompute fix's wrappers by on ``paths`` (its check showed it): taken off there."""
+    checkpoints = the_checkpoints(paths)
     report(
-        f"fsdp-shim: the recompute fix is not in effect on torch {torch_version} for {checkpoints} ({why})",
+        f"fsdp-shim: the recompute fix is not in effect on torch {torch_version()} for {checkpoints} "
+        f"({whys(paths, findings)})",
         "torch was left as it was there, so this fix is off for that checkpoint in this process",
         key=f"proof:{checkpoints}",
     )
+
+
+def joined(names: list[str]) -> str:
+    """``a``, ``a and b``, ``a, b and c``: a list in a message."""
+    return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} and {names[-1]}"
+
+
+def the_checkpoints(paths: list[str]) -> str:
+    """``the reentrant checkpoint``, ``the reentrant and composable checkpoints``."""
+    return f"the {joined(paths)} checkpoint{'s' if len(paths) > 1 else ''}"
+
+
+def whys(paths: list[str], findings: dict[str, Any]) -> str:
+    """What the recompute check found for ``paths``: one reason, or each path's."""
+    if len({findings[path].why for path in paths}) == 1:
+        return str(findings[paths[0]].why)
+    return "; ".join(f"the {path} checkpoint: {findings[path].why}" for path in paths)
+
+
+def torch_version() -> str:
+    return str(getattr(sys.modules.get("torch"), "__version__", "?"))
+
+
+def float16_notice() -> None:
+    """Once, on rank zero: ``16-true`` now keeps float16 weights, which AdamW's default ``eps`` cannot train."""
+    if first_time("log:float16") and process_rank() == 0:
+        import logging
+
+        logging.getLogger("fsdp_shim").warning(
+            "fsdp-shim: precision='16-true' now keeps the model's weights and optimizer state in float16, as "
+            "Lightning 2.5+ does (unpatched 2.1-2.4 kept them in float32). AdamW's default eps=1e-8 is 0 in "
+            "float16 and gives NaN losses: use precision='bf16-true', or eps >= 1e-4. See %snumerics.html",
+            DOCS,
+        )
 
 
 def strict_mode() -> bool:

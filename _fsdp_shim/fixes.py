@@ -103,7 +103,9 @@ def convert_module_as_in_2_5(wrapped: Callable[..., Any], instance: Any, args: A
     if dtype is None:
         return module
     if str(dtype) == "torch.float16":
-        log.float16_notice()
+        from _fsdp_shim import failures
+
+        failures.float16_notice()
     import torch
 
     for submodule in module.modules():

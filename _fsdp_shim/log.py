@@ -1,4 +1,4 @@
-"""The lines the shim prints on rank zero: the confirmation line, debug records and the float16 notice."""
+"""The lines the shim prints on rank zero: the confirmation line and debug records."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import os
 import sys
 import threading
 
-from _fsdp_shim.config import DOCS, log_setting
+from _fsdp_shim.config import log_setting
 
 _said: set[str] = set()
 _said_lock = threading.Lock()
@@ -74,16 +74,3 @@ def confirm(fix: str, what: str) -> None:
         line = "fsdp-shim %s: active; %s" if named == [fix] else "fsdp-shim %s: %s"
         with contextlib.suppress(Exception):  # inside the user's backward: a log line must not end the run
             announce(line, __version__, what)
-
-
-def float16_notice() -> None:
-    """Once, on rank zero: ``16-true`` now keeps float16 weights, which AdamW's default ``eps`` cannot train."""
-    if first_time("log:float16") and process_rank() == 0:
-        import logging
-
-        logging.getLogger("fsdp_shim").warning(
-            "fsdp-shim: precision='16-true' now keeps the model's weights and optimizer state in float16, as "
-            "Lightning 2.5+ does (unpatched 2.1-2.4 kept them in float32). AdamW's default eps=1e-8 is 0 in "
-            "float16 and gives NaN losses: use precision='bf16-true', or eps >= 1e-4. See %snumerics.html",
-            DOCS,
-        )

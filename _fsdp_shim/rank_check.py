@@ -68,10 +68,8 @@ def confirm_every_rank(namespace: str, dtype: Any, joined_here: bool = False) ->
             _checked[number - 1] = (group, problem)
         raise problem
     if rank == 0:
-        seconds = time.monotonic() - started
-        log.announce(
-            "fsdp-shim: patched on all %d ranks (%s), confirmed in %.2f s", world_size, decision["summary"], seconds
-        )
+        line = "fsdp-shim: patched on all %d ranks (%s), confirmed in %.2f s"
+        log.announce(line, world_size, decision["summary"], time.monotonic() - started)
 
 
 def process_group_exists() -> bool:
@@ -210,12 +208,12 @@ def summary(report: dict[str, Any]) -> str:
     """``bfloat16; fixes: cast (Lightning's own), recompute (except the reentrant checkpoint)``."""
     named = []
     for fix, entry in report.get("fixes", {}).items():
-        if entry["by"] == "fsdp-shim":
-            named.append(
-                fix + (f" (except {recompute_check.the_checkpoints(entry['except'])})" if entry.get("except") else "")
-            )
+        if entry["by"] == "fsdp-shim" and entry.get("except"):
+            from _fsdp_shim.failures import the_checkpoints  # a path passed by: loaded already, to say so
+
+            named.append(f"{fix} (except {the_checkpoints(entry['except'])})")
         elif entry["by"] != "off":
-            named.append(f"{fix} ({entry['by']}'s own)")
+            named.append(fix if entry["by"] == "fsdp-shim" else f"{fix} ({entry['by']}'s own)")
     return f"{str(report.get('dtype')).replace('torch.', '')}; fixes: {', '.join(named) or 'none'}"
 
 

@@ -15,8 +15,7 @@ from pathlib import Path
 from types import CodeType, ModuleType
 from typing import Any
 
-from _fsdp_shim import wrappers
-from _fsdp_shim.config import RECOMPUTE, joined
+from _fsdp_shim.config import RECOMPUTE
 
 CHECKPOINT_MODULE = "torch.utils.checkpoint"
 COMPOSABLE_MODULE = "torch.distributed._composable.checkpoint_activation"
@@ -86,25 +85,12 @@ def check(force: bool) -> None:
                     _retry_at, _backoff = time.monotonic() + _backoff, min(2 * _backoff, MAX_BACKOFF)
         finally:
             _lock.release()
-    failed = found(shown=False, holds=True)
-    if failed:
+    if failed := found(shown=False, holds=True):
         from _fsdp_shim import failures
         from _fsdp_shim.removal import take_off
 
         take_off(RECOMPUTE, failed)
-        failures.recompute_passed_by(wrappers.torch_version(), the_checkpoints(failed), whys(failed))
-
-
-def the_checkpoints(names: list[str]) -> str:
-    """``the reentrant checkpoint``, ``the reentrant and composable checkpoints``."""
-    return f"the {joined(names)} checkpoint{'s' if len(names) > 1 else ''}"
-
-
-def whys(names: list[str]) -> str:
-    """What the check found for ``names``: one reason, or each path's."""
-    if len({findings[name].why for name in names}) == 1:
-        return findings[names[0]].why
-    return "; ".join(f"the {name} checkpoint: {findings[name].why}" for name in names)
+        failures.recompute_passed_by(failed, findings)
 
 
 def generator_name(checkpoint: ModuleType) -> str:

@@ -17,8 +17,9 @@ from typing import Any
 import _fsdp_shim as startup
 from _fsdp_shim import NAMESPACES, config, failures
 from _fsdp_shim._version import __version__
-from _fsdp_shim.config import CAST, FIXES, RECOMPUTE, SHIM_VARIABLE, Fix, State, joined, switch_state
+from _fsdp_shim.config import CAST, FIXES, RECOMPUTE, SHIM_VARIABLE, Fix, State, switch_state
 from _fsdp_shim.distributions import describe_import_failure, distribution_of, installed_packages
+from _fsdp_shim.failures import joined, the_checkpoints, whys
 
 _SAID = {  # the states whose value alone does not say it
     State.NOT_IMPORTED: "not imported yet; it is checked when it is imported",
@@ -204,22 +205,20 @@ def reading(namespace: str, fix: Fix) -> FixStatus:
         off = State.DEACTIVATED if record.state is State.DEACTIVATED else State.FAILED
         return FixStatus(fix.name, off, True, "; ".join(problems), targets)
     if fix is RECOMPUTE:
-        where = f"on torch {wrappers.torch_version()}"
+        where = f"on torch {failures.torch_version()}"
         if not check.ran:
             return FixStatus(fix.name, State.NOT_SHOWN, True, f"{where}: its check has not run", targets)
         shown, again = check.found(True), "; checked again at a later checkpoint call, fsdp_shim.activate() or status()"
-        also = f"; in effect for {check.the_checkpoints(shown)}" if shown else ""
+        also = f"; in effect for {the_checkpoints(shown)}" if shown else ""
         for decided, paths, later in (
             (State.NOT_IN_EFFECT, check.found(False, holds=True), ""),
             (State.NOT_SHOWN, check.found(False), again),
         ):
             if paths:
-                detail = f"{where} for {check.the_checkpoints(paths)} ({check.whys(paths)}{later}){also}"
+                detail = f"{where} for {the_checkpoints(paths)} ({whys(paths, check.findings)}{later}){also}"
                 return FixStatus(fix.name, decided, True, detail, targets)
         by_torch = dict.fromkeys(check.findings[path].why for path in shown if check.findings[path].why)
-        notes += [
-            f"{check.the_checkpoints([p for p in shown if check.findings[p].why == why])}: {why}" for why in by_torch
-        ]
+        notes += [f"{the_checkpoints([p for p in shown if check.findings[p].why == why])}: {why}" for why in by_torch]
     return FixStatus(fix.name, State.PATCHED, True, "; ".join(notes), targets)
 
 
@@ -300,7 +299,7 @@ def _recompute_needed() -> tuple[bool | None, str]:
         return False, f"torch {torch.__version__}'s checkpoint restores the default dtype itself"
     return True, (
         "with activation checkpointing: no Lightning release restores the default dtype for a recompute, nor does "
-        f"torch {torch.__version__}'s checkpoint for {check.the_checkpoints(left)}; it can go once torch's does, or "
+        f"torch {torch.__version__}'s checkpoint for {the_checkpoints(left)}; it can go once torch's does, or "
         "where you train without activation checkpointing"
     )
 
@@ -308,7 +307,7 @@ def _recompute_needed() -> tuple[bool | None, str]:
 def _problems(shown: str, armed: bool, bootstrap: list[str]) -> list[str]:
     """The variables' unreadable values, ``FSDP_SHIM=1`` where nothing reads it, and bootstrap folders gone."""
     problems = [
-        f"{name}={os.environ.get(name)!r} is not a valid value ({config.valid_switch_values()}); {meaning}"
+        f"{name}={os.environ.get(name)!r} is not a valid value ({config.VALID_SWITCH_VALUES}); {meaning}"
         for name, meaning in ((SHIM_VARIABLE, "the shim is OFF"), (config.STRICT_VARIABLE, "strict mode is ON"))
         if switch_state(os.environ.get(name)) == "invalid"
     ]

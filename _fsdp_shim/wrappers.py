@@ -222,10 +222,6 @@ def acting(namespace: str, fix: Fix) -> bool:
     return any(w.shim_state.on and placement(w) != GONE for w in record.wrappers)
 
 
-def torch_version() -> str:
-    return str(getattr(sys.modules.get("torch"), "__version__", "?"))
-
-
 def _current(record: _Record | None, namespace: str, module: Any, disabled: bool) -> bool:
     """Whether ``record`` is in force for the namespace as imported now, with the fix switched off or not as now."""
     if record is None or record.state is State.DEACTIVATED or record.disabled != disabled:
