@@ -17,7 +17,9 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +50,11 @@ def launch(commands: list[list[str]], env: dict[str, str]) -> list[tuple[int, st
     """Start the commands side by side (one per torchrun node, or one srun), each in its own process group; return
     (exit code, output) per command. Past ``JOB_TIMEOUT`` every group gets SIGTERM (srun ends its job step), then
     SIGKILL."""
-    procs = [
+    return finish(start(commands, env), commands)
+
+
+def start(commands: list[list[str]], env: dict[str, str]) -> list[subprocess.Popen[str]]:
+    return [
         subprocess.Popen(
             command,
             env=env,
@@ -60,6 +66,9 @@ def launch(commands: list[list[str]], env: dict[str, str]) -> list[tuple[int, st
         )
         for command in commands
     ]
+
+
+def finish(procs: list[subprocess.Popen[str]], commands: list[list[str]]) -> list[tuple[int, str]]:
     deadline = time.monotonic() + JOB_TIMEOUT
     outputs: list[tuple[int, str]] = []
     try:
@@ -223,8 +232,30 @@ def slurm_baseline(jobs: Jobs) -> list[dict[str, Any]]:
     return jobs.run(name, [command], slurm_env(FSDP_SHIM="0"), 2 * PER_NODE)
 
 
-def test_slurm_fsdp_shim_0_trains_float32_on_every_rank(jobs: Jobs) -> None:
-    """The kill switch under ``srun fsdp-shim run python``: every rank float32."""
+@pytest.fixture(scope="module")
+def half_patched_slurm_job(jobs: Jobs) -> Iterator[dict[str, Any]]:
+    """``srun fsdp-shim run python`` whose tasks on n2 export ``FSDP_SHIM=0`` first, every setting default, started
+    with the first SLURM test and read by the last test of this file: its ranks' 30 s wait overlaps the other jobs
+    (the nodes are shared: OverSubscribe), and its end is taken where its output ends."""
+    name = "slurm half-patched (n2: FSDP_SHIM=0)"
+    inner = shlex.join([*shim_command(), "run", *program(jobs.out(name), PER_NODE)])
+    job: dict[str, Any] = {"name": name, "started": time.monotonic()}
+    job["commands"] = [[*SRUN, "bash", "-c", f'[ "$SLURMD_NODENAME" = n2 ] && export FSDP_SHIM=0; exec {inner}']]
+    procs = start(job["commands"], slurm_env())
+
+    def wait() -> None:
+        job["outputs"] = finish(procs, job["commands"])
+        job["ended"] = time.monotonic()
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    waiter.start()
+    yield job
+    kill_all(procs)
+    waiter.join(30)
+
+
+def test_slurm_fsdp_shim_0_trains_float32_on_every_rank(jobs: Jobs, half_patched_slurm_job: dict[str, Any]) -> None:
+    """The kill switch under ``srun fsdp-shim run python``: every rank float32 (the half-patched job starts here)."""
     ranks = slurm_baseline(jobs)
     assert_placement(ranks, PER_NODE)
     assert_float32(ranks)
@@ -245,21 +276,6 @@ def test_slurm_every_rank_trains_bfloat16_and_rank_zero_confirms_once(jobs: Jobs
     ranks = jobs.run(f"slurm {mode}", [command], env, 2 * PER_NODE)
     assert_placement(ranks, PER_NODE)
     assert_patched(ranks, slurm_baseline(jobs), jobs.outputs[f"slurm {mode}"])
-
-
-def test_slurm_half_patched_job_stops_naming_the_ranks_without_the_shim(jobs: Jobs) -> None:
-    """``srun fsdp-shim run python`` whose tasks on n2 export ``FSDP_SHIM=0`` first, every setting default: the
-    shimmed ranks stop 30 s after every rank joined the process group, naming ranks 2 and 3, in under two
-    minutes in all."""
-    name = "slurm half-patched (n2: FSDP_SHIM=0)"
-    inner = shlex.join([*shim_command(), "run", *program(jobs.out(name), PER_NODE)])
-    command = [*SRUN, "bash", "-c", f'[ "$SLURMD_NODENAME" = n2 ] && export FSDP_SHIM=0; exec {inner}']
-    started = time.monotonic()
-    outputs = launch([command], slurm_env())
-    wall = time.monotonic() - started
-    named = "ranks 2, 3 of 4 joined the process group but did not report within 30 s"
-    check_half_patched(f"{name} ({wall:.0f} s)", [command], outputs, named)
-    assert wall < 120, wall
 
 
 # ----------------------------------------------------------------------------- torchrun nodes
@@ -328,3 +344,17 @@ def test_torchrun_half_patched_job_stops_naming_the_rank_without_the_shim(jobs: 
     outputs = launch(commands, clean_env(PYTHONWARNINGS="ignore", FSDP_SHIM_RANK_CHECK_TIMEOUT="5"))
     title = f"{name} ({time.monotonic() - started:.0f} s)"
     check_half_patched(title, commands, outputs, "rank 1 of 2 did not report within 5 s")
+
+
+def test_slurm_half_patched_job_stops_naming_the_ranks_without_the_shim(half_patched_slurm_job: dict[str, Any]) -> None:
+    """The half-patched SLURM job: the shimmed ranks stop 30 s after every rank joined the process group, naming
+    ranks 2 and 3, in under two minutes in all."""
+    job = half_patched_slurm_job
+    deadline = time.monotonic() + JOB_TIMEOUT + 30
+    while "ended" not in job and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert "ended" in job, f"{job['name']} did not end within {JOB_TIMEOUT} s"
+    wall = job["ended"] - job["started"]
+    named = "ranks 2, 3 of 4 joined the process group but did not report within 30 s"
+    check_half_patched(f"{job['name']} ({wall:.0f} s)", job["commands"], job["outputs"], named)
+    assert wall < 120, wall
