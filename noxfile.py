@@ -34,6 +34,10 @@ MATRIX_DIR = ROOT / ".matrix"
 RESULTS_DIR = MATRIX_DIR / "results"
 TIMES_FILE = MATRIX_DIR / "session-times.tsv"
 """One line per session run: name, seconds, outcome. ``.ci/run`` prints it at the end."""
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
+"""In every test session: torch's intra-op threads, one per core by default, only contend for the two cores the
+suite's processes share (the models are tiny). torchrun sets the same for its workers. About 7% less CPU and wall
+time (tests/test_cast.py on 2.4.0: 74 -> 68 CPU s)."""
 SESSION_LIMIT_SECONDS = 2700
 """A whole test session is killed after this (with everything it started): a hang that the per-test
 timeout cannot end (in collection, in a fixture) still fails in minutes, not at CI's limit."""
@@ -229,6 +233,7 @@ def run_matrix_session(
 ) -> None:
     target = install_target(session, name, python)
     env = {
+        **ONE_THREAD,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH", "")])),
         "FSDP_SHIM_TEST_SCOPE": {DEFAULT_SESSION: "common", "no-lightning": "all"}.get(
             name, "torch" if name in OTHER_TORCH else "release"
@@ -508,6 +513,7 @@ def cluster(session: nox.Session) -> None:
     tables = RESULTS_DIR / "cluster-tables.txt"
     tables.unlink(missing_ok=True)
     env = {
+        **ONE_THREAD,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(target), os.environ.get("PYTHONPATH", "")])),
         "FSDP_SHIM_TEST_SCOPE": "all",
         "FSDP_SHIM_TEST_CLUSTER": "1",
