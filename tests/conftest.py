@@ -606,14 +606,6 @@ class Venv:
         return run_command([self.python, *args], env=env or clean_env(), cwd=cwd, check=check)
 
 
-def base_interpreter() -> str:
-    """The interpreter this virtual environment was made from, which reads a user site: Python 3.9's
-    ``sys._base_executable`` in a venv is the venv's own interpreter."""
-    version = f"python{sys.version_info[0]}.{sys.version_info[1]}"
-    candidate = Path(sys.base_prefix) / "bin" / version
-    return str(candidate) if candidate.is_file() else getattr(sys, "_base_executable", sys.executable)
-
-
 def site_packages_of(python: str) -> Path:
     code = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
     return Path(subprocess.check_output([python, "-c", code], text=True).strip())
@@ -653,26 +645,6 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
         build += [str(work), str(source)]
     subprocess.run(build, check=True)
     return next(work.glob("fsdp_shim-*.whl"))
-
-
-class PipVenv(Venv):
-    """A virtual environment with pip and the wheel installed, as users get fsdp-shim; torch, wrapt and
-    Lightning come from this environment through a plain path file (no start-up code of theirs runs)."""
-
-    def __init__(self, root: Path, wheel: Path) -> None:
-        subprocess.run([sys.executable, "-m", "venv", str(root)], check=True)
-        purelib = site_packages_of(str(root / "bin" / "python"))
-        super().__init__(root, purelib, purelib / "aa_outer_environment.pth")
-        paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-        outer = [str(ROOT / p) for p in paths] + [sysconfig.get_paths()["purelib"]]
-        self.paths_file.write_text("".join(f"{p}\n" for p in outer))
-        self.before = sorted(p.name for p in self.site_packages.iterdir())
-        # --ignore-installed: the outer environment's fsdp-shim (editable, or the session's wheel) has this
-        # version too, and pip would skip the wheel as "already installed with the same version".
-        self.pip("install", "--no-deps", "--no-index", "--ignore-installed", str(wheel))
-
-    def pip(self, *args: str) -> None:
-        subprocess.run([self.python, "-m", "pip", "--disable-pip-version-check", "-q", *args], check=True)
 
 
 # ----------------------------------------------------------------------------- code planted in the current folder

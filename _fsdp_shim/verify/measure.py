@@ -4,7 +4,6 @@ tests measure with it too). torch is imported where used."""
 from __future__ import annotations
 
 import hashlib
-import resource
 from typing import Any, Optional
 
 WRAPPERS = ("_forward_module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")  # torch's clean_tensor_name
@@ -31,10 +30,6 @@ def optimizer_state_bytes(optimizer: Any) -> int:
     import torch
 
     return nbytes([v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0])
-
-
-def rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # this process's peak; Linux says kilobytes
 
 
 def parameter_hashes(root: Any) -> dict[str, str]:
