@@ -135,18 +135,22 @@ def verify(options: Options, workdir: Path) -> tuple[Section, dict[str, str]]:
     first reads Lightning into ``gate.json`` (the namespace, the fix states, the runs planned), then trains the runs
     with the shim on; the second, those with it off."""
     print(f"fsdp-shim verify: {READING} ...", file=sys.stderr, flush=True)  # with --json, stdout is the document
-    gate, said, gate_file = dict[str, Any](), [0], workdir / "gate.json"  # said: the runs said to have started
+    gate, gate_file, said = dict[str, Any](), workdir / "gate.json", 0  # said: the last run said to have started
 
     def step(number: int, then: str = " ...") -> str:
         """Run ``number``'s step, said on stderr, numbered out of all the runs planned (each counted once)."""
-        gate.update(gate or json.loads(gate_file.read_text()))  # the first probe wrote it before it started run 1
-        (shim, ac), said[0] = gate["plan"][number - 1], number
+        nonlocal said
+        if not gate:  # the first probe wrote it before it started run 1
+            gate.update(json.loads(gate_file.read_text()))
+        (shim, ac), said = gate["plan"][number - 1], number
         text = f"[{number}/{len(gate['plan'])}] {gate['namespace']} {gate['version']}: training with the shim"
-        print(f"fsdp-shim verify: {text} {SHIM[shim]}{', checkpointed' * ac}{then}", file=sys.stderr, flush=True)
-        return f"{text} {SHIM[shim]}{', checkpointed' * ac}"
+        text += f" {SHIM[shim]}{', checkpointed' * ac}"
+        print(f"fsdp-shim verify: {text}{then}", file=sys.stderr, flush=True)
+        return text
 
     def started() -> str | None:
-        return step(said[0] + 1) if (workdir / f"run{said[0] + 1}").exists() else None
+        """The step of a run the probe started since the last one said, if any (the probe writes ``runN`` first)."""
+        return step(said + 1) if (workdir / f"run{said + 1}").exists() else None
 
     on = run_probe(ProbeRequest(str(workdir / "shim1"), options), "1", READING, started)
     if not gate and gate_file.exists():
