@@ -310,6 +310,20 @@ def test_a_model_that_raises_only_without_the_shim_is_judged(layouts: dict[str, 
     assert text.endswith("\nverdict: fixed")
 
 
+def test_a_run_that_ends_its_process_is_named_and_the_run_before_keeps_its_figures(layouts: dict[str, Layout]) -> None:
+    """``BuiltOncePerProcess`` ends its process at its second build there: the checkpointed run with the shim on,
+    the second run of its probe. verify names that run, not the first, and keeps the first run's figures."""
+    namespace = an_affected_namespace(layouts, "trainer")[0]
+    options = ("--activation-checkpointing", "torch.nn:Sequential", "--steps", "1", "--json")
+    proc = verify_model(namespace, "--model", "user_models:BuiltOncePerProcess", *options)
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    section = only_section(proc)
+    assert section["verdict"] == "FAILED"
+    assert section["reason"].startswith("the checkpointed run with FSDP_SHIM=1 failed (exit 3)"), section["reason"]
+    assert [run["module_dtype"] for run in section["shim_on"]] == [BF16]
+    assert [section[key] for key in ("checkpointed_shim_on", "shim_off", "checkpointed_shim_off")] == [None] * 3
+
+
 def test_an_error_in_the_users_code_is_theirs(layouts: dict[str, Layout]) -> None:
     """Raised with the shim off and on: the user's traceback, exit 1, no verdict."""
     proc = verify_model(an_affected_namespace(layouts, "trainer")[0], "--model", "user_models:RaisesInTrainingStep")

@@ -29,6 +29,12 @@ BYTE_KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes")
 FIGURES = ("module_dtype", "flat_param_dtypes", *BYTE_KEYS, "losses")
 NOT_CHECKED = "--activation-checkpointing MODULE:CLASS[,...] trains your checkpointed blocks with it"
 SHIM = {"0": "off", "1": "on"}
+SLOTS = {  # a run's (FSDP_SHIM, checkpointed): where a Section holds its figures
+    ("0", False): "shim_off",
+    ("1", False): "shim_on",
+    ("0", True): "checkpointed_shim_off",
+    ("1", True): "checkpointed_shim_on",
+}
 Runs = list[RankResult]
 Verdict = tuple[Optional[str], str]  # None: not checked
 
@@ -179,15 +185,17 @@ def verify(options: Options, workdir: Path) -> tuple[Section, dict[str, str]]:
         step(len(plan), ": skipped, it raised without the shim")
     results = dict[tuple[str, bool], Runs]()
     for number, (shim, ac) in enumerate(plan, 1):
+        if shim == "0" and raised:
+            continue  # judged by the runs with the shim
         paths = workdir.glob(f"run{number}.rank*.json")
-        found = sorted((RankResult(**json.loads(p.read_text())) for p in paths), key=lambda r: r.rank)
-        failed = on if shim == "1" else off
-        if failed or (len(found) != options.devices and not any(r.error for r in found)):
-            if shim == "0" and raised:
-                continue
-            error = f"the run with FSDP_SHIM={shim} {failed or 'wrote no result on some rank'}"
-            return Section(namespace, version, "FAILED", error, [], results.get(("0", False)), found or None), others
-        results[shim, ac] = found
+        results[shim, ac] = sorted((RankResult(**json.loads(p.read_text())) for p in paths), key=lambda r: r.rank)
+        probe, last = (on if shim == "1" else off), all(other != shim for other, _ in plan[number:])
+        found = results[shim, ac]
+        if (probe and last) or (len(found) != options.devices and not any(r.error for r in found)):
+            # a probe that failed: its first run without every rank's result, else its last run
+            error = f"the {'checkpointed ' * ac}run with FSDP_SHIM={shim} {probe or 'wrote no result on some rank'}"
+            trained: dict[str, Any] = {SLOTS[key]: runs or None for key, runs in results.items()}
+            return replace(Section(namespace, version, "FAILED", error), **trained), others
     return judged(options, version, results, raised), others
 
 

@@ -77,6 +77,20 @@ class RaisesInTrainingStep(ThreeWays):
         raise ValueError("a bug in the user's training_step")
 
 
+_built_here = 0
+
+
+class BuiltOncePerProcess(ThreeWays):
+    """Ends its process when built a second time in it, as a native library initialized twice may crash."""
+
+    def __init__(self) -> None:
+        global _built_here
+        _built_here += 1
+        if _built_here > 1:
+            os._exit(3)
+        super().__init__()
+
+
 NOT_A_MODULE = 42
 
 
