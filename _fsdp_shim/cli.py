@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     attr: dict[str, Any] = {"type": _module_attribute, "metavar": "MODULE:ATTR"}  # --model and --datamodule
     classes: dict[str, Any] = {"type": _class_list, "metavar": "MODULE:CLASS[,...]", "default": []}
     verify, default = add["verify"].add_argument, "(default: %(default)s)"
-    verify("--precision", choices=("bf16-true", "16-true"), default="bf16-true", help=f"of both runs {default}")
+    verify("--precision", choices=("bf16-true", "16-true"), default="bf16-true", help=f"of every run {default}")
     verify("--devices", type=_positive, default=1, metavar="N", help=f"processes (GPUs with CUDA) {default}")
     verify("--steps", type=_positive, default=3, metavar="N", help=f"training steps per run {default}")
     verify("--measure", action="store_true", help="train even where the installed Lightning has the fix")
@@ -71,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     verify("--auto-wrap", **classes, help="with --model: FSDP's auto-wrap classes (default: one unit, the whole model)")
     verify("--model-path", type=Path, metavar="DIR", help="the folder --model and the classes come from (default: .)")
-    seconds = f"how long one probe may take: past it, verify stops it and every process it started, exits 1 {default}"
+    seconds = f"how long one step may take: past it, verify stops it and every process it started, exits 1 {default}"
     verify("--timeout", type=partial(_positive, kind=float), default=PROBE_TIMEOUT, metavar="SECONDS", help=seconds)
     verify("--package", choices=CHOICES, help="for the seed model (default: lightning, else pytorch_lightning)")
     verify("--json", action="store_true", dest="as_json", help="machine-readable output, every figure per rank")

@@ -159,6 +159,8 @@ def read_lightning(options: Options) -> dict[str, Any]:
             versions[ns] = getattr(importlib.import_module(ns), "__version__", None) or "(unknown)"
         except Exception as error:
             versions[ns], failures[ns] = "", import_failure(error)
+    if namespace not in versions:  # imported by the model, yet not found where Lightning packages are looked for
+        raise ProbeStop("usage", f"{namespace} is not installed in this interpreter ({sys.executable})")
     failure, version = failures.get(namespace), versions[namespace]
     fixes, runs = (fix_states(namespace), plan(options, version)) if failure is None else ({}, [])
     others = {ns: v for ns, v in versions.items() if ns != namespace}
