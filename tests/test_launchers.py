@@ -247,11 +247,11 @@ def half_patched_slurm_job(jobs: Jobs) -> Iterator[dict[str, Any]]:
         job["outputs"] = finish(procs, job["commands"])
         job["ended"] = time.monotonic()
 
-    waiter = threading.Thread(target=wait, daemon=True)
-    waiter.start()
+    job["waiter"] = threading.Thread(target=wait, daemon=True)
+    job["waiter"].start()
     yield job
     kill_all(procs)
-    waiter.join(30)
+    job["waiter"].join(30)
 
 
 def test_slurm_fsdp_shim_0_trains_float32_on_every_rank(jobs: Jobs, half_patched_slurm_job: dict[str, Any]) -> None:
@@ -350,9 +350,7 @@ def test_slurm_half_patched_job_stops_naming_the_ranks_without_the_shim(half_pat
     """The half-patched SLURM job: the shimmed ranks stop 30 s after every rank joined the process group, naming
     ranks 2 and 3, in under two minutes in all."""
     job = half_patched_slurm_job
-    deadline = time.monotonic() + JOB_TIMEOUT + 30
-    while "ended" not in job and time.monotonic() < deadline:
-        time.sleep(0.5)
+    job["waiter"].join(JOB_TIMEOUT + 30)  # finish() kills the job at JOB_TIMEOUT
     assert "ended" in job, f"{job['name']} did not end within {JOB_TIMEOUT} s"
     wall = job["ended"] - job["started"]
     named = "ranks 2, 3 of 4 joined the process group but did not report within 30 s"
