@@ -17,8 +17,7 @@ NAMESPACES = {
 """Every importable copy of Lightning's Fabric and Trainer, and its kind: each is gated and patched on its own."""
 
 HAND_OVER = "_fsdp_shim.activation"
-"""Where ``namespace_executed(module, noticed_at)`` receives each executed namespace, resolved by name when it fires."""
-ALREADY_IMPORTED = "(imported before the shim was armed)"
+"""Where ``namespace_executed(module, late)`` receives each executed namespace, resolved by name when it fires."""
 
 ARMED_BY = []
 """How the finder was armed in this process, in order (``fsdp_shim.status().sources``)."""
@@ -54,7 +53,7 @@ def arm(source=None):
         ARMED_BY.append(source)
     if not [finder for finder in sys.meta_path if getattr(finder, "__name__", None) == "fsdp_shim_finder"]:
         sys.meta_path.insert(0, fsdp_shim_finder)
-    _hand_over_all(not_handed_over(), ALREADY_IMPORTED)
+    _hand_over_all(not_handed_over())
 
 
 def arm_if_switched_on():
@@ -98,8 +97,8 @@ def _observe(loader, name):
         loader.__dict__.pop("exec_module", None)
         real(module)
         if name in NAMESPACES:
-            _hand_over(module, None)
-        _hand_over_all(not_handed_over(), name)
+            _hand_over(module, False)
+        _hand_over_all(not_handed_over())
         return None
 
     try:  # noqa: SIM105 - this module imports nothing but sys
@@ -120,16 +119,16 @@ def not_handed_over():
     ]
 
 
-def _hand_over_all(names, noticed_at):
+def _hand_over_all(names):
     """Claim every namespace before the first goes: a hand-over imports, and must not hand the others over twice."""
     modules = [sys.modules[name] for name in names]
     for module in modules:
         _handed[module.__name__] = module
     for module in modules:
-        _hand_over(module, noticed_at)
+        _hand_over(module, True)
 
 
-def _hand_over(module, noticed_at):
+def _hand_over(module, late):
     """Give an executed namespace to the shim; only ``FSDP_SHIM=0`` skips it here."""
     import os
 
@@ -142,7 +141,7 @@ def _hand_over(module, noticed_at):
         _inert.append(error)
         _could_not_load(error)
         return
-    receive(module, noticed_at)
+    receive(module, late)
 
 
 def _could_not_load(error):

@@ -20,7 +20,6 @@ _lock = threading.Lock()  # guards the globals below; never held while patching 
 _active: bool | None = None  # None until activated (activate(), or the first hand-over) or deactivated
 _imported_before_activation: set[str] = set()
 _seen_executing: dict[str, ModuleType] = {}  # patched at their import, so never late
-_missed: dict[str, str] = {}  # namespaces a finder in front of the shim's loaded: name -> who, and where noticed
 
 
 def enabled() -> bool:
@@ -62,22 +61,18 @@ def deactivate() -> None:
         removal.unpatch_all()
 
 
-def namespace_executed(module: ModuleType, noticed_at: str | None = None) -> None:
-    """The finder's hand-over: a namespace just executed (``None``), was imported before arming, or was loaded
-    by a finder in front of it (the name of the import at which that was noticed)."""
+def namespace_executed(module: ModuleType, late: bool = False) -> None:
+    """The finder's hand-over: a namespace just executed, or noticed ``late`` (imported before arming, or loaded by
+    a finder in front of the shim's): then patched as by ``activate()``, warning about models already wrapped."""
     global _active
     name = module.__name__
     with _lock:
         if _active is None:
             _active = True  # armed at start-up: this is the activation
-        if noticed_at is None and _active:
-            _seen_executing[name] = module
-        elif noticed_at == startup.ALREADY_IMPORTED:
+        if late:
             _imported_before_activation.add(name)
-        elif noticed_at is not None:
-            from _fsdp_shim.late import finders_in_front
-
-            _missed.setdefault(name, f"{finders_in_front(module)}; noticed at the import of {noticed_at}")
+        elif _active:
+            _seen_executing[name] = module
     _patch(name)
 
 
@@ -108,13 +103,9 @@ def _patch(name: str) -> None:
             for fix in (fix for fix in FIXES if after[fix] is not before[fix]):
                 log.debug("fsdp-shim: %s %s, %s fix: %s", name, version, fix.name, after[fix].value)
         if name in _imported_before_activation and after[CAST] is State.PATCHED and before[CAST] is not State.PATCHED:
-            from _fsdp_shim import late
+            from _fsdp_shim import failures
 
-            late.warn_about_models_already_wrapped(name)
-        if name in _missed:
-            from _fsdp_shim import late
-
-            late.report_loaded_past_the_finder(name, _missed[name])
+            failures.warn_about_models_already_wrapped(name)
     except Exception as error:
         from _fsdp_shim import failures
 

@@ -9,17 +9,7 @@ import warnings
 from types import FrameType
 from typing import Any
 
-from _fsdp_shim import FSDPShimWarning
-from _fsdp_shim.config import (
-    DISABLED_FIXES_VARIABLE,
-    DOCS,
-    FIX_NAMES,
-    LIGHTNING_PACKAGES,
-    RANK_CHECK,
-    STRICT_VARIABLE,
-    VALID_SWITCH_VALUES,
-    switch_state,
-)
+from _fsdp_shim import NAMESPACES, FSDPShimWarning, config
 from _fsdp_shim.log import first_time, process_rank
 
 
@@ -33,11 +23,11 @@ FSDPShimError.__module__ = "fsdp_shim.errors"  # where users import it from
 def read_switch(name: str, meaning: str) -> str:
     """``switch_state`` of the variable ``name``, warning once per unreadable value (``meaning``: what it does)."""
     raw = os.environ.get(name)
-    state = switch_state(raw)
+    state = config.switch_state(raw)
     if state == "invalid":
         warn_once(
             f"fsdp-shim: {name}={raw!r} is not a valid value and {meaning}. "
-            f"Valid values (case-insensitive): {VALID_SWITCH_VALUES}.",
+            f"Valid values (case-insensitive): {config.VALID_SWITCH_VALUES}.",
             key=f"toggle:{name}={raw}",
         )
     return state
@@ -48,8 +38,8 @@ def unreadable_settings(unknown: list[str], problem: str | None) -> None:
     if unknown:
         names = ", ".join(map(repr, unknown))
         warn_once(
-            f"fsdp-shim: {DISABLED_FIXES_VARIABLE} names {names}, which is no fix of fsdp-shim (its fixes: "
-            f"{', '.join(FIX_NAMES)}); that name is ignored",
+            f"fsdp-shim: {config.DISABLED_FIXES_VARIABLE} names {names}, which is no fix of fsdp-shim (its fixes: "
+            f"{', '.join(config.FIX_NAMES)}); that name is ignored",
             key=f"disabled:{','.join(unknown)}",
         )
     if problem is not None:
@@ -71,7 +61,7 @@ def internal_error(error: Exception, *, doing: str, key: str, cannot: str | None
 
 def glue_failed(wrapper: Any, error: Exception) -> None:
     """A wrapper could not read what it needs: Lightning's or torch's own function ran for this call."""
-    what = "rank check" if wrapper.fix == RANK_CHECK.name else f"{wrapper.fix} fix"
+    what = "rank check" if wrapper.fix == config.RANK_CHECK.name else f"{wrapper.fix} fix"
     report(
         f"fsdp-shim: {wrapper.label} could not read what it needs ({error})",
         f"{owners_own(wrapper)} was used for this call, so it runs without the {what}",
@@ -112,7 +102,7 @@ def threads_clashed() -> None:
     warn_once(
         "fsdp-shim: two activation-checkpointed recomputes ran at once in different default dtypes (two threads' "
         "backwards); torch's default dtype is one for the whole process, so one of them ran in the other's dtype. "
-        f"The default dtype is put back when both end. See {DOCS}how-it-works.html#threads",
+        f"The default dtype is put back when both end. See {config.DOCS}how-it-works.html#threads",
         key="recompute:threads",
     )
 
@@ -149,6 +139,28 @@ def torch_version() -> str:
     return str(getattr(sys.modules.get("torch"), "__version__", "?"))
 
 
+def warn_about_models_already_wrapped(name: str) -> None:
+    """After a late patch of ``name``, the FSDP models it set up before keep their dtype: found by a garbage-collector
+    walk (``type()``: proxies warn on ``__class__``)."""
+    import gc
+
+    trainer = NAMESPACES[name] == "trainer"
+    holder_module, holder_class = ("strategies.fsdp", "FSDPStrategy") if trainer else ("wrappers", "_FabricModule")
+    holder = getattr(sys.modules.get(f"{name}.{holder_module}"), holder_class, None)
+    fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FullyShardedDataParallel", None)
+    if not isinstance(holder, type) or not isinstance(fsdp, type):
+        return
+    attribute = "_model" if trainer else "_forward_module"
+    count = sum(isinstance(getattr(o, attribute, None), fsdp) for o in gc.get_objects() if issubclass(type(o), holder))
+    if count:
+        warn_once(
+            f"fsdp-shim was activated after {name} had already set up {count} FSDP model(s); their parameters "
+            "keep the dtype they were wrapped with. The fix applies from the next setup on. Import fsdp_shim "
+            "before Lightning, or use `fsdp-shim run` or the start-up file.",
+            key=f"late:{name}",
+        )
+
+
 def float16_notice() -> None:
     """Once, on rank zero: ``16-true`` now keeps float16 weights, which AdamW's default ``eps`` cannot train."""
     if first_time("log:float16") and process_rank() == 0:
@@ -158,18 +170,18 @@ def float16_notice() -> None:
             "fsdp-shim: precision='16-true' now keeps the model's weights and optimizer state in float16, as "
             "Lightning 2.5+ does (unpatched 2.1-2.4 kept them in float32). AdamW's default eps=1e-8 is 0 in "
             "float16 and gives NaN losses: use precision='bf16-true', or eps >= 1e-4. See %snumerics.html",
-            DOCS,
+            config.DOCS,
         )
 
 
 def strict_mode() -> bool:
-    return read_switch(STRICT_VARIABLE, "turned strict mode ON (failures raise)") in ("on", "invalid")
+    return read_switch(config.STRICT_VARIABLE, "turned strict mode ON (failures raise)") in ("on", "invalid")
 
 
 def report(problem: str, consequence: str, *, key: str, cause: BaseException | None = None) -> None:
     """Raise in strict mode; otherwise warn ``problem; consequence`` once per ``key``."""
     if strict_mode():
-        raise FSDPShimError(f"{problem} ({STRICT_VARIABLE} is on)") from cause
+        raise FSDPShimError(f"{problem} ({config.STRICT_VARIABLE} is on)") from cause
     warn_once(f"{problem}; {consequence}", key=key)
 
 
@@ -199,7 +211,7 @@ def user_frame() -> FrameType | None:
     """The innermost frame outside fsdp-shim, the import machinery, wrapt and Lightning, where warnings point."""
     internal = ["<frozen importlib", *(os.path.join(path, "") for path in _OWN)]
     internal.append(os.path.join(os.path.dirname(_OWN[0]), "fsdp_shim", ""))
-    for name in ("wrapt", *LIGHTNING_PACKAGES):
+    for name in ("wrapt", *config.LIGHTNING_PACKAGES):
         path = getattr(sys.modules.get(name), "__file__", None)
         if path:
             internal.append(os.path.join(os.path.dirname(os.path.abspath(path)), ""))

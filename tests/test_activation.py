@@ -44,7 +44,7 @@ LIFECYCLE = """
     handler.emit = lambda record: records.append([record.levelname, record.getMessage()])
     logging.getLogger("fsdp_shim").addHandler(handler)
     logging.getLogger("fsdp_shim").setLevel(logging.DEBUG)
-    for name in ("activation", "config", "failures", "fixes", "late", "rank_check", "removal", "status", "wrappers"):
+    for name in ("activation", "config", "failures", "fixes", "rank_check", "removal", "status", "wrappers"):
         importlib.import_module(f"_fsdp_shim.{name}")
     import_all()
     pristine = snapshot()
@@ -297,8 +297,8 @@ FINDER_IN_THREADS = """
     sys.path.insert(0, folder)
     calls = []
 
-    def namespace_executed(module, noticed_at=None):  # stands in for the shim's (HAND_OVER names this module)
-        calls.append([module.__name__, noticed_at, module.VALUE])
+    def namespace_executed(module, late=False):  # stands in for the shim's (HAND_OVER names this module)
+        calls.append([module.__name__, late, module.VALUE])
 
     if hook == "fsdp-shim":
         import _fsdp_shim
@@ -326,7 +326,7 @@ FINDER_IN_THREADS = """
 @pytest.mark.parametrize(
     ("hook", "timeout", "expected"),
     [
-        ("fsdp-shim", 60, [True, [["slowparent.child", None, 1]]]),
+        ("fsdp-shim", 60, [True, [["slowparent.child", False, 1]]]),
         pytest.param("wrapt", 5, [False, []], id="control-wrapt-deadlocks"),
     ],
 )
