@@ -512,9 +512,9 @@ joining = time.time()
 dist.init_process_group("{backend}", timeout=timedelta(seconds={wait} + 60))  # longer than rank 0's wait
 result = {{"rank": rank, "joining": joining}}
 if rank == 0:
-    store = dist.distributed_c10d._get_default_store()
-    result.update(checking=time.time(), joined_then=rank_check.every_rank_joined(store, 2))
-    reports, early = rank_check.exchange(store, 1, 0, 2, {{"rank": 0}}, {wait}, {grace}, 0.2)
+    store, rank_check.POLL_SECONDS = dist.distributed_c10d._get_default_store(), 0.2
+    result.update(checking=time.time(), joined_then=store.check(["cpu//0/0", "cpu//0/1"]))
+    reports, early = rank_check.exchange(store, 1, 0, 2, {{"rank": 0}}, {wait}, {grace}, None)
     result.update(ended=time.time(), reported=sorted(reports), early=early)
 print(json.dumps(result), flush=True)
 """
