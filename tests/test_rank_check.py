@@ -491,30 +491,53 @@ def test_a_silent_rank_is_named_without_a_dtype_it_did_not_send():
     assert "FSDP_SHIM=0 in its environment" in some, some
 
 
-# ----------------------------------------------------------------------------- the early end, on torch alone
-EARLY_END = """\
+# ----------------------------------------------------------------------------- on torch alone
+BARE_JOB = """\
 import json, os, sys, time
 from datetime import timedelta
 
-rank = int(os.environ["RANK"])
-if rank == 1:
+rank, case = int(os.environ["RANK"]), sys.argv[1]
+if rank == 1 and case == "early_end":
     time.sleep({late_by})  # a slow start, before importing torch; it never reports, as a rank without the shim
 import torch
 import torch.distributed as dist
 from _fsdp_shim import rank_check
+from _fsdp_shim.failures import FSDPShimError
 
 if "{backend}" == "nccl":
     torch.cuda.set_device(rank)
 joining = time.time()
 dist.init_process_group("{backend}", timeout=timedelta(seconds={wait} + 60))  # longer than rank 0's wait
-result = {{"rank": rank, "joining": joining}}
-if rank == 0:
-    store, rank_check.POLL_SECONDS = dist.distributed_c10d._get_default_store(), 0.2
+store, result = dist.distributed_c10d._get_default_store(), {{"rank": rank, "joining": joining}}
+if case == "early_end" and rank == 0:
+    rank_check.POLL_SECONDS = 0.2
     result.update(checking=time.time(), joined_then=store.check(["cpu//0/0", "cpu//0/1"]))
     reports, early = rank_check.exchange(store, 1, 0, 2, {{"rank": 0}}, {wait}, {grace}, None)
     result.update(ended=time.time(), reported=sorted(reports), early=early)
+if case == "garbled":  # rank 1 reports what no fsdp-shim writes; rank 0's check cannot read it
+    if rank == 1:
+        store.set(rank_check._key("1", 1), "{{garbled")
+    else:
+        try:
+            rank_check.confirm_every_rank("lightning.pytorch", torch.bfloat16, joined_here=True)
+        except FSDPShimError as error:
+            result.update(raised=str(error))
+    dist.barrier()
 print(json.dumps(result), flush=True)
 """
+WAIT, SHORT_GRACE = 20.0, 2.0  # rank 0's whole wait, and its grace, in ``BARE_JOB``'s early end
+
+
+def bare_job(tmp_path: Path, case: str, backend: str = "gloo", **env: str | None) -> tuple[dict[int, str], list[dict]]:
+    """``BARE_JOB``'s ``case`` on two torchrun ranks, no Lightning (in ``early_end`` rank 1 starts 4 s late): each
+    rank's output, and the JSON each printed last."""
+    script = tmp_path / "bare_job.py"
+    script.write_text(BARE_JOB.format(backend=backend, late_by=4.0, wait=WAIT, grace=SHORT_GRACE))
+    env_ = clean_env(PYTHONWARNINGS="ignore,always:fsdp-shim", **env)
+    proc, command = run_on_a_free_port(lambda retry: ([*torchrun(2), "--tee", "3", str(script), case], env_), 180)
+    assert proc.returncode == 0, f"{command}\n{proc.stderr[-5000:]}"
+    output = by_rank(proc)
+    return output, [json.loads(re.findall(r"^\{.*$", text, re.M)[-1]) for _, text in sorted(output.items())]
 
 
 def cuda_devices() -> int:
@@ -528,29 +551,39 @@ def cuda_devices() -> int:
 @pytest.mark.per_torch  # torch's own store keys and gloo
 @pytest.mark.parametrize("backend", ["gloo", "lazy gloo", "nccl"])
 def test_the_early_end_waits_for_every_rank_to_join_the_process_group(tmp_path, backend):
-    """Two ranks of a bare process group, no Lightning: rank 0 reports and waits (20 s at most, a 2 s grace); rank 1
-    starts 4 s late and never reports. gloo ends the wait early, never sooner than the grace after rank 1 began to
-    join: eager gloo holds rank 0 in ``init_process_group`` until rank 1 arrives; lazy gloo lets rank 0 check at once,
-    and the grace starts when rank 1's address is in the store. NCCL (two GPUs) writes no address: the whole wait."""
+    """Rank 0 reports and waits; rank 1 starts 4 s late and never reports. gloo ends the wait early, never sooner
+    than the grace after rank 1 began to join: eager gloo holds rank 0 in ``init_process_group`` until rank 1 arrives;
+    lazy gloo lets rank 0 check at once, and the grace starts when rank 1's address is in the store. NCCL (two GPUs)
+    writes no address: the whole wait."""
     if backend == "nccl" and cuda_devices() < 2:
         pytest.skip("needs two GPUs (nvidia-smi -L)")
     torch = importlib.metadata.version("torch")
     if backend == "lazy gloo" and tuple(map(int, re.findall(r"\d+", torch)[:2])) < (2, 8):
         pytest.skip(f"torch {torch} has no lazy gloo (TORCH_GLOO_LAZY_INIT, torch 2.8)")
-    wait, grace = 20.0, 2.0
-    script = tmp_path / "early_end.py"
-    script.write_text(EARLY_END.format(backend=backend.split()[-1], late_by=4.0, wait=wait, grace=grace))
-    env = clean_env(TORCH_GLOO_LAZY_INIT="1" if backend == "lazy gloo" else None)
-    proc, command = run_on_a_free_port(lambda retry: ([*torchrun(2), "--tee", "3", str(script)], env), timeout=180)
-    assert proc.returncode == 0, f"{command}\n{proc.stderr[-5000:]}"
-    checker, silent = (json.loads(re.findall(r"^\{.*$", text, re.M)[-1]) for _, text in sorted(by_rank(proc).items()))
+    lazy = backend == "lazy gloo"
+    _, (checker, silent) = bare_job(
+        tmp_path, "early_end", backend.split()[-1], TORCH_GLOO_LAZY_INIT="1" if lazy else None
+    )
     assert checker["reported"] == [0], checker
     if backend == "nccl":
         assert not checker["joined_then"] and not checker["early"], checker
-        assert checker["ended"] - checker["checking"] >= wait, checker
+        assert checker["ended"] - checker["checking"] >= WAIT, checker
         return
-    assert checker["early"] and checker["ended"] - checker["checking"] < wait, checker
-    assert checker["ended"] >= silent["joining"] + grace, (checker, silent)
-    lazy = backend == "lazy gloo"
+    assert checker["early"] and checker["ended"] - checker["checking"] < WAIT, checker
+    assert checker["ended"] >= silent["joining"] + SHORT_GRACE, (checker, silent)
     assert checker["joined_then"] is not lazy, checker
     assert not lazy or checker["checking"] < silent["joining"], (checker, silent)
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
+def test_a_check_that_cannot_run_follows_the_failure_policy(tmp_path, strict):
+    """Rank 1's report is garbled (no fsdp-shim writes it): rank 0's check cannot read it, so it warns and goes on,
+    or in strict mode raises ``FSDPShimError`` saying so; it never names a disagreement it could not see."""
+    output, results = bare_job(tmp_path, "garbled", FSDP_SHIM_STRICT="1" if strict else "0")
+    said = "fsdp-shim: could not check that every rank of this job runs the same fixes (JSONDecodeError: "
+    if strict:
+        assert results[0]["raised"].startswith(said), results[0]
+        assert not shim_warnings(output[0]), output[0][-3000:]
+        return
+    assert "raised" not in results[0] and [w[: len(said)] for w in shim_warnings(output[0])] == [said], output[0]
+    assert "training goes on unchecked" in output[0] and not shim_errors(output[0]), output[0][-3000:]
