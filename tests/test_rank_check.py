@@ -46,6 +46,21 @@ DOCS = "https://fsdp-shim.github.io/fsdp-shim/cluster.html"
 
 
 # ----------------------------------------------------------------------------- torchrun jobs
+def run_job(
+    ranks: int, program: list[str], env: dict[str, str | None], expect_ok: bool = True, options: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
+    """``program`` on ``ranks`` ranks of one torchrun node (``options`` go to torchrun), only the shim's warnings shown,
+    each every time it is issued; it exits 0 or not, as ``expect_ok`` says."""
+
+    def attempt(retry: bool) -> tuple[list[str], dict[str, str]]:  # a new port each time
+        environ = clean_env(**{"PYTHONWARNINGS": "ignore,always:fsdp-shim", **env})
+        return [*torchrun(ranks), "--tee", "3", *options, *program], environ
+
+    proc, command = run_on_a_free_port(attempt, timeout=300)
+    assert expect_ok == (proc.returncode == 0), f"exit {proc.returncode}: {command}\n{proc.stderr[-8000:]}"
+    return proc
+
+
 def torchrun_job(
     tmp_path: Path,
     ranks: int,
@@ -57,23 +72,15 @@ def torchrun_job(
     expect_ok: bool = True,
     late: tuple[int, float] | None = None,
 ) -> tuple[subprocess.CompletedProcess[str], Path]:
-    """``tests/scenarios/fsdp_train.py`` on ``ranks`` ranks of one torchrun node, fsdp_shim imported first on each
-    (``FSDP_SHIM=0`` still switches a rank off), only the shim's warnings shown, each every time it is issued.
-    ``options`` go to torchrun; ``late``: (rank, seconds) that rank's interpreter starts so much later."""
+    """``tests/scenarios/fsdp_train.py`` in ``run_job``, fsdp_shim imported first on each rank (``FSDP_SHIM=0`` still
+    switches a rank off); ``late``: (rank, seconds) that rank's interpreter starts so much later."""
     out = tmp_path / "job"
     arguments = ["--api", api, "--package", layout.package, "--shim", "before", "--devices", str(ranks)]
     program = [str(SCENARIO), *arguments, "--cases", CASE, "--out", str(out), *extra]
     if late is not None:
         wait = f'[ "$RANK" = {late[0]} ] && sleep {late[1]:g}; exec "$@"'
         program = ["--no-python", "bash", "-c", wait, "bash", sys.executable, *program]
-
-    def attempt(retry: bool) -> tuple[list[str], dict[str, str]]:
-        command = [*torchrun(ranks), "--tee", "3", *options, *program]
-        return command, clean_env(PYTHONWARNINGS="ignore,always:fsdp-shim", **(env or {}))
-
-    proc, command = run_on_a_free_port(attempt, timeout=300)
-    assert expect_ok == (proc.returncode == 0), f"exit {proc.returncode}: {command}\n{proc.stderr[-8000:]}"
-    return proc, out
+    return run_job(ranks, program, env or {}, expect_ok, options), out
 
 
 def by_rank(proc: subprocess.CompletedProcess[str]) -> dict[int, str]:
@@ -157,12 +164,8 @@ def test_fabric_ranks_agree_with_an_extra_model_and_unbounded_waits(tmp_path, la
     which joins 6 s late, silently. The job trains, and rank zero says so once."""
     layout = affected_layout(layouts)
     extra = ("--delay-rank", "2:6", "--extra-model-on-rank", "0")
-    timeouts = (
-        "--env-on-rank",
-        "0:FSDP_SHIM_RANK_CHECK_TIMEOUT=1e20",
-        "--env-on-rank",
-        "1:FSDP_SHIM_RANK_CHECK_TIMEOUT=inf",
-    )
+    timeouts = ("--env-on-rank", "0:FSDP_SHIM_RANK_CHECK_TIMEOUT=1e20")
+    timeouts += ("--env-on-rank", "1:FSDP_SHIM_RANK_CHECK_TIMEOUT=inf")
     proc, out = torchrun_job(tmp_path, 3, layout, *extra, *timeouts, api="fabric")
     assert_bf16(out, 3)
     (line,) = confirmations(proc)
@@ -327,9 +330,8 @@ def fully_shard(module, mesh):
     return fully_shard(module, mesh=mesh["data_parallel"])
 
 
-sizes = dict(data_parallel_size=2, tensor_parallel_size=1)
+sizes, parallel = dict(data_parallel_size=2, tensor_parallel_size=1), strategy == "model_parallel"
 if api == "fabric":
-    parallel = strategy == "model_parallel"
     ddp = fabric_strategies.DDPStrategy
     chosen = fabric_strategies.ModelParallelStrategy(fully_shard, **sizes) if parallel else ddp()
     fabric = Fabric(accelerator="cpu", devices=2, strategy=chosen, precision="bf16-true")
@@ -344,7 +346,7 @@ else:
             self.block = Block()
 
         def configure_model(self):
-            if strategy == "model_parallel":
+            if parallel:
                 fully_shard(self.block, self.device_mesh)
 
         def training_step(self, batch, index):
@@ -353,7 +355,6 @@ else:
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    parallel = strategy == "model_parallel"
     chosen = trainer_strategies.ModelParallelStrategy(**sizes) if parallel else trainer_strategies.DDPStrategy()
     chosen = "ddp_fork" if strategy == "ddp_fork" else chosen
     options = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
@@ -371,13 +372,7 @@ def strategy_job(
     """``STRATEGY_JOB`` on two torchrun ranks (unified ``lightning``): a checkpointed block in bf16-true."""
     script = tmp_path / "strategy_job.py"
     script.write_text(STRATEGY_JOB)
-
-    def attempt(retry: bool) -> tuple[list[str], dict[str, str]]:
-        command = [*torchrun(2), "--tee", "3", str(script), api, strategy]
-        return command, clean_env(PYTHONWARNINGS="ignore,always:fsdp-shim", **env)
-
-    proc, command = run_on_a_free_port(attempt, timeout=300)
-    assert expect_ok == (proc.returncode == 0), f"exit {proc.returncode}: {command}\n{proc.stderr[-8000:]}"
+    proc = run_job(2, [str(script), api, strategy], env, expect_ok)
     return proc, by_rank(proc)
 
 
@@ -402,10 +397,8 @@ def test_every_strategy_that_runs_a_fix_checks_its_ranks(tmp_path, layouts, api,
         ), message
         assert "trained" not in output[0] and "CheckpointError" not in proc.stdout + proc.stderr
         return
-    assert [line.split("]:", 1)[1] for line in confirmations(proc)] == [
-        "fsdp-shim: patched on all 2 ranks (bfloat16; fixes: cast, recompute), confirmed in "
-        + confirmations(proc)[0].rpartition("confirmed in ")[2]
-    ]
+    (line,) = confirmations(proc)
+    assert line.startswith("[default0]:fsdp-shim: patched on all 2 ranks (bfloat16; fixes: cast, recompute), "), line
     assert all("trained" in output[rank] for rank in range(2)), proc.stdout[-3000:]
 
 
@@ -457,8 +450,7 @@ def test_the_timeout_variable_is_read_as_seconds():
     """Unset: the process group's timeout (``None``). Seconds as a float; ``0`` switches the check off; more than a
     year (``1e20``, ``inf``) is a year, which every store accepts; a value that is no wait says why."""
     read = {value: rank_check_timeout({"FSDP_SHIM_RANK_CHECK_TIMEOUT": value}) for value in (" 12.5 ", "0", "")}
-    assert read == {" 12.5 ": (12.5, None), "0": (0, None), "": (None, None)}
-    assert rank_check_timeout({}) == (None, None)
+    assert read == {" 12.5 ": (12.5, None), "0": (0, None), "": (None, None)} and rank_check_timeout({}) == (None, None)
     for value in ("1e20", "inf", "Infinity"):
         assert rank_check_timeout({"FSDP_SHIM_RANK_CHECK_TIMEOUT": value}) == (365 * 24 * 3600, None), value
     for value in ("abc", "-1", "nan", "-inf", "5s"):
@@ -533,10 +525,7 @@ def bare_job(tmp_path: Path, case: str, backend: str = "gloo", **env: str | None
     rank's output, and the JSON each printed last."""
     script = tmp_path / "bare_job.py"
     script.write_text(BARE_JOB.format(backend=backend, late_by=4.0, wait=WAIT, grace=SHORT_GRACE))
-    env_ = clean_env(PYTHONWARNINGS="ignore,always:fsdp-shim", **env)
-    proc, command = run_on_a_free_port(lambda retry: ([*torchrun(2), "--tee", "3", str(script), case], env_), 180)
-    assert proc.returncode == 0, f"{command}\n{proc.stderr[-5000:]}"
-    output = by_rank(proc)
+    output = by_rank(run_job(2, [str(script), case], env))
     return output, [json.loads(re.findall(r"^\{.*$", text, re.M)[-1]) for _, text in sorted(output.items())]
 
 
