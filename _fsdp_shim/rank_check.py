@@ -20,7 +20,8 @@ from _fsdp_shim.config import FIXES, RECOMPUTE, State, rank_check_timeout
 
 DEFAULT_TIMEOUT_SECONDS = 1800.0  # where the group's own timeout cannot be read (torch's default)
 GRACE_SECONDS = 30.0
-EVIDENCE_POLL_SECONDS = 5.0
+POLL_SECONDS = 5.0  # how often the wait asks the store whether every rank has joined
+Report = dict[str, Any]  # what a rank says: its fixes, dtype, host and releases (``decide``)
 
 _lock = threading.Lock()
 _checked: list[tuple[Any, Exception | None]] = []  # each group checked, in order, and how a failed one fails again
@@ -34,42 +35,47 @@ def confirm_every_rank(namespace: str, dtype: Any, joined_here: bool = False) ->
     this set-up, so the wait may end ``GRACE_SECONDS`` after every rank joined it."""
     present, _present_in[:] = (_present_in[-1] if _present_in and joined_here else None), []
     try:
-        found = _process_group()
+        problem = _check(namespace, dtype, joined_here, present)
     except Exception as error:
         _messages().could_not_check(error)
         return
-    if found is None:
-        return
-    group, store, rank, world_size = found
+    if problem is not None:
+        raise problem
+
+
+def _check(namespace: str, dtype: Any, joined_here: bool, present: Any) -> Exception | None:
+    """The check of the default group, once per group: the error that stops the job, if any."""
+    dist: Any = sys.modules.get("torch.distributed")
+    if not process_group_exists() or (world_size := dist.get_world_size()) < 2:
+        return None
+    group, store = dist.distributed_c10d._get_default_group(), dist.distributed_c10d._get_default_store()
     with _lock:
-        for checked, problem in _checked:  # strong references: an id could be reused
-            if checked is group and problem is not None:
-                raise problem
-            if checked is group:
-                return
+        done = [problem for checked, problem in _checked if checked is group]  # strong references: ids are reused
+        if done:
+            return done[0]
         _checked.append((group, None))
         number = len(_checked)
-    limit, explicit = _wait_seconds(store)
-    if limit == 0:
-        return
-    grace = None if explicit or not joined_here else GRACE_SECONDS
-    decision, started = decide(namespace, dtype), time.monotonic()
+    seconds, problem = rank_check_timeout()
     try:
-        reports, early = exchange(store, number, rank, world_size, decision, limit, grace, present=present)
-    except Exception as error:
-        _messages().could_not_check(error)
-        return
+        limit = float(store.timeout.total_seconds()) if seconds is None else seconds
+    except Exception:
+        limit = DEFAULT_TIMEOUT_SECONDS
+    if problem is not None:
+        _messages().unreadable_timeout(problem, limit)
+    if limit == 0:
+        return None
+    grace = GRACE_SECONDS if seconds is None and joined_here else None  # set, the variable is the whole wait
+    report, rank, started = decide(namespace, dtype), dist.get_rank(), time.monotonic()
+    reports, early = exchange(store, number, rank, world_size, report, limit, grace, present)
     missing = [r for r in range(world_size) if r not in reports]
-    if missing or len({behaviour(report) for report in reports.values()}) > 1:
-        waited = grace if early and grace is not None else limit
-        paused = present_ranks(present, missing, number)
-        problem = _messages().stop(missing, reports, world_size, waited, early, paused)
-        with _lock:
-            _checked[number - 1] = (group, problem)
-        raise problem
+    if missing or len({behaviour(sent) for sent in reports.values()}) > 1:
+        waited, paused = (grace if early and grace else limit), present_ranks(present, missing, number)
+        _checked[number - 1] = (group, _messages().stop(missing, reports, world_size, waited, early, paused))
+        return _checked[number - 1][1]
     if rank == 0:
         line = "fsdp-shim: patched on all %d ranks (%s), confirmed in %.2f s"
-        log.announce(line, world_size, decision["summary"], time.monotonic() - started)
+        log.announce(line, world_size, report["summary"], time.monotonic() - started)
+    return None
 
 
 def process_group_exists() -> bool:
@@ -77,30 +83,7 @@ def process_group_exists() -> bool:
     return dist is not None and dist.is_available() and dist.is_initialized()
 
 
-def _process_group() -> tuple[Any, Any, int, int] | None:
-    """The default group, its store, this rank and the world size; ``None`` outside a multi-rank job."""
-    dist: Any = sys.modules.get("torch.distributed")
-    if not process_group_exists() or dist.get_world_size() < 2:
-        return None
-    c10d = dist.distributed_c10d
-    return c10d._get_default_group(), c10d._get_default_store(), dist.get_rank(), dist.get_world_size()
-
-
-def _wait_seconds(store: Any) -> tuple[float, bool]:
-    """``FSDP_SHIM_RANK_CHECK_TIMEOUT`` (explicit: ``True``), else the process group's own timeout."""
-    seconds, problem = rank_check_timeout()
-    if seconds is not None:
-        return seconds, True
-    try:
-        default = float(store.timeout.total_seconds())
-    except Exception:
-        default = DEFAULT_TIMEOUT_SECONDS
-    if problem is not None:
-        _messages().unreadable_timeout(problem, default)
-    return default, False
-
-
-def decide(namespace: str, dtype: Any) -> dict[str, Any]:
+def decide(namespace: str, dtype: Any) -> Report:
     """This rank's report: per fix who provides it (``fsdp-shim``, ``Lightning``, ``torch`` or ``off``) and the paths
     torch passes the shim's by (``except``), the dtype, and where it runs and its ``summary`` (for messages)."""
     from _fsdp_shim._version import __version__
@@ -108,25 +91,33 @@ def decide(namespace: str, dtype: Any) -> dict[str, Any]:
     version = getattr(sys.modules.get(namespace), "__version__", None) or ""
     fixes = {}
     for fix in FIXES:
-        if fix.built_in(version):
-            fixes[fix.name] = {"by": "Lightning", "except": []}
-        elif wrappers.state(namespace, fix) is State.TORCH_HAS_IT:
-            fixes[fix.name] = {"by": "torch", "except": []}
-        elif wrappers.acting(namespace, fix):  # not "patched": a path still to check acts, whatever the context
-            passed_by = recompute_check.found(shown=False, holds=True) if fix is RECOMPUTE else []
-            fixes[fix.name] = {"by": "fsdp-shim", "except": passed_by}
-        else:
-            fixes[fix.name] = {"by": "off", "except": []}
-    where = {"host": socket.gethostname(), "pid": os.getpid(), "namespace": namespace, "lightning": version}
-    report = {"fixes": fixes, "dtype": str(dtype), **where, "fsdp_shim": __version__}
-    return {**report, "summary": summary(report)}
+        if fix.built_in(version) or wrappers.state(namespace, fix) is State.TORCH_HAS_IT:
+            by = "Lightning" if fix.built_in(version) else "torch"
+        else:  # not "patched": a path still to check acts, whatever the context
+            by = "fsdp-shim" if wrappers.acting(namespace, fix) else "off"
+        passed_by = recompute_check.found(shown=False, holds=True) if by == "fsdp-shim" and fix is RECOMPUTE else []
+        fixes[fix.name] = {"by": by, "except": passed_by}
+    report = {"fixes": fixes, "dtype": str(dtype), "host": socket.gethostname(), "namespace": namespace}
+    return {**report, "lightning": version, "fsdp_shim": __version__, "summary": summary(fixes, dtype)}
 
 
-def behaviour(report: dict[str, Any]) -> tuple[Any, ...]:
+def behaviour(report: Report) -> tuple[Any, ...]:
     """What must agree across ranks: the dtype, and per fix whether it is in effect and where not."""
-    by_fix = report.get("fixes", {})
-    effect = [by_fix.get(fix.name, {"by": "off"}) for fix in FIXES]
+    effect = [report.get("fixes", {}).get(fix.name, {"by": "off"}) for fix in FIXES]
     return (report.get("dtype"), *((entry["by"] != "off", tuple(entry.get("except", []))) for entry in effect))
+
+
+def summary(fixes: dict[str, dict[str, Any]], dtype: Any) -> str:
+    """``bfloat16; fixes: cast (Lightning's own), recompute (except the reentrant checkpoint)``."""
+    named = []
+    for fix, entry in fixes.items():
+        if entry["except"]:
+            from _fsdp_shim.failures import the_checkpoints  # a path passed by: loaded already, to say so
+
+            named.append(f"{fix} (except {the_checkpoints(entry['except'])})")
+        elif entry["by"] != "off":
+            named.append(fix if entry["by"] == "fsdp-shim" else f"{fix} ({entry['by']}'s own)")
+    return f"{str(dtype).replace('torch.', '')}; fixes: {', '.join(named) or 'none'}"
 
 
 def say_present(rendezvous: Iterator[tuple[Any, int, int]]) -> Iterator[tuple[Any, int, int]]:
@@ -136,49 +127,9 @@ def say_present(rendezvous: Iterator[tuple[Any, int, int]]) -> Iterator[tuple[An
         try:
             store.set(_key(f"present/{len(_checked) + 1}", rank), "1")  # before the check it precedes
             _present_in.append(store)
-        except Exception as error:  # without it, this rank's pause could be taken for a missing shim, as before
+        except Exception as error:  # without it, this rank's pause could be taken for a missing shim
             log.debug("fsdp-shim: could not say at the rendezvous that rank %s has the shim: %s", rank, error)
         yield store, rank, world_size
-
-
-def _key(what: str, rank: int) -> str:
-    """A rank's key for ``what``, per torchrun attempt: torchrun's store outlives a restart."""
-    attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', '-')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
-    return f"fsdp_shim/rank_check/{attempt}/{what}/{rank}"
-
-
-def exchange(
-    store: Any,
-    number: int,
-    rank: int,
-    world_size: int,
-    decision: dict[str, Any],
-    limit: float,
-    grace: float | None,
-    poll: float = EVIDENCE_POLL_SECONDS,
-    present: Any = None,
-) -> tuple[dict[int, dict[str, Any]], bool]:
-    """Write this rank's report and wait ``limit`` s for the others', or ``grace`` s from when every rank joined the
-    group unless every silent rank's presence is in ``present`` (the rendezvous store); the reports, and whether
-    the grace ended the wait."""
-    keys = [_key(str(number), r) for r in range(world_size)]
-    store.set(keys[rank], json.dumps(decision))
-    end, grace_end, early = time.monotonic() + limit, None, False
-    while True:
-        now = time.monotonic()
-        if grace is not None and grace_end is None and every_rank_joined(store, world_size):
-            grace_end = now + grace
-        if grace_end is not None and now >= grace_end:
-            silent = [r for r, key in enumerate(keys) if not store.check([key])]
-            if present_ranks(present, silent, number) != silent:
-                early = True
-                break
-            grace_end = float("inf")  # every silent rank has the shim: wait for them as long as the limit
-        step = min(end - now, poll)
-        if step < 0.01 or _wait(store, keys, step):
-            break
-    reports = {r: json.loads(store.get(key)) for r, key in enumerate(keys) if r == rank or store.check([key])}
-    return reports, early
 
 
 def present_ranks(present: Any, ranks: list[int], number: int) -> list[int]:
@@ -189,32 +140,37 @@ def present_ranks(present: Any, ranks: list[int], number: int) -> list[int]:
         return []
 
 
-def _wait(store: Any, keys: list[str], seconds: float) -> bool:
-    try:
-        store.wait(keys, timedelta(seconds=seconds))
-    except Exception as error:  # the store's timeout error differs across torch releases
-        if not ("timeout" in f"{type(error).__name__} {error}".lower() or "timed out" in str(error).lower()):
-            raise
-        return False
-    return True
+def _key(what: str, rank: int) -> str:
+    """A rank's key for ``what``, per torchrun attempt: torchrun's store outlives a restart."""
+    attempt = f"{os.environ.get('TORCHELASTIC_RUN_ID', '-')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    return f"fsdp_shim/rank_check/{attempt}/{what}/{rank}"
 
 
-def every_rank_joined(store: Any, world_size: int) -> bool:
-    """Whether every rank's gloo address is in the default store (``cpu//0/<rank>``, torch 2.3 to 2.15)."""
-    return bool(store.check([f"cpu//0/{r}" for r in range(world_size)]))
-
-
-def summary(report: dict[str, Any]) -> str:
-    """``bfloat16; fixes: cast (Lightning's own), recompute (except the reentrant checkpoint)``."""
-    named = []
-    for fix, entry in report.get("fixes", {}).items():
-        if entry["by"] == "fsdp-shim" and entry.get("except"):
-            from _fsdp_shim.failures import the_checkpoints  # a path passed by: loaded already, to say so
-
-            named.append(f"{fix} (except {the_checkpoints(entry['except'])})")
-        elif entry["by"] != "off":
-            named.append(fix if entry["by"] == "fsdp-shim" else f"{fix} ({entry['by']}'s own)")
-    return f"{str(report.get('dtype')).replace('torch.', '')}; fixes: {', '.join(named) or 'none'}"
+def exchange(
+    store: Any, number: int, rank: int, world_size: int, report: Report, limit: float, grace: float | None, present: Any
+) -> tuple[dict[int, Report], bool]:
+    """Write this rank's report and wait ``limit`` s for the others', or ``grace`` s from when every rank joined the
+    group (gloo's ``cpu//0/<rank>`` keys, torch 2.3 to 2.15) unless each silent rank's presence is in ``present``
+    (the rendezvous store); the reports, and whether the grace ended the wait."""
+    keys = [_key(str(number), r) for r in range(world_size)]
+    store.set(keys[rank], json.dumps(report))
+    end, grace_end, early = time.monotonic() + limit, None, False
+    while (step := min(end - time.monotonic(), POLL_SECONDS)) >= 0.01:
+        if grace is not None and grace_end is None and store.check([f"cpu//0/{r}" for r in range(world_size)]):
+            grace_end = time.monotonic() + grace
+        if grace_end is not None and time.monotonic() >= grace_end:
+            silent = [r for r, key in enumerate(keys) if not store.check([key])]
+            early = present_ranks(present, silent, number) != silent
+            if early:
+                break
+            grace = grace_end = None  # every silent rank has the shim: wait for them as long as the limit
+        try:
+            store.wait(keys, timedelta(seconds=step))
+            break
+        except Exception as error:  # the store's timeout error differs across torch releases
+            if not ("timeout" in f"{type(error).__name__} {error}".lower() or "timed out" in str(error).lower()):
+                raise
+    return {r: json.loads(store.get(key)) for r, key in enumerate(keys) if store.check([key])}, early
 
 
 def _messages() -> Any:

@@ -46,6 +46,21 @@ DOCS = "https://fsdp-shim.github.io/fsdp-shim/cluster.html"
 
 
 # ----------------------------------------------------------------------------- torchrun jobs
+def run_job(
+    ranks: int, program: list[str], env: dict[str, str | None], expect_ok: bool = True, options: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess[str]:
+    """``program`` on ``ranks`` ranks of one torchrun node (``options`` go to torchrun), only the shim's warnings shown,
+    each every time it is issued; it exits 0 or not, as ``expect_ok`` says."""
+
+    def attempt(retry: bool) -> tuple[list[str], dict[str, str]]:  # a new port each time
+        environ = clean_env(**{"PYTHONWARNINGS": "ignore,always:fsdp-shim", **env})
+        return [*torchrun(ranks), "--tee", "3", *options, *program], environ
+
+    proc, command = run_on_a_free_port(attempt, timeout=300)
+    assert expect_ok == (proc.returncode == 0), f"exit {proc.returncode}: {command}\n{proc.stderr[-8000:]}"
+    return proc
+
+
 def torchrun_job(
     tmp_path: Path,
     ranks: int,
@@ -57,23 +72,15 @@ def torchrun_job(
     expect_ok: bool = True,
     late: tuple[int, float] | None = None,
 ) -> tuple[subprocess.CompletedProcess[str], Path]:
-    """``tests/scenarios/fsdp_train.py`` on ``ranks`` ranks of one torchrun node, fsdp_shim imported first on each
-    (``FSDP_SHIM=0`` still switches a rank off), only the shim's warnings shown, each every time it is issued.
-    ``options`` go to torchrun; ``late``: (rank, seconds) that rank's interpreter starts so much later."""
+    """``tests/scenarios/fsdp_train.py`` in ``run_job``, fsdp_shim imported first on each rank (``FSDP_SHIM=0`` still
+    switches a rank off); ``late``: (rank, seconds) that rank's interpreter starts so much later."""
     out = tmp_path / "job"
     arguments = ["--api", api, "--package", layout.package, "--shim", "before", "--devices", str(ranks)]
     program = [str(SCENARIO), *arguments, "--cases", CASE, "--out", str(out), *extra]
     if late is not None:
         wait = f'[ "$RANK" = {late[0]} ] && sleep {late[1]:g}; exec "$@"'
         program = ["--no-python", "bash", "-c", wait, "bash", sys.executable, *program]
-
-    def attempt(retry: bool) -> tuple[list[str], dict[str, str]]:
-        command = [*torchrun(ranks), "--tee", "3", *options, *program]
-        return command, clean_env(PYTHONWARNINGS="ignore,always:fsdp-shim", **(env or {}))
-
-    proc, command = run_on_a_free_port(attempt, timeout=300)
-    assert expect_ok == (proc.returncode == 0), f"exit {proc.returncode}: {command}\n{proc.stderr[-8000:]}"
-    return proc, out
+    return run_job(ranks, program, env or {}, expect_ok, options), out
 
 
 def by_rank(proc: subprocess.CompletedProcess[str]) -> dict[int, str]:
@@ -157,12 +164,8 @@ def test_fabric_ranks_agree_with_an_extra_model_and_unbounded_waits(tmp_path, la
     which joins 6 s late, silently. The job trains, and rank zero says so once."""
     layout = affected_layout(layouts)
     extra = ("--delay-rank", "2:6", "--extra-model-on-rank", "0")
-    timeouts = (
-        "--env-on-rank",
-        "0:FSDP_SHIM_RANK_CHECK_TIMEOUT=1e20",
-        "--env-on-rank",
-        "1:FSDP_SHIM_RANK_CHECK_TIMEOUT=inf",
-    )
+    timeouts = ("--env-on-rank", "0:FSDP_SHIM_RANK_CHECK_TIMEOUT=1e20")
+    timeouts += ("--env-on-rank", "1:FSDP_SHIM_RANK_CHECK_TIMEOUT=inf")
     proc, out = torchrun_job(tmp_path, 3, layout, *extra, *timeouts, api="fabric")
     assert_bf16(out, 3)
     (line,) = confirmations(proc)
@@ -201,7 +204,7 @@ def test_a_rank_without_the_shim_stops_the_job_within_a_minute_by_default(tmp_pa
         f"this job may be half-patched (rank 0 on {HOST}: bfloat16; fixes: cast (Lightning's own), recompute "
         f"(pytorch_lightning {layout.trainer_version}, fsdp-shim {SHIM_VERSION})). Stopping before any model"
     ), message
-    assert "FSDP_SHIM=0 in their environment" in message and DOCS in message, message
+    assert "FSDP_SHIM=0 in its environment" in message and DOCS in message, message
     assert "float32" not in message, message
     assert "in confirm_every_rank_after_setup" in output[0]
     assert not shim_errors(output.get(1, "")), "rank 1 has no shim to raise"
@@ -327,9 +330,8 @@ def fully_shard(module, mesh):
     return fully_shard(module, mesh=mesh["data_parallel"])
 
 
-sizes = dict(data_parallel_size=2, tensor_parallel_size=1)
+sizes, parallel = dict(data_parallel_size=2, tensor_parallel_size=1), strategy == "model_parallel"
 if api == "fabric":
-    parallel = strategy == "model_parallel"
     ddp = fabric_strategies.DDPStrategy
     chosen = fabric_strategies.ModelParallelStrategy(fully_shard, **sizes) if parallel else ddp()
     fabric = Fabric(accelerator="cpu", devices=2, strategy=chosen, precision="bf16-true")
@@ -344,7 +346,7 @@ else:
             self.block = Block()
 
         def configure_model(self):
-            if strategy == "model_parallel":
+            if parallel:
                 fully_shard(self.block, self.device_mesh)
 
         def training_step(self, batch, index):
@@ -353,7 +355,6 @@ else:
         def configure_optimizers(self):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    parallel = strategy == "model_parallel"
     chosen = trainer_strategies.ModelParallelStrategy(**sizes) if parallel else trainer_strategies.DDPStrategy()
     chosen = "ddp_fork" if strategy == "ddp_fork" else chosen
     options = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
@@ -371,13 +372,7 @@ def strategy_job(
     """``STRATEGY_JOB`` on two torchrun ranks (unified ``lightning``): a checkpointed block in bf16-true."""
     script = tmp_path / "strategy_job.py"
     script.write_text(STRATEGY_JOB)
-
-    def attempt(retry: bool) -> tuple[list[str], dict[str, str]]:
-        command = [*torchrun(2), "--tee", "3", str(script), api, strategy]
-        return command, clean_env(PYTHONWARNINGS="ignore,always:fsdp-shim", **env)
-
-    proc, command = run_on_a_free_port(attempt, timeout=300)
-    assert expect_ok == (proc.returncode == 0), f"exit {proc.returncode}: {command}\n{proc.stderr[-8000:]}"
+    proc = run_job(2, [str(script), api, strategy], env, expect_ok)
     return proc, by_rank(proc)
 
 
@@ -402,10 +397,8 @@ def test_every_strategy_that_runs_a_fix_checks_its_ranks(tmp_path, layouts, api,
         ), message
         assert "trained" not in output[0] and "CheckpointError" not in proc.stdout + proc.stderr
         return
-    assert [line.split("]:", 1)[1] for line in confirmations(proc)] == [
-        "fsdp-shim: patched on all 2 ranks (bfloat16; fixes: cast, recompute), confirmed in "
-        + confirmations(proc)[0].rpartition("confirmed in ")[2]
-    ]
+    (line,) = confirmations(proc)
+    assert line.startswith("[default0]:fsdp-shim: patched on all 2 ranks (bfloat16; fixes: cast, recompute), "), line
     assert all("trained" in output[rank] for rank in range(2)), proc.stdout[-3000:]
 
 
@@ -457,8 +450,7 @@ def test_the_timeout_variable_is_read_as_seconds():
     """Unset: the process group's timeout (``None``). Seconds as a float; ``0`` switches the check off; more than a
     year (``1e20``, ``inf``) is a year, which every store accepts; a value that is no wait says why."""
     read = {value: rank_check_timeout({"FSDP_SHIM_RANK_CHECK_TIMEOUT": value}) for value in (" 12.5 ", "0", "")}
-    assert read == {" 12.5 ": (12.5, None), "0": (0, None), "": (None, None)}
-    assert rank_check_timeout({}) == (None, None)
+    assert read == {" 12.5 ": (12.5, None), "0": (0, None), "": (None, None)} and rank_check_timeout({}) == (None, None)
     for value in ("1e20", "inf", "Infinity"):
         assert rank_check_timeout({"FSDP_SHIM_RANK_CHECK_TIMEOUT": value}) == (365 * 24 * 3600, None), value
     for value in ("abc", "-1", "nan", "-inf", "5s"):
@@ -466,58 +458,75 @@ def test_the_timeout_variable_is_read_as_seconds():
         assert rank_check_timeout({"FSDP_SHIM_RANK_CHECK_TIMEOUT": value}) == (None, problem), value
 
 
-def test_a_late_rank_is_named_without_a_dtype_it_did_not_send():
-    """Rank 1 has not reported: the message names it and describes only what the others sent (ranks alike
-    together), never a guess at rank 1's dtype; a rank seen to join but silent is named so, and one that said at the
-    rendezvous it has the shim, so."""
+def test_a_silent_rank_is_named_without_a_dtype_it_did_not_send():
+    """The message describes only what the ranks that reported sent (alike ranks together, with hosts and releases),
+    never a guess at a silent rank's dtype; whether the silent ranks were seen to join, and which of them said at the
+    rendezvous that they have the shim, decide the causes it gives."""
     sent = {"summary": "bfloat16; fixes: cast, recompute", "host": "n1", "namespace": "lightning.pytorch"}
     sent |= {"lightning": "2.4.0", "fsdp_shim": "0.3.0"}
     reports = {0: sent, 2: {**sent, "host": "n2"}}
-    late = messages.missing([1], reports, 3, 2, False)
+    late = str(messages.stop([1], reports, 3, 2, False, []))
     assert late.startswith(
         "fsdp-shim: rank 1 of 3 did not report within 2 s which fixes it runs, so this job may be half-patched "
         "(ranks 0, 2 on n1, n2: bfloat16; fixes: cast, recompute (lightning.pytorch 2.4.0, fsdp-shim 0.3.0))."
     ), late
-    assert "still busy after 2 s" in late and late.endswith(f"see {DOCS}).")
+    assert "FSDP_SHIM=0 in its environment" in late and "still busy after 2 s" in late and late.endswith(DOCS)
     assert set(re.findall(r"\b(b?float\d+)\b", late)) == {"bfloat16"}, late
-    silent = messages.missing([1], reports, 3, 30, True)
+    silent = str(messages.stop([1], reports, 3, 30, True, []))
     assert "rank 1 of 3 joined the process group but did not report within 30 s" in silent
-    assert "still busy 30 s after joining it" in silent
-    paused = messages.missing([1], reports, 3, 1800, False, [1])
-    assert paused.startswith(
-        "fsdp-shim: rank 1 of 3 did not report within 1800 s which fixes it runs (each had fsdp-shim when it joined "
-        "the group), so this job may be half-patched (ranks 0, 2 on n1, n2: "
-    ), paused
-    assert "stopped or busy since (a debugger" in paused and "FSDP_SHIM=0" not in paused, paused
-    some = messages.missing([1, 2], {0: sent}, 3, 1800, False, [2])
+    assert "still busy 30 s after joining it" in silent, silent
+    paused = str(messages.stop([1], reports, 3, 1800, False, [1]))
+    assert "within 1800 s which fixes it runs (rank 1 had fsdp-shim when joining the group), so" in paused, paused
+    assert "paused since (a debugger" in paused and "FSDP_SHIM=0" not in paused, paused
+    some = str(messages.stop([1, 2], {0: sent}, 3, 1800, False, [2]))
     assert "ranks 1, 2 of 3 did not report within 1800 s which fixes it runs (rank 2 had fsdp-shim when" in some
-    assert "FSDP_SHIM=0 in their environment" in some, some
+    assert "FSDP_SHIM=0 in its environment" in some, some
 
 
-# ----------------------------------------------------------------------------- the early end, on torch alone
-EARLY_END = """\
+# ----------------------------------------------------------------------------- on torch alone
+BARE_JOB = """\
 import json, os, sys, time
 from datetime import timedelta
 
-rank = int(os.environ["RANK"])
-if rank == 1:
+rank, case = int(os.environ["RANK"]), sys.argv[1]
+if rank == 1 and case == "early_end":
     time.sleep({late_by})  # a slow start, before importing torch; it never reports, as a rank without the shim
 import torch
 import torch.distributed as dist
 from _fsdp_shim import rank_check
+from _fsdp_shim.failures import FSDPShimError
 
 if "{backend}" == "nccl":
     torch.cuda.set_device(rank)
 joining = time.time()
 dist.init_process_group("{backend}", timeout=timedelta(seconds={wait} + 60))  # longer than rank 0's wait
-result = {{"rank": rank, "joining": joining}}
-if rank == 0:
-    store = dist.distributed_c10d._get_default_store()
-    result.update(checking=time.time(), joined_then=rank_check.every_rank_joined(store, 2))
-    reports, early = rank_check.exchange(store, 1, 0, 2, {{"rank": 0}}, {wait}, {grace}, 0.2)
+store, result = dist.distributed_c10d._get_default_store(), {{"rank": rank, "joining": joining}}
+if case == "early_end" and rank == 0:
+    rank_check.POLL_SECONDS = 0.2
+    result.update(checking=time.time(), joined_then=store.check(["cpu//0/0", "cpu//0/1"]))
+    reports, early = rank_check.exchange(store, 1, 0, 2, {{"rank": 0}}, {wait}, {grace}, None)
     result.update(ended=time.time(), reported=sorted(reports), early=early)
+if case == "garbled":  # rank 1 reports what no fsdp-shim writes; rank 0's check cannot read it
+    if rank == 1:
+        store.set(rank_check._key("1", 1), "{{garbled")
+    else:
+        try:
+            rank_check.confirm_every_rank("lightning.pytorch", torch.bfloat16, joined_here=True)
+        except FSDPShimError as error:
+            result.update(raised=str(error))
+    dist.barrier()
 print(json.dumps(result), flush=True)
 """
+WAIT, SHORT_GRACE = 20.0, 2.0  # rank 0's whole wait, and its grace, in ``BARE_JOB``'s early end
+
+
+def bare_job(tmp_path: Path, case: str, backend: str = "gloo", **env: str | None) -> tuple[dict[int, str], list[dict]]:
+    """``BARE_JOB``'s ``case`` on two torchrun ranks, no Lightning (in ``early_end`` rank 1 starts 4 s late): each
+    rank's output, and the JSON each printed last."""
+    script = tmp_path / "bare_job.py"
+    script.write_text(BARE_JOB.format(backend=backend, late_by=4.0, wait=WAIT, grace=SHORT_GRACE))
+    output = by_rank(run_job(2, [str(script), case], env))
+    return output, [json.loads(re.findall(r"^\{.*$", text, re.M)[-1]) for _, text in sorted(output.items())]
 
 
 def cuda_devices() -> int:
@@ -531,29 +540,39 @@ def cuda_devices() -> int:
 @pytest.mark.per_torch  # torch's own store keys and gloo
 @pytest.mark.parametrize("backend", ["gloo", "lazy gloo", "nccl"])
 def test_the_early_end_waits_for_every_rank_to_join_the_process_group(tmp_path, backend):
-    """Two ranks of a bare process group, no Lightning: rank 0 reports and waits (20 s at most, a 2 s grace); rank 1
-    starts 4 s late and never reports. gloo ends the wait early, never sooner than the grace after rank 1 began to
-    join: eager gloo holds rank 0 in ``init_process_group`` until rank 1 arrives; lazy gloo lets rank 0 check at once,
-    and the grace starts when rank 1's address is in the store. NCCL (two GPUs) writes no address: the whole wait."""
+    """Rank 0 reports and waits; rank 1 starts 4 s late and never reports. gloo ends the wait early, never sooner
+    than the grace after rank 1 began to join: eager gloo holds rank 0 in ``init_process_group`` until rank 1 arrives;
+    lazy gloo lets rank 0 check at once, and the grace starts when rank 1's address is in the store. NCCL (two GPUs)
+    writes no address: the whole wait."""
     if backend == "nccl" and cuda_devices() < 2:
         pytest.skip("needs two GPUs (nvidia-smi -L)")
     torch = importlib.metadata.version("torch")
     if backend == "lazy gloo" and tuple(map(int, re.findall(r"\d+", torch)[:2])) < (2, 8):
         pytest.skip(f"torch {torch} has no lazy gloo (TORCH_GLOO_LAZY_INIT, torch 2.8)")
-    wait, grace = 20.0, 2.0
-    script = tmp_path / "early_end.py"
-    script.write_text(EARLY_END.format(backend=backend.split()[-1], late_by=4.0, wait=wait, grace=grace))
-    env = clean_env(TORCH_GLOO_LAZY_INIT="1" if backend == "lazy gloo" else None)
-    proc, command = run_on_a_free_port(lambda retry: ([*torchrun(2), "--tee", "3", str(script)], env), timeout=180)
-    assert proc.returncode == 0, f"{command}\n{proc.stderr[-5000:]}"
-    checker, silent = (json.loads(re.findall(r"^\{.*$", text, re.M)[-1]) for _, text in sorted(by_rank(proc).items()))
+    lazy = backend == "lazy gloo"
+    _, (checker, silent) = bare_job(
+        tmp_path, "early_end", backend.split()[-1], TORCH_GLOO_LAZY_INIT="1" if lazy else None
+    )
     assert checker["reported"] == [0], checker
     if backend == "nccl":
         assert not checker["joined_then"] and not checker["early"], checker
-        assert checker["ended"] - checker["checking"] >= wait, checker
+        assert checker["ended"] - checker["checking"] >= WAIT, checker
         return
-    assert checker["early"] and checker["ended"] - checker["checking"] < wait, checker
-    assert checker["ended"] >= silent["joining"] + grace, (checker, silent)
-    lazy = backend == "lazy gloo"
+    assert checker["early"] and checker["ended"] - checker["checking"] < WAIT, checker
+    assert checker["ended"] >= silent["joining"] + SHORT_GRACE, (checker, silent)
     assert checker["joined_then"] is not lazy, checker
     assert not lazy or checker["checking"] < silent["joining"], (checker, silent)
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["default", "strict"])
+def test_a_check_that_cannot_run_follows_the_failure_policy(tmp_path, strict):
+    """Rank 1's report is garbled (no fsdp-shim writes it): rank 0's check cannot read it, so it warns and goes on,
+    or in strict mode raises ``FSDPShimError`` saying so; it never names a disagreement it could not see."""
+    output, results = bare_job(tmp_path, "garbled", FSDP_SHIM_STRICT="1" if strict else "0")
+    said = "fsdp-shim: could not check that every rank of this job runs the same fixes (JSONDecodeError: "
+    if strict:
+        assert results[0]["raised"].startswith(said), results[0]
+        assert not shim_warnings(output[0]), output[0][-3000:]
+        return
+    assert "raised" not in results[0] and [w[: len(said)] for w in shim_warnings(output[0])] == [said], output[0]
+    assert "training goes on unchecked" in output[0] and not shim_errors(output[0]), output[0][-3000:]
