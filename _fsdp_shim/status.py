@@ -10,7 +10,7 @@ import os
 import site
 import subprocess
 import sys
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -160,12 +160,6 @@ def _namespace(name: str, on: bool, late: bool) -> NamespaceStatus:
             f if f.patched or f.affected is False else FixStatus(f.fix, State.SWITCHED_OFF, f.affected, off)
             for f in fixes
         )
-    if name in startup.not_handed_over():  # not checked: say why
-        from _fsdp_shim.late import finders_in_front
-
-        why = f"{finders_in_front(module)} loaded it without fsdp-shim's import watcher seeing it "
-        why += "(fsdp_shim.activate() checks it now)"
-        fixes = tuple(replace(f, detail=why) if f.state is State.NOT_CHECKED else f for f in fixes)
     return NamespaceStatus(name, True, version, late, fixes)
 
 
