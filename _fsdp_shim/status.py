@@ -1,6 +1,6 @@
-"""``fsdp_shim.status()``: what the shim did in this process, read from the classes now, and the sentences that say
-it (``reason``, ``str()``); and ``fsdp-shim status``, what this environment holds and whether the pieces agree, read
-from metadata (``--python-check``: a fresh interpreter imports Lightning). Loaded only when asked."""
+"""``fsdp_shim.status()``: what the shim did in this process, read from the classes now, and its words (``reason``,
+``str()``); and ``fsdp-shim status``: what this environment holds and whether the pieces agree, from metadata
+(``--python-check``: a fresh interpreter imports Lightning). Loaded only when asked."""
 
 from __future__ import annotations
 
@@ -131,8 +131,7 @@ class ShimStatus:
             lines.append(f"  fixes switched off: {', '.join(self.disabled_fixes)}")
         for status in self.namespaces:
             lines.append(_line(status.namespace, status.version, status.reason))
-            if status.imported:
-                lines += [f"    {fix.fix:<10} {fix.reason}" for fix in status.fixes]
+            lines += [f"    {fix.fix:<10} {fix.reason}" for fix in status.fixes] if status.imported else []
         return "\n".join(lines)
 
 
@@ -168,16 +167,13 @@ def reading(namespace: str, fix: Fix) -> FixStatus:
     namespace imported again changes it."""
     if (module := sys.modules.get(namespace)) is None:
         return FixStatus(fix.name)
-    try:
-        from _fsdp_shim import recompute_check as check
-        from _fsdp_shim import wrappers
-        from _fsdp_shim.removal import describe, found_on_top
-    except ImportError as error:  # its patching code (wrapt) may be missing
-        return FixStatus(fix.name, State.FAILED, True, f"fsdp-shim's patching code cannot be imported ({error})")
+    from _fsdp_shim import recompute_check as check
+    from _fsdp_shim import wrappers
+    from _fsdp_shim.removal import describe, found_on_top
+
     if (record := wrappers.records.get((namespace, fix.name))) is None:
         return FixStatus(fix.name, State.NOT_CHECKED)
-    again = wrappers.imported_again(record, namespace, module)
-    if again is not None:
+    if (again := wrappers.imported_again(record, namespace, module)) is not None:
         return FixStatus(fix.name, State.FAILED, record.affected, f"{again}, and its new classes were not checked yet")
     if record.state not in (State.PATCHED, State.DEACTIVATED):
         return FixStatus(fix.name, record.state, record.affected, record.detail)
@@ -237,8 +233,8 @@ for name in sys.argv[1:]:
         report["imported"].append(importlib.import_module(name).__name__)
     except Exception as error:  # as distributions.import_failure()
         report["failed"][name] = [type(error).__name__, str(error), getattr(error, "name", None)]
-activation = sys.modules.get("_fsdp_shim.activation")  # imported by the start-up finder's hand-over
-report["shim_loaded"], report["status"] = activation is not None, activation and activation.status().as_dict()
+shim = sys.modules.get("_fsdp_shim.activation")  # imported by the start-up finder's hand-over
+report.update(shim_loaded=shim is not None, status=shim and shim.status().as_dict())
 print({MARK!r} + json.dumps(report) + {MARK!r})
 """
 Report = dict[str, Any]
@@ -279,15 +275,13 @@ def _still_needed(lightning: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 def _recompute_needed() -> tuple[bool | None, str]:
     """Whether this environment's torch restores the forward's default dtype in every recompute itself."""
-    if importlib.util.find_spec("torch") is None:
-        return None, "cannot tell: no torch in this environment"
     try:
         import torch
 
         from _fsdp_shim import recompute_check as check
 
         left = [path for path in check.paths() if path not in check.restored_by_torch()]
-    except Exception as error:
+    except Exception as error:  # no torch, or a checkpoint module it cannot read
         return None, f"cannot tell: torch's checkpoint cannot be read ({type(error).__name__}: {error})"
     if not left:
         return False, f"torch {torch.__version__}'s checkpoint restores the default dtype itself"
@@ -296,29 +290,6 @@ def _recompute_needed() -> tuple[bool | None, str]:
         f"torch {torch.__version__}'s checkpoint for {the_checkpoints(left)}; it can go once torch's does, or "
         "where you train without activation checkpointing"
     )
-
-
-def _problems(shown: str, armed: bool, bootstrap: list[str]) -> list[str]:
-    """The variables' unreadable values, ``FSDP_SHIM=1`` where nothing reads it, and bootstrap folders gone."""
-    problems = [
-        f"{name}={os.environ.get(name)!r} is not a valid value ({config.VALID_SWITCH_VALUES}); {meaning}"
-        for name, meaning in ((SHIM_VARIABLE, "the shim is OFF"), (config.STRICT_VARIABLE, "strict mode is ON"))
-        if switch_state(os.environ.get(name)) == "invalid"
-    ]
-    if unknown := ", ".join(map(repr, config.disabled_fixes()[1])):
-        names = ", ".join(config.FIX_NAMES)
-        problems.append(f"{config.DISABLED_FIXES_VARIABLE} names {unknown}, no fix of fsdp-shim ({names})")
-    if timeout := config.rank_check_timeout()[1]:
-        problems.append(f"{timeout}; the rank check waits as long as the process group's timeout")
-    problems += filter(None, [config.log_setting()[1]])
-    if not armed and switch_state(os.environ.get(SHIM_VARIABLE)) == "on":
-        problems.append(
-            f"{shown} arms nothing in this interpreter: no folder it reads start-up files from holds "
-            f"{ENVIRONMENT_FILE} ({NOT_READ}). Install fsdp-shim into this environment with pip, or use "
-            "`fsdp-shim run`"
-        )
-    gone = [entry for entry in bootstrap if not os.path.isdir(entry)]
-    return problems + [f"PYTHONPATH holds an fsdp-shim bootstrap folder that does not exist: {e}" for e in gone]
 
 
 def _check_child(report: Report) -> None:
@@ -339,12 +310,13 @@ def _check_child(report: Report) -> None:
         f"{ns['namespace']} {ns['version']} lacks the {fix['fix']} fix, and it was not applied: {fix['reason']}"
         for ns in (child["status"] or {}).get("namespaces", [])
         for fix in ns["fixes"]
-        if ns["imported"] and fix["affected"] and not fix["patched"] and fix["state"] != State.DISABLED.value
+        if ns["imported"] and fix["affected"] and not fix["patched"] and fix["state"] != State.DISABLED
     ]
 
 
 def environment_report(python_check: bool = False) -> Report:
-    """What ``fsdp-shim status --json`` prints, in this key order; ``render`` writes it as text."""
+    """What ``fsdp-shim status --json`` prints, in this key order (``render`` writes it as text). Problems: unreadable
+    values, ``FSDP_SHIM=1`` where nothing reads it, bootstrap folders gone, and what ``--python-check`` finds."""
     state, shown = switch_state(os.environ.get(SHIM_VARIABLE)), f"{SHIM_VARIABLE}={os.environ.get(SHIM_VARIABLE)!r}"
     user = [site.getusersitepackages()] if site.ENABLE_USER_SITE else []
     found = next((p for d in [*user, *site.getsitepackages()] if (p := Path(d) / ENVIRONMENT_FILE).is_file()), None)
@@ -352,6 +324,24 @@ def environment_report(python_check: bool = False) -> Report:
     bootstrap = [e for e in entries if e and Path(e).parts[-2:] == ("_fsdp_shim", "bootstrap")]
     off = shown if state in ("off", "invalid") else None
     by = [shown] * (state == "on" and found is not None) + ["fsdp-shim run"] * bool(bootstrap)
+    problems = [
+        f"{name}={os.environ.get(name)!r} is not a valid value ({config.VALID_SWITCH_VALUES}); {meaning}"
+        for name, meaning in ((SHIM_VARIABLE, "the shim is OFF"), (config.STRICT_VARIABLE, "strict mode is ON"))
+        if switch_state(os.environ.get(name)) == "invalid"
+    ]
+    if unknown := ", ".join(map(repr, config.disabled_fixes()[1])):
+        names = ", ".join(config.FIX_NAMES)
+        problems.append(f"{config.DISABLED_FIXES_VARIABLE} names {unknown}, no fix of fsdp-shim ({names})")
+    if timeout := config.rank_check_timeout()[1]:
+        problems.append(f"{timeout}; the rank check waits as long as the process group's timeout")
+    problems += filter(None, [config.log_setting()[1]])
+    if state == "on" and not (found or bootstrap):
+        problems.append(
+            f"{shown} arms nothing in this interpreter: no folder it reads start-up files from holds "
+            f"{ENVIRONMENT_FILE} ({NOT_READ}). Install fsdp-shim into this environment with pip, or use `fsdp-shim run`"
+        )
+    gone = [entry for entry in bootstrap if not os.path.isdir(entry)]
+    problems += [f"PYTHONPATH holds an fsdp-shim bootstrap folder that does not exist: {e}" for e in gone]
     report: Report = {
         "shim_version": __version__,
         "python": sys.executable,
@@ -363,7 +353,7 @@ def environment_report(python_check: bool = False) -> Report:
         "nothing_to_patch": not installed_packages() and importlib.util.find_spec("torch") is None,
         "armed": {"state": "off" if off else "armed" if by else "not armed", "by": by},
         "child": None,
-        "problems": _problems(shown, bool(found or bootstrap), bootstrap),
+        "problems": problems,
     }
     if python_check:
         _check_child(report)
