@@ -130,13 +130,9 @@ class ShimStatus:
         if self.disabled_fixes:
             lines.append(f"  fixes switched off: {', '.join(self.disabled_fixes)}")
         for status in self.namespaces:
-            lines.append(_line(status.namespace, status.version, status.reason))
+            lines.append(f"  {status.namespace:<18} {status.version or '-':<10} {status.reason}")
             lines += [f"    {fix.fix:<10} {fix.reason}" for fix in status.fixes] if status.imported else []
         return "\n".join(lines)
-
-
-def _line(namespace: str, version: str | None, reason: str) -> str:
-    return f"  {namespace:<18} {version or '-':<10} {reason}"
 
 
 def collect(on: bool, active: bool, late: set[str]) -> ShimStatus:
@@ -216,11 +212,6 @@ def reading(namespace: str, fix: Fix) -> FixStatus:
 ENVIRONMENT_FILE = "fsdp_shim_env.pth"
 OWN_ENVIRONMENT_FILE = Path(startup.__file__).resolve().parent.parent / ENVIRONMENT_FILE
 NOT_READ = f"this fsdp-shim, in {OWN_ENVIRONMENT_FILE.parent}, was not installed here by pip (a clone, --target)"
-NOTHING_TO_PATCH = (
-    "NOTHING TO PATCH HERE: neither torch nor Lightning is installed beside this fsdp-shim ({python}): an "
-    "isolated install (pipx, `uv tool`) cannot reach your training. Install fsdp-shim into the environment that "
-    "runs the training instead (`pip install fsdp-shim` there), and run `fsdp-shim status` with its Python."
-)
 MARK = "\n--- fsdp-shim status report ---\n"  # around the child's report: start-up code may print too
 PYTHON_CHECK = f"""
 import importlib, json, sys, warnings
@@ -360,58 +351,49 @@ def environment_report(python_check: bool = False) -> Report:
     return {**report, "consistent": not report["problems"]}
 
 
-def _armed_lines(report: Report, shown: str) -> list[str]:
-    """Armed or not, by what (or what would, but for ``FSDP_SHIM=0``); where nothing arms it, the ways that would."""
+def _armed(report: Report, shown: str) -> str:
+    """Armed or not, and by what (under ``FSDP_SHIM=0``: what would); where nothing arms it, the ways that would."""
     state, env = report["armed"]["state"], report["environment_file"]
-    how = {shown: f"read by {env['path']}", "fsdp-shim run": "its bootstrap is first on PYTHONPATH"}
-    by = [(name, how[name]) for name in report["armed"]["by"]]
+    how = {shown: f"{shown} (read by {env['path']})", "fsdp-shim run": "fsdp-shim run (its bootstrap on PYTHONPATH)"}
+    by = joined([how[name] for name in report["armed"]["by"]]) if report["armed"]["by"] else ""
     if state == "off":
-        lines = [f"Shim: OFF. {shown} switches off every activation: Lightning runs as shipped."]
-        return lines + (["  Without it, this would arm the shim:", *_table(by)] if by else [])
+        otherwise = f" Without it, {by} would arm it." if by else ""
+        return f"Shim: OFF. {shown} switches off every activation: Lightning runs as shipped.{otherwise}"
     if state == "armed":
-        return ["Shim: ARMED in every Python started from here, by:", *_table(by)]
+        return f"Shim: ARMED in every Python started from here, by {by}."
     on = switch_state(report["toggles"][SHIM_VARIABLE]) == "on"
     if report["nothing_to_patch"] and not on:
-        return ["Shim: NOT ARMED, and there is nothing to arm it for: no torch, no Lightning here (see below)."]
-    read = f"one command and every process it starts (by {env['path']})" if env["read"] else None
-    ways = [
-        (f"{SHIM_VARIABLE}=1 python train.py", read or f"arms nothing here: {NOT_READ}"),
-        ("fsdp-shim run python train.py", "the same, also for interpreters of another environment"),
-        ("import fsdp_shim", "in the training script: that script only (status cannot see it)"),
-    ]
+        return "Shim: NOT ARMED, and there is nothing to arm it for: no torch, no Lightning here (see below)."
+    ways = [f"{SHIM_VARIABLE}=1 (read by {env['path']})"] * env["read"]
+    ways += ["fsdp-shim run (also another environment's Python)", "import fsdp_shim in the script (that script only)"]
+    not_read = "" if env["read"] else f"; {SHIM_VARIABLE}=1 arms nothing here: {NOT_READ}"
     nothing = f"{shown} arms nothing here (see PROBLEM)" if on else "nothing arms it"
-    return [f"Shim: NOT ARMED in a Python started from here: {nothing}. Ways to arm it:", *_table(ways)]
-
-
-def _table(rows: list[tuple[str, str]]) -> list[str]:
-    width = max(len(name) for name, _ in rows)
-    return [f"  {name:<{width}}  {what}" for name, what in rows]
+    return f"Shim: NOT ARMED in a Python started from here: {nothing}. Ways to arm it: {'; '.join(ways)}{not_read}"
 
 
 def render(report: Report) -> str:
     """``report`` as the text ``fsdp-shim status`` prints."""
     shown, off = f"{SHIM_VARIABLE}={report['toggles'][SHIM_VARIABLE]!r}", report["armed"]["state"] == "off"
-    lines = [f"fsdp-shim {report['shim_version']}  (python: {report['python']})", "", *_armed_lines(report, shown)]
-    toggles = [f"{name}={value!r}" for name, value in report["toggles"].items() if value is not None]
-    lines += ["", f"Set: {', '.join(toggles) or 'no FSDP_SHIM variable'}", ""]
+    toggles = ", ".join(f"{name}={value!r}" for name, value in report["toggles"].items() if value is not None)
+    lines = [f"fsdp-shim {report['shim_version']}  (python: {report['python']})", "", _armed(report, shown), ""]
+    lines += [f"Set: {toggles or 'no FSDP_SHIM variable'}", ""]
     lines += ["Lightning (from package metadata; what the shim does where it is armed):"]
-    lines += [] if report["lightning"] else ["  none installed"]
     for row in report["lightning"]:
         lines += [f"  {row['namespace']:<18} {row['version']}", *(f"    {n:<10} {v}" for n, v in row["fixes"].items())]
     answer = {True: "needed", False: "not needed", None: "unknown"}
     lines += ["", f"Still needed here? ({config.DOCS}removal.html)"]
     lines += [f"  {name:<10} {answer[a['needed']]}: {a['why']}" for name, a in report["still_needed"].items()]
     if (child := report["child"]) is not None:
-        status = child["status"] or {}
-        loaded = f"shim loaded, armed by: {'; '.join(status.get('sources') or []) or 'unknown'}"
-        why = f"{shown} switches it off" if off else "nothing armed it at start-up"
+        status, why = child["status"] or {}, f"{shown} switches it off" if off else "nothing armed it at start-up"
+        loaded = f"shim loaded, armed by: {'; '.join(status.get('sources', [])) or 'unknown'}"
         lines += ["", "A fresh interpreter (imports Lightning, not fsdp_shim):"]
         lines.append(f"  {loaded if child['shim_loaded'] else f'shim not loaded: {why}'}")
-        lines += [
-            _line(ns["namespace"], ns["version"], ns["reason"]) for ns in status.get("namespaces", []) if ns["imported"]
-        ]
+        for ns in status.get("namespaces", []):  # as str(fsdp_shim.status()) shows them
+            lines += [f"  {ns['namespace']:<18} {ns['version'] or '-':<10} {ns['reason']}"] if ns["imported"] else []
     ok = "OK: no problem found" + (f"; the shim is OFF ({shown}), so nothing is patched" if off else "")
-    ok = NOTHING_TO_PATCH.format(python=report["python"]) if report["nothing_to_patch"] else ok
+    if report["nothing_to_patch"]:  # an isolated install (pipx, `uv tool`)
+        ok = f"NOTHING TO PATCH HERE: no torch, no Lightning beside this fsdp-shim ({report['python']}). Install it "
+        ok += "into the environment that runs the training, and run `fsdp-shim status` with that environment's Python."
     return "\n".join([*lines, "", *([f"PROBLEM: {p}" for p in report["problems"]] or [ok])])
 
 
