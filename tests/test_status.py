@@ -73,14 +73,20 @@ def test_status_says_whether_the_shim_is_armed_by_what_the_switches_the_fixes_an
     assert "Set: FSDP_SHIM='0'" in lines and "would be patched" not in off.stdout
     assert lines[-1] == "OK: no problem found; the shim is OFF (FSDP_SHIM='0'), so nothing is patched"
 
-    gone = "/nonexistent/_fsdp_shim/bootstrap"
-    env = clean_env(FSDP_SHIM="maybe")
+    gone, valid = "/nonexistent/_fsdp_shim/bootstrap", "1, true, on, yes, y, enable, enabled, 0, false, off, no, n, "
+    env = clean_env(FSDP_SHIM="maybe", FSDP_SHIM_STRICT="perhaps", FSDP_SHIM_DISABLED_FIXES="cast,bogus")
+    env.update(FSDP_SHIM_LOG="verbose", FSDP_SHIM_RANK_CHECK_TIMEOUT="abc")
     env["PYTHONPATH"] = os.pathsep.join([gone, *filter(None, [env.get("PYTHONPATH")])])
     problems = status(env=env)
     assert problems.returncode == 1 and problems.stderr == ""
     assert [line for line in problems.stdout.splitlines() if line.startswith("PROBLEM: ")] == [
-        "PROBLEM: FSDP_SHIM='maybe' is not a valid value (1, true, on, yes, y, enable, enabled, 0, false, off, no, n, "
-        "disable, disabled); the shim is OFF",
+        f"PROBLEM: FSDP_SHIM='maybe' is not a valid value ({valid}disable, disabled); the shim is OFF",
+        f"PROBLEM: FSDP_SHIM_STRICT='perhaps' is not a valid value ({valid}disable, disabled); strict mode is ON",
+        "PROBLEM: FSDP_SHIM_DISABLED_FIXES names 'bogus', no fix of fsdp-shim (cast, recompute)",
+        "PROBLEM: FSDP_SHIM_RANK_CHECK_TIMEOUT='abc' is not a number of seconds >= 0; the rank check waits as long as "
+        "the process group's timeout",
+        f"PROBLEM: FSDP_SHIM_LOG='verbose' is not a valid value (valid: {valid}disable, disabled, debug); the "
+        "confirmation lines stay on",
         f"PROBLEM: PYTHONPATH holds an fsdp-shim bootstrap folder that does not exist: {gone}",
     ]
 
@@ -156,10 +162,44 @@ def test_fsdp_shim_1_arms_nothing_from_a_clone_or_a_target_install_and_an_isolat
             f"NOTHING TO PATCH HERE: no torch, no Lightning beside this fsdp-shim ({other.python}). Install it "
             "into the environment that runs the training, and run `fsdp-shim status` with that environment's Python."
         )
-        assert "Ways to arm it" not in proc.stdout
+        assert (
+            "Ways to arm it" not in proc.stdout
+            and "  cast       unknown: no Lightning in this environment" in proc.stdout
+        )
     assert isolated[None].stdout.splitlines()[2] == (
         "Shim: NOT ARMED, and there is nothing to arm it for: no torch, no Lightning here (see below)."
     )
+
+
+def test_status_python_check_names_what_went_wrong_in_the_fresh_interpreter(
+    lightning_installed: None, tmp_path: Path
+) -> None:
+    """``--python-check`` exits 1 with a PROBLEM where a folder named as ``fsdp-shim run``'s bootstrap is on
+    ``PYTHONPATH`` but loads no shim, where an installed Lightning fails to import (shadowed here by a package that
+    raises), and where the fresh interpreter dies before its report."""
+    from _fsdp_shim.distributions import installed_packages
+
+    package, problems = installed_packages()[0], {}
+    bootstrap = tmp_path / "empty" / "_fsdp_shim" / "bootstrap"
+    bootstrap.mkdir(parents=True)
+    for case, raising in (("not loaded", None), ("fails", "RuntimeError('broken here')"), ("dies", "SystemExit(3)")):
+        entry = bootstrap if raising is None else tmp_path / case
+        if raising is not None:
+            (entry / package).mkdir(parents=True)
+            (entry / package / "__init__.py").write_text(f"raise {raising}\n")
+        env = clean_env()
+        env["PYTHONPATH"] = os.pathsep.join([str(entry), *filter(None, [env.get("PYTHONPATH")])])
+        proc = status("--python-check", env=env)
+        assert proc.returncode == 1, proc.stdout
+        problems[case] = [line for line in proc.stdout.splitlines() if line.startswith("PROBLEM: ")]
+    assert problems["not loaded"] == [
+        "PROBLEM: a start-up activation is present but a fresh interpreter did not load the shim"
+    ]
+    [fails] = problems["fails"]
+    assert fails.startswith(f"PROBLEM: {package} ({package}") and fails.endswith(
+        " is installed but fails to import (RuntimeError: broken here)"
+    )
+    assert problems["dies"] == ["PROBLEM: a fresh interpreter failed to import Lightning: no report"]
 
 
 def test_status_python_check_runs_no_code_from_the_current_folder_and_survives_a_sitecustomize_that_prints(
