@@ -127,8 +127,6 @@ class ShimStatus:
             kept = " (what it patched before stays patched; fsdp_shim.deactivate() removes it)" if patched else ""
             state = f"switched off by {SHIM_VARIABLE}{kept}"
         lines = [f"fsdp-shim {self.shim_version}: {state}" + (" (strict)" if self.strict else "")]
-        if self.disabled_fixes:
-            lines.append(f"  fixes switched off: {', '.join(self.disabled_fixes)}")
         for status in self.namespaces:
             lines.append(f"  {status.namespace:<18} {status.version or '-':<10} {status.reason}")
             lines += [f"    {fix.fix:<10} {fix.reason}" for fix in status.fixes] if status.imported else []
