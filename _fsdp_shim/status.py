@@ -1,6 +1,6 @@
-"""``fsdp_shim.status()``: what the shim did in this process, read from the classes now, and the sentences that say
-it (``reason``, ``str()``); and ``fsdp-shim status``, what this environment holds and whether the pieces agree, read
-from metadata (``--python-check``: a fresh interpreter imports Lightning). Loaded only when asked."""
+"""``fsdp_shim.status()``: what the shim did in this process, read from the classes now, and its words (``reason``,
+``str()``); and ``fsdp-shim status``: what this environment holds and whether the pieces agree, from metadata
+(``--python-check``: a fresh interpreter imports Lightning). Loaded only when asked."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import os
 import site
 import subprocess
 import sys
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -127,17 +127,10 @@ class ShimStatus:
             kept = " (what it patched before stays patched; fsdp_shim.deactivate() removes it)" if patched else ""
             state = f"switched off by {SHIM_VARIABLE}{kept}"
         lines = [f"fsdp-shim {self.shim_version}: {state}" + (" (strict)" if self.strict else "")]
-        if self.disabled_fixes:
-            lines.append(f"  fixes switched off: {', '.join(self.disabled_fixes)}")
         for status in self.namespaces:
-            lines.append(_line(status.namespace, status.version, status.reason))
-            if status.imported:
-                lines += [f"    {fix.fix:<10} {fix.reason}" for fix in status.fixes]
+            lines.append(f"  {status.namespace:<18} {status.version or '-':<10} {status.reason}")
+            lines += [f"    {fix.fix:<10} {fix.reason}" for fix in status.fixes] if status.imported else []
         return "\n".join(lines)
-
-
-def _line(namespace: str, version: str | None, reason: str) -> str:
-    return f"  {namespace:<18} {version or '-':<10} {reason}"
 
 
 def collect(on: bool, active: bool, late: set[str]) -> ShimStatus:
@@ -160,12 +153,6 @@ def _namespace(name: str, on: bool, late: bool) -> NamespaceStatus:
             f if f.patched or f.affected is False else FixStatus(f.fix, State.SWITCHED_OFF, f.affected, off)
             for f in fixes
         )
-    if name in startup.not_handed_over():  # not checked: say why
-        from _fsdp_shim.late import finders_in_front
-
-        why = f"{finders_in_front(module)} loaded it without fsdp-shim's import watcher seeing it "
-        why += "(fsdp_shim.activate() checks it now)"
-        fixes = tuple(replace(f, detail=why) if f.state is State.NOT_CHECKED else f for f in fixes)
     return NamespaceStatus(name, True, version, late, fixes)
 
 
@@ -174,16 +161,13 @@ def reading(namespace: str, fix: Fix) -> FixStatus:
     namespace imported again changes it."""
     if (module := sys.modules.get(namespace)) is None:
         return FixStatus(fix.name)
-    try:
-        from _fsdp_shim import recompute_check as check
-        from _fsdp_shim import wrappers
-        from _fsdp_shim.removal import describe, found_on_top
-    except ImportError as error:  # its patching code (wrapt) may be missing
-        return FixStatus(fix.name, State.FAILED, True, f"fsdp-shim's patching code cannot be imported ({error})")
+    from _fsdp_shim import recompute_check as check
+    from _fsdp_shim import wrappers
+    from _fsdp_shim.removal import describe, found_on_top
+
     if (record := wrappers.records.get((namespace, fix.name))) is None:
         return FixStatus(fix.name, State.NOT_CHECKED)
-    again = wrappers.imported_again(record, namespace, module)
-    if again is not None:
+    if (again := wrappers.imported_again(record, namespace, module)) is not None:
         return FixStatus(fix.name, State.FAILED, record.affected, f"{again}, and its new classes were not checked yet")
     if record.state not in (State.PATCHED, State.DEACTIVATED):
         return FixStatus(fix.name, record.state, record.affected, record.detail)
@@ -226,11 +210,6 @@ def reading(namespace: str, fix: Fix) -> FixStatus:
 ENVIRONMENT_FILE = "fsdp_shim_env.pth"
 OWN_ENVIRONMENT_FILE = Path(startup.__file__).resolve().parent.parent / ENVIRONMENT_FILE
 NOT_READ = f"this fsdp-shim, in {OWN_ENVIRONMENT_FILE.parent}, was not installed here by pip (a clone, --target)"
-NOTHING_TO_PATCH = (
-    "NOTHING TO PATCH HERE: neither torch nor Lightning is installed beside this fsdp-shim ({python}): an "
-    "isolated install (pipx, `uv tool`) cannot reach your training. Install fsdp-shim into the environment that "
-    "runs the training instead (`pip install fsdp-shim` there), and run `fsdp-shim status` with its Python."
-)
 MARK = "\n--- fsdp-shim status report ---\n"  # around the child's report: start-up code may print too
 PYTHON_CHECK = f"""
 import importlib, json, sys, warnings
@@ -243,8 +222,8 @@ for name in sys.argv[1:]:
         report["imported"].append(importlib.import_module(name).__name__)
     except Exception as error:  # as distributions.import_failure()
         report["failed"][name] = [type(error).__name__, str(error), getattr(error, "name", None)]
-activation = sys.modules.get("_fsdp_shim.activation")  # imported by the start-up finder's hand-over
-report["shim_loaded"], report["status"] = activation is not None, activation and activation.status().as_dict()
+shim = sys.modules.get("_fsdp_shim.activation")  # imported by the start-up finder's hand-over
+report.update(shim_loaded=shim is not None, status=shim and shim.status().as_dict())
 print({MARK!r} + json.dumps(report) + {MARK!r})
 """
 Report = dict[str, Any]
@@ -285,15 +264,13 @@ def _still_needed(lightning: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 def _recompute_needed() -> tuple[bool | None, str]:
     """Whether this environment's torch restores the forward's default dtype in every recompute itself."""
-    if importlib.util.find_spec("torch") is None:
-        return None, "cannot tell: no torch in this environment"
     try:
         import torch
 
         from _fsdp_shim import recompute_check as check
 
         left = [path for path in check.paths() if path not in check.restored_by_torch()]
-    except Exception as error:
+    except Exception as error:  # no torch, or a checkpoint module it cannot read
         return None, f"cannot tell: torch's checkpoint cannot be read ({type(error).__name__}: {error})"
     if not left:
         return False, f"torch {torch.__version__}'s checkpoint restores the default dtype itself"
@@ -302,29 +279,6 @@ def _recompute_needed() -> tuple[bool | None, str]:
         f"torch {torch.__version__}'s checkpoint for {the_checkpoints(left)}; it can go once torch's does, or "
         "where you train without activation checkpointing"
     )
-
-
-def _problems(shown: str, armed: bool, bootstrap: list[str]) -> list[str]:
-    """The variables' unreadable values, ``FSDP_SHIM=1`` where nothing reads it, and bootstrap folders gone."""
-    problems = [
-        f"{name}={os.environ.get(name)!r} is not a valid value ({config.VALID_SWITCH_VALUES}); {meaning}"
-        for name, meaning in ((SHIM_VARIABLE, "the shim is OFF"), (config.STRICT_VARIABLE, "strict mode is ON"))
-        if switch_state(os.environ.get(name)) == "invalid"
-    ]
-    if unknown := ", ".join(map(repr, config.disabled_fixes()[1])):
-        names = ", ".join(config.FIX_NAMES)
-        problems.append(f"{config.DISABLED_FIXES_VARIABLE} names {unknown}, no fix of fsdp-shim ({names})")
-    if timeout := config.rank_check_timeout()[1]:
-        problems.append(f"{timeout}; the rank check waits as long as the process group's timeout")
-    problems += filter(None, [config.log_setting()[1]])
-    if not armed and switch_state(os.environ.get(SHIM_VARIABLE)) == "on":
-        problems.append(
-            f"{shown} arms nothing in this interpreter: no folder it reads start-up files from holds "
-            f"{ENVIRONMENT_FILE} ({NOT_READ}). Install fsdp-shim into this environment with pip, or use "
-            "`fsdp-shim run`"
-        )
-    gone = [entry for entry in bootstrap if not os.path.isdir(entry)]
-    return problems + [f"PYTHONPATH holds an fsdp-shim bootstrap folder that does not exist: {e}" for e in gone]
 
 
 def _check_child(report: Report) -> None:
@@ -345,12 +299,13 @@ def _check_child(report: Report) -> None:
         f"{ns['namespace']} {ns['version']} lacks the {fix['fix']} fix, and it was not applied: {fix['reason']}"
         for ns in (child["status"] or {}).get("namespaces", [])
         for fix in ns["fixes"]
-        if ns["imported"] and fix["affected"] and not fix["patched"] and fix["state"] != State.DISABLED.value
+        if ns["imported"] and fix["affected"] and not fix["patched"] and fix["state"] != State.DISABLED
     ]
 
 
 def environment_report(python_check: bool = False) -> Report:
-    """What ``fsdp-shim status --json`` prints, in this key order; ``render`` writes it as text."""
+    """What ``fsdp-shim status --json`` prints, in this key order (``render`` writes it as text). Problems: unreadable
+    values, ``FSDP_SHIM=1`` where nothing reads it, bootstrap folders gone, and what ``--python-check`` finds."""
     state, shown = switch_state(os.environ.get(SHIM_VARIABLE)), f"{SHIM_VARIABLE}={os.environ.get(SHIM_VARIABLE)!r}"
     user = [site.getusersitepackages()] if site.ENABLE_USER_SITE else []
     found = next((p for d in [*user, *site.getsitepackages()] if (p := Path(d) / ENVIRONMENT_FILE).is_file()), None)
@@ -358,6 +313,24 @@ def environment_report(python_check: bool = False) -> Report:
     bootstrap = [e for e in entries if e and Path(e).parts[-2:] == ("_fsdp_shim", "bootstrap")]
     off = shown if state in ("off", "invalid") else None
     by = [shown] * (state == "on" and found is not None) + ["fsdp-shim run"] * bool(bootstrap)
+    problems = [
+        f"{name}={os.environ.get(name)!r} is not a valid value ({config.VALID_SWITCH_VALUES}); {meaning}"
+        for name, meaning in ((SHIM_VARIABLE, "the shim is OFF"), (config.STRICT_VARIABLE, "strict mode is ON"))
+        if switch_state(os.environ.get(name)) == "invalid"
+    ]
+    if unknown := ", ".join(map(repr, config.disabled_fixes()[1])):
+        names = ", ".join(config.FIX_NAMES)
+        problems.append(f"{config.DISABLED_FIXES_VARIABLE} names {unknown}, no fix of fsdp-shim ({names})")
+    if timeout := config.rank_check_timeout()[1]:
+        problems.append(f"{timeout}; the rank check waits as long as the process group's timeout")
+    problems += filter(None, [config.log_setting()[1]])
+    if state == "on" and not (found or bootstrap):
+        problems.append(
+            f"{shown} arms nothing in this interpreter: no folder it reads start-up files from holds "
+            f"{ENVIRONMENT_FILE} ({NOT_READ}). Install fsdp-shim into this environment with pip, or use `fsdp-shim run`"
+        )
+    gone = [entry for entry in bootstrap if not os.path.isdir(entry)]
+    problems += [f"PYTHONPATH holds an fsdp-shim bootstrap folder that does not exist: {e}" for e in gone]
     report: Report = {
         "shim_version": __version__,
         "python": sys.executable,
@@ -369,65 +342,56 @@ def environment_report(python_check: bool = False) -> Report:
         "nothing_to_patch": not installed_packages() and importlib.util.find_spec("torch") is None,
         "armed": {"state": "off" if off else "armed" if by else "not armed", "by": by},
         "child": None,
-        "problems": _problems(shown, bool(found or bootstrap), bootstrap),
+        "problems": problems,
     }
     if python_check:
         _check_child(report)
     return {**report, "consistent": not report["problems"]}
 
 
-def _armed_lines(report: Report, shown: str) -> list[str]:
-    """Armed or not, by what (or what would, but for ``FSDP_SHIM=0``); where nothing arms it, the ways that would."""
+def _armed(report: Report, shown: str) -> str:
+    """Armed or not, and by what (under ``FSDP_SHIM=0``: what would); where nothing arms it, the ways that would."""
     state, env = report["armed"]["state"], report["environment_file"]
-    how = {shown: f"read by {env['path']}", "fsdp-shim run": "its bootstrap is first on PYTHONPATH"}
-    by = [(name, how[name]) for name in report["armed"]["by"]]
+    how = {shown: f"{shown} (read by {env['path']})", "fsdp-shim run": "fsdp-shim run (its bootstrap on PYTHONPATH)"}
+    by = joined([how[name] for name in report["armed"]["by"]]) if report["armed"]["by"] else ""
     if state == "off":
-        lines = [f"Shim: OFF. {shown} switches off every activation: Lightning runs as shipped."]
-        return lines + (["  Without it, this would arm the shim:", *_table(by)] if by else [])
+        otherwise = f" Without it, {by} would arm it." if by else ""
+        return f"Shim: OFF. {shown} switches off every activation: Lightning runs as shipped.{otherwise}"
     if state == "armed":
-        return ["Shim: ARMED in every Python started from here, by:", *_table(by)]
+        return f"Shim: ARMED in every Python started from here, by {by}."
     on = switch_state(report["toggles"][SHIM_VARIABLE]) == "on"
     if report["nothing_to_patch"] and not on:
-        return ["Shim: NOT ARMED, and there is nothing to arm it for: no torch, no Lightning here (see below)."]
-    read = f"one command and every process it starts (by {env['path']})" if env["read"] else None
-    ways = [
-        (f"{SHIM_VARIABLE}=1 python train.py", read or f"arms nothing here: {NOT_READ}"),
-        ("fsdp-shim run python train.py", "the same, also for interpreters of another environment"),
-        ("import fsdp_shim", "in the training script: that script only (status cannot see it)"),
-    ]
+        return "Shim: NOT ARMED, and there is nothing to arm it for: no torch, no Lightning here (see below)."
+    ways = [f"{SHIM_VARIABLE}=1 (read by {env['path']})"] * env["read"]
+    ways += ["fsdp-shim run (also another environment's Python)", "import fsdp_shim in the script (that script only)"]
+    not_read = "" if env["read"] else f"; {SHIM_VARIABLE}=1 arms nothing here: {NOT_READ}"
     nothing = f"{shown} arms nothing here (see PROBLEM)" if on else "nothing arms it"
-    return [f"Shim: NOT ARMED in a Python started from here: {nothing}. Ways to arm it:", *_table(ways)]
-
-
-def _table(rows: list[tuple[str, str]]) -> list[str]:
-    width = max(len(name) for name, _ in rows)
-    return [f"  {name:<{width}}  {what}" for name, what in rows]
+    return f"Shim: NOT ARMED in a Python started from here: {nothing}. Ways to arm it: {'; '.join(ways)}{not_read}"
 
 
 def render(report: Report) -> str:
     """``report`` as the text ``fsdp-shim status`` prints."""
     shown, off = f"{SHIM_VARIABLE}={report['toggles'][SHIM_VARIABLE]!r}", report["armed"]["state"] == "off"
-    lines = [f"fsdp-shim {report['shim_version']}  (python: {report['python']})", "", *_armed_lines(report, shown)]
-    toggles = [f"{name}={value!r}" for name, value in report["toggles"].items() if value is not None]
-    lines += ["", f"Set: {', '.join(toggles) or 'no FSDP_SHIM variable'}", ""]
+    toggles = ", ".join(f"{name}={value!r}" for name, value in report["toggles"].items() if value is not None)
+    lines = [f"fsdp-shim {report['shim_version']}  (python: {report['python']})", "", _armed(report, shown), ""]
+    lines += [f"Set: {toggles or 'no FSDP_SHIM variable'}", ""]
     lines += ["Lightning (from package metadata; what the shim does where it is armed):"]
-    lines += [] if report["lightning"] else ["  none installed"]
     for row in report["lightning"]:
         lines += [f"  {row['namespace']:<18} {row['version']}", *(f"    {n:<10} {v}" for n, v in row["fixes"].items())]
     answer = {True: "needed", False: "not needed", None: "unknown"}
     lines += ["", f"Still needed here? ({config.DOCS}removal.html)"]
     lines += [f"  {name:<10} {answer[a['needed']]}: {a['why']}" for name, a in report["still_needed"].items()]
     if (child := report["child"]) is not None:
-        status = child["status"] or {}
-        loaded = f"shim loaded, armed by: {'; '.join(status.get('sources') or []) or 'unknown'}"
-        why = f"{shown} switches it off" if off else "nothing armed it at start-up"
+        status, why = child["status"] or {}, f"{shown} switches it off" if off else "nothing armed it at start-up"
+        loaded = f"shim loaded, armed by: {'; '.join(status.get('sources', [])) or 'unknown'}"
         lines += ["", "A fresh interpreter (imports Lightning, not fsdp_shim):"]
         lines.append(f"  {loaded if child['shim_loaded'] else f'shim not loaded: {why}'}")
-        lines += [
-            _line(ns["namespace"], ns["version"], ns["reason"]) for ns in status.get("namespaces", []) if ns["imported"]
-        ]
+        for ns in status.get("namespaces", []):  # as str(fsdp_shim.status()) shows them
+            lines += [f"  {ns['namespace']:<18} {ns['version'] or '-':<10} {ns['reason']}"] if ns["imported"] else []
     ok = "OK: no problem found" + (f"; the shim is OFF ({shown}), so nothing is patched" if off else "")
-    ok = NOTHING_TO_PATCH.format(python=report["python"]) if report["nothing_to_patch"] else ok
+    if report["nothing_to_patch"]:  # an isolated install (pipx, `uv tool`)
+        ok = f"NOTHING TO PATCH HERE: no torch, no Lightning beside this fsdp-shim ({report['python']}). Install it "
+        ok += "into the environment that runs the training, and run `fsdp-shim status` with that environment's Python."
     return "\n".join([*lines, "", *([f"PROBLEM: {p}" for p in report["problems"]] or [ok])])
 
 

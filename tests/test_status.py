@@ -54,36 +54,39 @@ def test_status_says_whether_the_shim_is_armed_by_what_the_switches_the_fixes_an
     unset = status(env=clean_env())
     lines = unset.stdout.splitlines()
     assert unset.returncode == 0 and lines[-1] == "OK: no problem found", unset.stdout
-    assert lines[2:8] == [
-        "Shim: NOT ARMED in a Python started from here: nothing arms it. Ways to arm it:",
-        f"  FSDP_SHIM=1 python train.py    one command and every process it starts (by {pth})",
-        "  fsdp-shim run python train.py  the same, also for interpreters of another environment",
-        "  import fsdp_shim               in the training script: that script only (status cannot see it)",
+    assert lines[2:5] == [
+        "Shim: NOT ARMED in a Python started from here: nothing arms it. Ways to arm it: FSDP_SHIM=1 (read by "
+        f"{pth}); fsdp-shim run (also another environment's Python); import fsdp_shim in the script (that script only)",
         "",
         "Set: no FSDP_SHIM variable",
     ]
 
     armed = status(env=clean_env(FSDP_SHIM="1")).stdout.splitlines()
-    assert armed[2:4] == ["Shim: ARMED in every Python started from here, by:", f"  FSDP_SHIM='1'  read by {pth}"]
+    assert armed[2] == f"Shim: ARMED in every Python started from here, by FSDP_SHIM='1' (read by {pth})."
 
     off = run_command([FSDP_SHIM, "run", FSDP_SHIM, "status"], env=clean_env(FSDP_SHIM="0"))
     lines = off.stdout.splitlines()
-    assert off.returncode == 0 and lines[2:5] == [
-        "Shim: OFF. FSDP_SHIM='0' switches off every activation: Lightning runs as shipped.",
-        "  Without it, this would arm the shim:",
-        "  fsdp-shim run  its bootstrap is first on PYTHONPATH",
-    ]
+    assert off.returncode == 0 and lines[2] == (
+        "Shim: OFF. FSDP_SHIM='0' switches off every activation: Lightning runs as shipped. Without it, fsdp-shim run "
+        "(its bootstrap on PYTHONPATH) would arm it."
+    )
     assert "Set: FSDP_SHIM='0'" in lines and "would be patched" not in off.stdout
     assert lines[-1] == "OK: no problem found; the shim is OFF (FSDP_SHIM='0'), so nothing is patched"
 
-    gone = "/nonexistent/_fsdp_shim/bootstrap"
-    env = clean_env(FSDP_SHIM="maybe")
+    gone, valid = "/nonexistent/_fsdp_shim/bootstrap", "1, true, on, yes, y, enable, enabled, 0, false, off, no, n, "
+    env = clean_env(FSDP_SHIM="maybe", FSDP_SHIM_STRICT="perhaps", FSDP_SHIM_DISABLED_FIXES="cast,bogus")
+    env.update(FSDP_SHIM_LOG="verbose", FSDP_SHIM_RANK_CHECK_TIMEOUT="abc")
     env["PYTHONPATH"] = os.pathsep.join([gone, *filter(None, [env.get("PYTHONPATH")])])
     problems = status(env=env)
     assert problems.returncode == 1 and problems.stderr == ""
     assert [line for line in problems.stdout.splitlines() if line.startswith("PROBLEM: ")] == [
-        "PROBLEM: FSDP_SHIM='maybe' is not a valid value (1, true, on, yes, y, enable, enabled, 0, false, off, no, n, "
-        "disable, disabled); the shim is OFF",
+        f"PROBLEM: FSDP_SHIM='maybe' is not a valid value ({valid}disable, disabled); the shim is OFF",
+        f"PROBLEM: FSDP_SHIM_STRICT='perhaps' is not a valid value ({valid}disable, disabled); strict mode is ON",
+        "PROBLEM: FSDP_SHIM_DISABLED_FIXES names 'bogus', no fix of fsdp-shim (cast, recompute)",
+        "PROBLEM: FSDP_SHIM_RANK_CHECK_TIMEOUT='abc' is not a number of seconds >= 0; the rank check waits as long as "
+        "the process group's timeout",
+        f"PROBLEM: FSDP_SHIM_LOG='verbose' is not a valid value (valid: {valid}disable, disabled, debug); the "
+        "confirmation lines stay on",
         f"PROBLEM: PYTHONPATH holds an fsdp-shim bootstrap folder that does not exist: {gone}",
     ]
 
@@ -129,10 +132,12 @@ def test_fsdp_shim_1_arms_nothing_from_a_clone_or_a_target_install_and_an_isolat
         "--python-check", env=clean_env(FSDP_SHIM="1", PYTHONPATH=str(ROOT)), launcher=python_m, cwd=tmp_path
     )
     lines = clone.stdout.splitlines()
-    why = f"arms nothing here: this fsdp-shim, in {ROOT}, was not installed here by pip (a clone, --target)"
-    assert clone.returncode == 1 and f"  FSDP_SHIM=1 python train.py    {why}" in lines
+    assert clone.returncode == 1 and lines[2] == (
+        "Shim: NOT ARMED in a Python started from here: FSDP_SHIM='1' arms nothing here (see PROBLEM). Ways to arm it: "
+        "fsdp-shim run (also another environment's Python); import fsdp_shim in the script (that script only); "
+        f"FSDP_SHIM=1 arms nothing here: this fsdp-shim, in {ROOT}, was not installed here by pip (a clone, --target)"
+    )
     assert "  shim not loaded: nothing armed it at start-up" in lines
-    assert lines[2].startswith("Shim: NOT ARMED in a Python started from here: FSDP_SHIM='1' arms nothing here")
 
     installed = status("--json", env=clean_env(FSDP_SHIM="1", PYTHONPATH=str(target)), launcher=python_m, cwd=tmp_path)
     report = json.loads(installed.stdout)
@@ -154,15 +159,47 @@ def test_fsdp_shim_1_arms_nothing_from_a_clone_or_a_target_install_and_an_isolat
     for proc in isolated.values():
         assert proc.returncode == 0 and "PROBLEM" not in proc.stdout, proc.stdout
         assert proc.stdout.splitlines()[-1] == (
-            f"NOTHING TO PATCH HERE: neither torch nor Lightning is installed beside this fsdp-shim ({other.python}): "
-            "an isolated install (pipx, `uv tool`) cannot reach your training. Install fsdp-shim into the "
-            "environment that runs the training instead (`pip install fsdp-shim` there), and run `fsdp-shim status` "
-            "with its Python."
+            f"NOTHING TO PATCH HERE: no torch, no Lightning beside this fsdp-shim ({other.python}). Install it "
+            "into the environment that runs the training, and run `fsdp-shim status` with that environment's Python."
         )
-        assert "FSDP_SHIM=1 python" not in proc.stdout and "1 arms the shim" not in proc.stdout
+        assert (
+            "Ways to arm it" not in proc.stdout
+            and "  cast       unknown: no Lightning in this environment" in proc.stdout
+        )
     assert isolated[None].stdout.splitlines()[2] == (
         "Shim: NOT ARMED, and there is nothing to arm it for: no torch, no Lightning here (see below)."
     )
+
+
+def test_status_python_check_names_what_went_wrong_in_the_fresh_interpreter(
+    lightning_installed: None, tmp_path: Path
+) -> None:
+    """``--python-check`` exits 1 with a PROBLEM where a folder named as ``fsdp-shim run``'s bootstrap is on
+    ``PYTHONPATH`` but loads no shim, where an installed Lightning fails to import (shadowed here by a package that
+    raises), and where the fresh interpreter dies before its report."""
+    from _fsdp_shim.distributions import installed_packages
+
+    package, problems = installed_packages()[0], {}
+    bootstrap = tmp_path / "empty" / "_fsdp_shim" / "bootstrap"
+    bootstrap.mkdir(parents=True)
+    for case, raising in (("not loaded", None), ("fails", "RuntimeError('broken here')"), ("dies", "SystemExit(3)")):
+        entry = bootstrap if raising is None else tmp_path / case
+        if raising is not None:
+            (entry / package).mkdir(parents=True)
+            (entry / package / "__init__.py").write_text(f"raise {raising}\n")
+        env = clean_env()
+        env["PYTHONPATH"] = os.pathsep.join([str(entry), *filter(None, [env.get("PYTHONPATH")])])
+        proc = status("--python-check", env=env)
+        assert proc.returncode == 1, proc.stdout
+        problems[case] = [line for line in proc.stdout.splitlines() if line.startswith("PROBLEM: ")]
+    assert problems["not loaded"] == [
+        "PROBLEM: a start-up activation is present but a fresh interpreter did not load the shim"
+    ]
+    [fails] = problems["fails"]
+    assert fails.startswith(f"PROBLEM: {package} ({package}") and fails.endswith(
+        " is installed but fails to import (RuntimeError: broken here)"
+    )
+    assert problems["dies"] == ["PROBLEM: a fresh interpreter failed to import Lightning: no report"]
 
 
 def test_status_python_check_runs_no_code_from_the_current_folder_and_survives_a_sitecustomize_that_prints(
@@ -257,14 +294,11 @@ print(json.dumps([name, [fix.state.value for fix in namespace.fixes], namespace.
 """
 
 
-def test_a_namespace_the_import_watcher_did_not_see_is_not_checked_and_says_why(lightning_installed: None) -> None:
-    """Lightning imported where nothing armed the shim, ``status()`` read before anything activates it: each fix is
-    "not checked", and the namespace and its fixes say what loaded it past the watcher and what checks it."""
+def test_a_namespace_imported_before_the_shim_is_not_checked_yet(lightning_installed: None) -> None:
+    """Lightning imported where nothing armed the shim, ``status()`` read before anything activates it: each fix, and
+    the namespace, is "not checked" and says so."""
     name, states, reason, text = code_json(NOT_CHECKED_YET, env=clean_env())
-    assert states == ["not checked", "not checked"]
-    assert reason.startswith("imported; not checked yet: ") and reason.endswith(
-        "without fsdp-shim's import watcher seeing it (fsdp_shim.activate() checks it now)"
-    )
+    assert (states, reason) == (["not checked", "not checked"], "imported; not checked yet")
     lines = text.splitlines()
     at = next(i for i, line in enumerate(lines) if line.startswith(f"  {name} "))
     assert [line.endswith(reason) for line in lines[at : at + 3]] == [True] * 3, text  # the namespace and its fixes
