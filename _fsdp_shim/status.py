@@ -161,10 +161,12 @@ def reading(namespace: str, fix: Fix) -> FixStatus:
     namespace imported again changes it."""
     if (module := sys.modules.get(namespace)) is None:
         return FixStatus(fix.name)
-    from _fsdp_shim import recompute_check as check
-    from _fsdp_shim import wrappers
-    from _fsdp_shim.removal import describe, found_on_top
-
+    try:
+        from _fsdp_shim import recompute_check as check
+        from _fsdp_shim import wrappers
+        from _fsdp_shim.removal import describe, found_on_top
+    except ImportError as error:  # its patching code (wrapt) may be missing: status() must still answer
+        return FixStatus(fix.name, State.FAILED, True, f"fsdp-shim's patching code cannot be imported ({error})")
     if (record := wrappers.records.get((namespace, fix.name))) is None:
         return FixStatus(fix.name, State.NOT_CHECKED)
     if (again := wrappers.imported_again(record, namespace, module)) is not None:
