@@ -5,8 +5,6 @@ Each child runs its code (``code_json``) with the shim and an affected Trainer i
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 from string import Template
 from typing import Any
@@ -251,86 +249,36 @@ def test_an_error_ctrl_c_or_a_fork_ends_a_pin_cleanly(layouts: dict[str, Layout]
     }
 
 
-COMPILED = """
-import json, sys
-if $shim:
-    import fsdp_shim
-    importlib.import_module($namespace)
-import torch, torch._dynamo
-import torch.utils.checkpoint
-torch._dynamo.config.compiled_autograd = True
-
-
-def train(mode, block):
-    class Block(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.fc1, self.fc2 = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16)
-
-        def forward(self, x):
-            h = torch.relu(self.fc1(x))
-            return self.fc2(h * torch.ones(h.shape[-1]) if block == "ones" else h)  # ones: the default dtype's
-
-    class Model(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.inner, self.block = torch.nn.Linear(16, 16), Block()
-
-        def forward(self, x):
-            h = self.inner(x)
-            if mode == "none":
-                return self.block(h).float().pow(2).mean()
-            h = torch.utils.checkpoint.checkpoint(self.block, h, use_reentrant=True)
-            return h.float().pow(2).mean()
-
-    torch.manual_seed(0)
-    model = Model().to(torch.bfloat16)
-    compiled = torch.compile(model, backend="aot_eager")
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    x = torch.randn(4, 16, dtype=torch.bfloat16)
-    found = []
-    try:
-        for _ in range(2):
-            torch.set_default_dtype(torch.bfloat16)  # around the forward, as "bf16-true" runs it
+def test_code_being_traced_is_left_as_torch_makes_it(layouts: dict[str, Layout]) -> None:
+    """A recompute pinned to bfloat16, called while dynamo (``torch.compile(fullgraph=True)``) or FX under a proxy
+    mode (``make_fx``, as compiled autograd) traces it, runs unpinned: no lock or dtype switch in traced code."""
+    result = child(
+        layouts,
+        """
+        import torch._dynamo
+        from torch.fx.experimental.proxy_tensor import make_fx
+        from _fsdp_shim.pins import in_forward_dtype
+        if not torch._dynamo.is_dynamo_supported():
+            print(json.dumps({"skip": "torch.compile cannot run here"}))
+            raise SystemExit
+        seen = []
+        torch.set_default_dtype(torch.bfloat16)  # the forward's, as "bf16-true" runs it
+        pinned = in_forward_dtype(lambda x: (seen.append(str(torch.get_default_dtype())), x * 2)[1])
+        torch.set_default_dtype(torch.float32)  # the backward's
+        x = torch.ones(2, dtype=torch.bfloat16)
+        found = {}
+        for name, run in (("called", pinned), ("compiled", torch.compile(pinned, backend="eager", fullgraph=True))):
             try:
-                loss = compiled(x)
-            finally:
-                torch.set_default_dtype(torch.float32)
-            loss.backward()
-            found += [float(loss.detach()).hex(), *(float(p.grad.float().sum()).hex() for p in model.parameters())]
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-    except Exception as error:
-        lines = [line.strip() for line in str(error).strip().splitlines()] or [""]
-        return {"error": type(error).__name__ + ": " + next((l for l in lines if "dtype" in l), lines[0])}
-    finally:
-        torch._dynamo.reset()
-    return {"trained": found}
-
-
-wrapper = type(vars(torch.utils.checkpoint.CheckpointFunction)["forward"]).__name__
-print(json.dumps([wrapper, [train(*case) for case in $cases]]))
-"""
-
-
-def test_code_being_compiled_trains_no_worse_with_the_shim(layouts: dict[str, Layout]) -> None:
-    """``torch.compile`` (``aot_eager``) with compiled autograd, a reentrant checkpoint and a bfloat16 default dtype
-    around the forward: the pin leaves code being traced alone. With the shim, each case ends as without it, and
-    where both train, with the same losses and gradients. The cases: a block giving every tensor a dtype (trains
-    both ways), one making ``torch.ones`` without one, checkpointed and not (both fail under ``aot_eager`` either
-    way: not a checkpoint problem)."""
-    probe = "import torch._dynamo as d; assert d.is_dynamo_supported() and hasattr(d.config, 'compiled_autograd')"
-    if subprocess.run([sys.executable, "-c", probe], env=clean_env(), capture_output=True).returncode != 0:
-        pytest.skip("torch.compile with compiled autograd cannot run here")
-    namespace = an_affected_namespace(layouts, "trainer", fix="recompute")[0]
-    cases = [["reentrant", "plain"], ["reentrant", "ones"], ["none", "ones"]]
-    results = {
-        shim: code_json(Template("import importlib\n" + COMPILED).substitute(
-            shim=shim, namespace=repr(namespace), cases=repr(cases)
-        ))
-        for shim in (False, True)
-    }  # fmt: skip
-    (off_wrapper, without), (on_wrapper, with_shim) = results[False], results[True]
-    assert (off_wrapper, on_wrapper) == ("staticmethod", "ShimWrapper")  # the shim really off, and on
-    assert with_shim == without
-    assert "trained" in without[0], without[0]  # what this test stands on: that model trains without the shim
+                run(x)
+                found[name] = seen.pop()
+            except Exception as error:
+                found[name] = type(error).__name__
+        make_fx(pinned)(x)
+        found["traced"] = seen.pop()
+        print(json.dumps({**found, "after": str(torch.get_default_dtype()), "pins": len(pins._running)}))
+        """,
+    )
+    if "skip" in result:
+        pytest.skip(result["skip"])
+    expected = {"called": "torch.bfloat16", "compiled": "torch.float32", "traced": "torch.float32"}
+    assert result == {**expected, "after": "torch.float32", "pins": 0}
