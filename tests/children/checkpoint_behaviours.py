@@ -1,10 +1,7 @@
-"""torch's checkpoint on its own (no Lightning, no shim): every way of checkpointing a block, each run as
-a forward under a default dtype and a backward outside it (as Lightning's "true" precisions run them),
-recorded so that two interpreters (torch as installed, torch with the upstream patch) can be compared bit
-for bit, and each case with the same block run without checkpointing.
-
-The block makes tensors without an explicit dtype (``torch.ones``, ``torch.tensor(0.1)``), so its result
-depends on the default dtype of each run of it. Nothing here knows the answer: the tests compare runs.
+"""torch's checkpoint on its own (no Lightning, no shim): every way of checkpointing a block, each a forward under a
+default dtype and a backward outside it (as Lightning's "true" precisions run them), recorded so that torch as
+installed and torch with the upstream patch can be compared bit for bit, and each case with the block unchecked.
+The block makes tensors without an explicit dtype, so its result depends on the default dtype of each run of it.
 """
 
 from __future__ import annotations
@@ -21,8 +18,7 @@ from torch import nn
 from torch.utils import checkpoint as ckpt
 
 FEATURES = 8
-SEEN: list[str] = []
-"""The default dtype at every run of the block's forward (forward and recomputes), per case."""
+SEEN: list[str] = []  # the default dtype at every run of the block's forward (forward and recomputes), per case
 
 
 class Block(nn.Module):
@@ -38,10 +34,7 @@ class Block(nn.Module):
 
 
 def nested(block: Block, x: torch.Tensor, inner_reentrant: bool) -> torch.Tensor:
-    def outer(x: torch.Tensor) -> torch.Tensor:
-        return ckpt.checkpoint(block, x, use_reentrant=inner_reentrant)
-
-    return ckpt.checkpoint(outer, x, use_reentrant=False)
+    return ckpt.checkpoint(lambda x: ckpt.checkpoint(block, x, use_reentrant=inner_reentrant), x, use_reentrant=False)
 
 
 def without_early_stop(block: Block, x: torch.Tensor) -> torch.Tensor:
@@ -49,14 +42,18 @@ def without_early_stop(block: Block, x: torch.Tensor) -> torch.Tensor:
         return ckpt.checkpoint(block, x, use_reentrant=False)
 
 
+def checkpointed(**options: Any) -> Callable[[Block, torch.Tensor], torch.Tensor]:
+    return lambda block, x: ckpt.checkpoint(block, x, **options)
+
+
+def sequential(block: Block, x: torch.Tensor, reentrant: bool) -> torch.Tensor:
+    return ckpt.checkpoint_sequential(nn.Sequential(block, nn.Identity()), 2, x, use_reentrant=reentrant)
+
+
 def selective(block: Block, x: torch.Tensor) -> torch.Tensor:
     """``create_selective_checkpoint_contexts``: the linear's output saved, the rest recomputed."""
     policy = functools.partial(ckpt.create_selective_checkpoint_contexts, [torch.ops.aten.addmm.default])
     return ckpt.checkpoint(block, x, use_reentrant=False, context_fn=policy)
-
-
-def checkpointed(**options: Any) -> Callable[[Block, torch.Tensor], torch.Tensor]:
-    return lambda block, x: ckpt.checkpoint(block, x, **options)
 
 
 @contextlib.contextmanager
@@ -69,7 +66,7 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(before)
 
 
-def forward_default_dtype_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+def forward_contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
     """The Lightning-side alternative (docs/upstream.md): a ``context_fn`` that torch's checkpoint calls in
     the forward, whose second context manager runs the recompute in the default dtype read there."""
     return contextlib.nullcontext(), default_dtype(torch.get_default_dtype())
@@ -80,7 +77,7 @@ def lightning_wrapper(**options: Any) -> Callable[[Block, torch.Tensor], torch.T
     torch's ``checkpoint_wrapper``, non-reentrant), with the alternative's ``context_fn`` passed through it."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    return lambda block, x: checkpoint_wrapper(block, context_fn=forward_default_dtype_contexts, **options)(x)
+    return lambda block, x: checkpoint_wrapper(block, context_fn=forward_contexts, **options)(x)
 
 
 CASES: dict[str, tuple[bool, Callable[[Block, torch.Tensor], torch.Tensor]]] = {
@@ -92,14 +89,8 @@ CASES: dict[str, tuple[bool, Callable[[Block, torch.Tensor], torch.Tensor]]] = {
     "nested-reentrant-inside": (False, functools.partial(nested, inner_reentrant=True)),
     "selective": (False, selective),
     "early-stop-off": (False, without_early_stop),
-    "sequential-reentrant": (
-        False,
-        lambda block, x: ckpt.checkpoint_sequential(nn.Sequential(block, nn.Identity()), 2, x, use_reentrant=True),
-    ),
-    "sequential-nonreentrant": (
-        False,
-        lambda block, x: ckpt.checkpoint_sequential(nn.Sequential(block, nn.Identity()), 2, x, use_reentrant=False),
-    ),
+    "sequential-reentrant": (False, functools.partial(sequential, reentrant=True)),
+    "sequential-nonreentrant": (False, functools.partial(sequential, reentrant=False)),
     "debug": (False, checkpointed(use_reentrant=False, debug=True)),
     "no-determinism-check": (False, checkpointed(use_reentrant=False, determinism_check="none")),
     "rng-none": (True, lambda block, x: block(x)),
@@ -110,10 +101,7 @@ CASES: dict[str, tuple[bool, Callable[[Block, torch.Tensor], torch.Tensor]]] = {
     # The Lightning-side alternative, and the two ways it is refused.
     "lightning-context-fn": (False, lightning_wrapper()),
     "lightning-context-fn-debug": (False, lightning_wrapper(debug=True)),
-    "lightning-context-fn-reentrant": (
-        False,
-        checkpointed(use_reentrant=True, context_fn=forward_default_dtype_contexts),
-    ),
+    "lightning-context-fn-reentrant": (False, checkpointed(use_reentrant=True, context_fn=forward_contexts)),
 }
 """Each checked against ``none`` (``rng-*``: ``rng-none``), whose block has the same weights and input."""
 
@@ -139,13 +127,14 @@ def one_case(name: str, dtype: torch.dtype) -> dict[str, Any]:
     except Exception as error:
         message = str(error).strip().splitlines()[0] if str(error).strip() else ""
         return {"error": f"{type(error).__name__}: {message}", "seen": list(SEEN)}
-    grads = [x.grad, *(p.grad for p in block.parameters())]
+    grads = digest([x.grad, *(p.grad for p in block.parameters())])
+    after = str(torch.get_default_dtype())
     return {
         "error": None,
         "seen": list(SEEN),
         "output": digest([out.detach()]),
-        "grads": digest(grads),
-        "default_dtype_after": str(torch.get_default_dtype()),
+        "grads": grads,
+        "default_dtype_after": after,
     }
 
 

@@ -34,7 +34,7 @@ def hide_checkpoint_internals() -> None:
 
 
 def held(module_name: str = "torch.utils.checkpoint") -> dict[str, str]:
-    """The type of what the module holds at each generator name (and ``CheckpointFunction.forward``)."""
+    """The type of what the module holds at each generator name (and at ``CheckpointFunction.forward``)."""
     module = sys.modules.get(module_name)
     found = {name: type(vars(module)[name]).__name__ for name in GENERATORS if module and name in vars(module)}
     if module_name == "torch.utils.checkpoint":
@@ -42,9 +42,7 @@ def held(module_name: str = "torch.utils.checkpoint") -> dict[str, str]:
     return found
 
 
-def checkpointed_forward(
-    function: Callable[..., Any], dtype: Any, reentrant: bool, size: int = 1, checkpoint: Any = None
-) -> tuple[Any, Any]:
+def checkpointed_forward(function: Callable[..., Any], dtype: Any, reentrant: bool, size: int = 1) -> tuple[Any, Any]:
     """``function`` checkpointed on ones of ``dtype``, its forward under that default dtype as a "true"
     precision runs it, float32 put back after: the input, and the output to run the backward from."""
     import torch
@@ -53,22 +51,22 @@ def checkpointed_forward(
     x = torch.ones(size, dtype=dtype, requires_grad=True)
     torch.set_default_dtype(dtype)
     try:
-        return x, (checkpoint or torch.utils.checkpoint.checkpoint)(function, x, use_reentrant=reentrant)
+        return x, torch.utils.checkpoint.checkpoint(function, x, use_reentrant=reentrant)
     finally:
         torch.set_default_dtype(torch.float32)
 
 
-def recompute_grads(dtype: Any = None) -> dict[str, str]:
-    """A checkpointed backward per kind (forward in ``dtype``, bfloat16 by default), whose block makes a tensor
-    without a dtype: its gradient's dtype, or the error where the recompute ran in another dtype."""
+def recompute_grads() -> dict[str, str]:
+    """A checkpointed backward per kind (forward in bfloat16) whose block makes a tensor without a dtype: its
+    gradient's dtype, or the error where the recompute ran in another dtype."""
     import torch
 
     found = {}
-    for reentrant in (False, True):
-        x, out = checkpointed_forward(lambda t: t * torch.ones(4), dtype or torch.bfloat16, reentrant, size=4)
+    for kind, reentrant in (("non-reentrant", False), ("reentrant", True)):
+        x, out = checkpointed_forward(lambda t: t * torch.ones(4), torch.bfloat16, reentrant, size=4)
         try:
             out.sum().backward()
-            found["reentrant" if reentrant else "non-reentrant"] = str(x.grad.dtype)
+            found[kind] = str(x.grad.dtype)
         except Exception as error:
-            found["reentrant" if reentrant else "non-reentrant"] = f"{type(error).__name__}: {error}"[:300]
+            found[kind] = f"{type(error).__name__}: {error}"[:300]
     return found

@@ -1,15 +1,10 @@
 """Test-only: torch's ``torch.utils.checkpoint`` as docs/upstream/checkpoint-default-dtype.patch makes it.
 
-Put this folder first on ``PYTHONPATH`` (tests/conftest.py: ``patched_checkpoint_env``) and Python imports
-this file at start-up, before anything imports torch: it puts a finder first on ``sys.meta_path`` that
-serves ``torch.utils.checkpoint`` from a copy of the installed torch's own file with the patch applied by
-``git apply`` (no fuzz), made once per file and patch in a folder of the temporary directory named by
-their hash. The module's ``__file__`` is that copy, so ``inspect.getsource`` and tracebacks show the
-patched code. The installed torch is never written. Where the patch does not apply, importing torch
-fails, naming the torch release: a run never goes on with torch's own checkpoint believing it patched.
-
-Imported under another name (tests/conftest.py loads it to ask whether the patch applies to the torch
-installed there), it installs nothing.
+First on ``PYTHONPATH`` (tests/conftest.py: ``patched_checkpoint_env``), Python imports this file at start-up: it
+puts a finder first on ``sys.meta_path`` that serves ``torch.utils.checkpoint`` from a copy of the installed torch's
+file with the patch applied by ``git apply`` (no fuzz), made once per file and patch in a temporary folder named by
+their hash; the installed torch is never written. Where the patch does not apply, importing torch fails, naming the
+release. Imported under another name (tests/conftest.py asks it whether the patch applies), it installs nothing.
 """
 
 from __future__ import annotations
@@ -28,8 +23,7 @@ from typing import Any
 
 PATCH = Path(__file__).resolve().parents[2] / "docs" / "upstream" / "checkpoint-default-dtype.patch"
 MODULE = "torch.utils.checkpoint"
-RELATIVE = Path("torch", "utils", "checkpoint.py")
-"""The path the patch names (``a/torch/utils/checkpoint.py``), without its ``a/``."""
+RELATIVE = Path("torch", "utils", "checkpoint.py")  # the path the patch names, without its ``a/``
 
 
 class PatchDoesNotApply(ImportError):
@@ -45,8 +39,7 @@ def installed_checkpoint() -> Path:
 
 
 def _apply(original: bytes, folder: Path) -> subprocess.CompletedProcess[str]:
-    """``git apply`` in ``folder``, which holds nothing but the original file (git looks for no repository
-    above it: GIT_CEILING_DIRECTORIES)."""
+    """``git apply`` in ``folder``, holding the original file alone (no repository above: GIT_CEILING_DIRECTORIES)."""
     (folder / RELATIVE).parent.mkdir(parents=True)
     (folder / RELATIVE).write_bytes(original)
     env = {**os.environ, "GIT_CEILING_DIRECTORIES": str(folder.parent)}

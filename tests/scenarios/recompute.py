@@ -1,42 +1,23 @@
-"""Train one small model per case, with and without activation checkpointing, and record per rank what
-must match bit for bit: the loss of every step and a hash of the final (sharded) parameters.
+"""Train one small model per case, with and without activation checkpointing, and record per rank what must match
+bit for bit. Run as a script (Lightning's launcher re-runs ``sys.argv`` on every rank)::
 
-Run as a script (Lightning's launcher re-runs ``sys.argv`` on every rank)::
+    python recompute.py --api trainer --devices 2 --precision bf16-true --cases ones:none,mask:policy --out /tmp/r
 
-    python recompute.py --api trainer --strategy fsdp --devices 2 --precision bf16-true \
-        --cases ones:none,ones:policy,mask:nonreentrant --out /tmp/result
+A case is ``BLOCK:MODE``. Every block makes a tensor without an explicit dtype, which is the precision's dtype in
+the forward (Lightning's "true" precisions set the default dtype there) and float32 in a recompute outside it:
+``ones``, ``scalar``, ``mask`` (a causal mask), ``castback`` (computes in float32 and casts back: only the values
+differ, which reentrant checkpointing does not check), ``probe`` (records the default dtype at every run of its
+forward and in an ``autograd.Function``'s backward), ``llama`` (a tiny Hugging Face ``LlamaForCausalLM``).
+Modes: ``none``, ``policy`` (Lightning's ``activation_checkpointing_policy``, FSDP only), ``nonreentrant`` and
+``reentrant`` (``torch.utils.checkpoint`` in the model's forward), ``composable`` (FSDP2's checkpoint on each block),
+``loss-none``, ``loss-nonreentrant`` and ``loss-reentrant`` (the loss checkpointed in the training step, outside the
+model's forward). APIs: ``trainer``, ``manual`` (``manual_backward``), ``fabric`` (``--direct-backward``:
+``loss.backward()``). Strategies: ``fsdp``, ``ddp``, ``single``.
 
-A case is ``BLOCK:MODE``. Every block makes a tensor without an explicit dtype in its forward, which
-is the precision's dtype in the forward (Lightning's "true" precisions set the default dtype there)
-and float32 in a recompute that runs outside that context:
-
-* ``ones``: ``h * torch.ones(16)``;  ``scalar``: ``h * (1 + torch.tensor(0.25))``;
-* ``mask``: a causal mask from ``torch.full(..., -inf).triu(1)`` added to attention scores;
-* ``castback``: ``(h.float() * torch.tensor(0.1)).to(h.dtype)``: the result's dtype does not change,
-  only its values (reentrant checkpointing, which checks nothing, then trains differently);
-* ``probe``: records the default dtype at every run of its forward (the forward, and each recompute:
-  ``block_dtypes``) and in the backward of an ``autograd.Function`` (``backward_dtypes``), whose
-  backward also makes a tensor without an explicit dtype;
-* ``llama``: a tiny Hugging Face ``LlamaForCausalLM`` (its decoder layers are the blocks).
-
-Modes: ``none`` (no checkpointing), ``policy`` (Lightning's ``activation_checkpointing_policy``, FSDP
-only), ``nonreentrant`` and ``reentrant`` (``torch.utils.checkpoint`` in the model's own forward),
-``composable`` (``torch.distributed._composable.checkpoint`` applied to each block, as FSDP2 users do), and
-``loss-nonreentrant`` / ``loss-reentrant`` (no block checkpointed: the loss is, in the training step,
-outside the model's forward; it makes ``torch.tensor(1 / 3)``). APIs: ``trainer``, ``manual`` (the
-Trainer with manual optimization and ``manual_backward``), ``fabric`` (``fabric.backward``; with
-``--direct-backward``, ``loss.backward()``, which Fabric allows without FSDP). Strategies: ``fsdp``
-(``FSDPPrecision``), ``ddp`` and ``single`` (one device; ``HalfPrecision``, or ``DoublePrecision`` for
-``64-true``).
-
-Each rank writes ``<out>.rank<N>.json``, one row per case as ``fsdp_train.py`` does: ``losses``,
-``gradients`` (a SHA-256 of this rank's gradients before each step), ``params`` (a SHA-256 of its
-final parameters), ``block_dtypes`` and ``backward_dtypes`` (the probe
-block's) and ``error`` (``"Type: message"`` when training raised), then the rows ``_lightning`` and
-``_shim``.
-On one rank a case that raised is recorded and the next one runs; on more, the run stops there (the
-ranks could no longer agree on their collectives). ``--shim on`` imports fsdp_shim before
-Lightning; ``off`` never does. Nothing here knows what the answer should be: the tests compare runs.
+Each rank writes ``<out>.rank<N>.json``: per case ``losses``, ``gradients`` (a SHA-256 of this rank's gradients
+before each step), ``params`` (of its final parameters), the probe's ``block_dtypes`` and ``backward_dtypes`` and
+``error``; then the rows ``_lightning`` and ``_shim``. After an error on more than one rank the run stops (the
+ranks could no longer agree on their collectives). Nothing here knows what the answer should be: the tests compare.
 """
 
 from __future__ import annotations
@@ -53,19 +34,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from _fsdp_shim.verify.probe import leave_process_group  # activates nothing
 
-FEATURES = 16
-SEQ = 8
-BATCH = 4
-STEPS = 3
-Run = tuple[list[float], list[str], str, int]
-"""What one case gives: losses and gradient hashes per step, the final parameters' hash, the rank."""
-BLOCK_DTYPES: list[str] = []
-"""The default dtype at every run of the ``probe`` block's forward (forwards and recomputes), in order."""
-BACKWARD_DTYPES: list[str] = []
-"""What the ``probe`` block's ``autograd.Function`` saw as the default dtype in its backward."""
+FEATURES, SEQ, BATCH, STEPS = 16, 8, 4, 3
+Run = tuple[list[float], list[str], str, int]  # losses and gradient hashes per step, the parameters' hash, the rank
+BLOCK_DTYPES: list[str] = []  # the default dtype at every run of the probe's forward (forwards and recomputes)
+BACKWARD_DTYPES: list[str] = []  # the default dtype in the backward of the probe's autograd.Function
 
 
 class _RecordDefaultDtype(torch.autograd.Function):
@@ -82,25 +58,21 @@ class _RecordDefaultDtype(torch.autograd.Function):
 class Block(nn.Module):
     def __init__(self, kind: str) -> None:
         super().__init__()
-        self.kind = kind
-        self.lin = nn.Linear(FEATURES, FEATURES)
+        self.kind, self.lin = kind, nn.Linear(FEATURES, FEATURES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "probe":  # first: a recompute stops as soon as it has the tensors it needs
             BLOCK_DTYPES.append(str(torch.get_default_dtype()))
         h = torch.relu(self.lin(x))
-        if self.kind == "ones":
-            return h * torch.ones(FEATURES)
-        if self.kind == "scalar":
-            return h * (1 + torch.tensor(0.25))
         if self.kind == "mask":
             scores = h @ h.transpose(-1, -2) + torch.full((SEQ, SEQ), float("-inf")).triu(1)
             return torch.softmax(scores, dim=-1) @ h
-        if self.kind == "castback":
-            return (h.float() * torch.tensor(0.1)).to(h.dtype)
-        if self.kind == "probe":
-            return _RecordDefaultDtype.apply(h)
-        raise ValueError(self.kind)
+        return {
+            "ones": lambda: h * torch.ones(FEATURES),
+            "scalar": lambda: h * (1 + torch.tensor(0.25)),
+            "castback": lambda: (h.float() * torch.tensor(0.1)).to(h.dtype),
+            "probe": lambda: _RecordDefaultDtype.apply(h),
+        }[self.kind]()
 
 
 class Net(nn.Module):
@@ -108,32 +80,25 @@ class Net(nn.Module):
 
     def __init__(self, kind: str, mode: str) -> None:
         super().__init__()
-        self.mode = mode
-        self.inp = nn.Linear(FEATURES, FEATURES)
+        self.mode, self.inp, self.out = mode, nn.Linear(FEATURES, FEATURES), nn.Linear(FEATURES, FEATURES)
         self.blocks = nn.ModuleList([Block(kind), Block(kind)])
-        self.out = nn.Linear(FEATURES, FEATURES)
         if mode == "composable":  # FSDP2's checkpoint: hooks on each block, which checkpoint its forward
-            from torch.distributed._composable import checkpoint
+            from torch.distributed._composable import checkpoint as composable_checkpoint
 
             for block in self.blocks:
-                checkpoint(block)
+                composable_checkpoint(block)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
         for block in self.blocks:
-            if self.mode in ("reentrant", "nonreentrant"):  # not the loss-* modes
-                h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=self.mode == "reentrant")
-            else:
-                h = block(h)
+            checkpointed = self.mode in ("reentrant", "nonreentrant")  # not the loss-* modes
+            h = checkpoint(block, h, use_reentrant=self.mode == "reentrant") if checkpointed else block(h)
         return self.out(h)
 
 
 def llama(mode: str) -> tuple[nn.Module, type]:
-    """A tiny Llama and its decoder-layer class; ``*reentrant`` modes use Hugging Face's own switch.
-
-    transformers may live in a folder of its own (``FSDP_SHIM_TEST_TRANSFORMERS``, see noxfile.py),
-    put last on the path only here: installed next to Lightning, torchmetrics imports it with every
-    ``import lightning`` (about 0.9 s for each of the suite's interpreters)."""
+    """A tiny Llama and its decoder-layer class; ``*reentrant`` modes use Hugging Face's own switch. transformers may
+    live in a folder of its own (``FSDP_SHIM_TEST_TRANSFORMERS``, noxfile.py), put last on the path only here."""
     if folder := os.environ.get("FSDP_SHIM_TEST_TRANSFORMERS"):
         sys.path.append(folder)
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -171,9 +136,8 @@ def loss_of(model: nn.Module, kind: str, mode: str, x: torch.Tensor, y: torch.Te
         logits = model(input_ids=x, use_cache=False).logits  # a cache would grow again in each recompute
         return nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
     out = model(x)
-    if mode.startswith("loss-"):
-        reentrant = mode == "loss-reentrant"
-        return torch.utils.checkpoint.checkpoint(weighted_loss, out, y, use_reentrant=reentrant)
+    if mode in ("loss-reentrant", "loss-nonreentrant"):
+        return checkpoint(weighted_loss, out, y, use_reentrant=mode == "loss-reentrant")
     return weighted_loss(out, y) if mode == "loss-none" else ((out.float() - y.float()) ** 2).mean()
 
 
@@ -183,19 +147,14 @@ def weighted_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def parameters_hash(module: nn.Module, of: str = "data") -> str:
-    """SHA-256 of this rank's parameters (``of="grad"``: their gradients), in order: FSDP's flat
-    (sharded) parameters where there are."""
+    """SHA-256 of this rank's parameters (``of="grad"``: their gradients), FSDP's flat (sharded) ones if any."""
     from _fsdp_shim.verify import measure  # activates nothing
 
-    tensors = measure.flat_parameters(module) or list(module.parameters())
     digest = hashlib.sha256()
-    for tensor in tensors:
+    for tensor in measure.flat_parameters(module) or list(module.parameters()):
         value = tensor.detach() if of == "data" else tensor.grad
-        if value is None:
-            digest.update(b"no gradient")
-            continue
-        digest.update(str(value.dtype).encode())
-        digest.update(value.detach().float().cpu().numpy().tobytes())
+        found = b"no gradient" if value is None else str(value.dtype).encode() + value.float().cpu().numpy().tobytes()
+        digest.update(found)
     return digest.hexdigest()
 
 
@@ -215,10 +174,9 @@ def run_trainer(args: argparse.Namespace, namespace: str, kind: str, mode: str) 
     class Model(pl.LightningModule):  # type: ignore[misc, name-defined]
         def __init__(self) -> None:
             super().__init__()
-            self.net = net
+            self.net, self.automatic_optimization = net, not manual
             self.losses: list[float] = []
             self.gradients: list[str] = []
-            self.automatic_optimization = not manual
 
         def training_step(self, batch: Any, batch_idx: int) -> Any:
             loss = loss_of(self.net, kind, mode, *batch)
@@ -249,23 +207,18 @@ def run_trainer(args: argparse.Namespace, namespace: str, kind: str, mode: str) 
 
 
 def run_fabric(args: argparse.Namespace, namespace: str, kind: str, mode: str) -> Run:
+    net, layers = build(kind, mode)
+    strategy = strategy_for(args, namespace, mode, layers)
     fabric = importlib.import_module(namespace).Fabric(
-        accelerator="cpu",
-        devices=args.devices,
-        strategy=strategy_for(args, namespace, mode, build(kind, mode)[1]),
-        precision=args.precision,
+        accelerator="cpu", devices=args.devices, strategy=strategy, precision=args.precision
     )
     fabric.launch()
-    net, _ = build(kind, mode)
     model = fabric.setup_module(net)
     optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.05))
     losses, gradients = [], []
     for x, y in batches(kind, STEPS * args.devices)[fabric.global_rank :: args.devices]:
         loss = loss_of(model, kind, mode, x, y)
-        if args.direct_backward:
-            loss.backward()
-        else:
-            fabric.backward(loss)
+        loss.backward() if args.direct_backward else fabric.backward(loss)
         gradients.append(parameters_hash(model._forward_module, "grad"))
         optimizer.step()
         optimizer.zero_grad()
@@ -296,12 +249,11 @@ def main(argv: list[str]) -> None:
         logging.basicConfig(level=logging.INFO)
     if args.shim == "on":
         import fsdp_shim  # noqa: F401
-    trainer_ns, fabric_ns = (
-        ("lightning.pytorch", "lightning.fabric")
-        if args.package == "lightning"
-        else ("pytorch_lightning", "lightning_fabric")
-    )
-    namespace = fabric_ns if args.api == "fabric" else trainer_ns
+    packages = {
+        "lightning": ("lightning.pytorch", "lightning.fabric"),
+        "standalone": ("pytorch_lightning", "lightning_fabric"),
+    }
+    namespace = packages[args.package][args.api == "fabric"]
     importlib.import_module(namespace)
     if args.strategy == "fsdp":
         from _fsdp_shim.verify import cpu_guards  # activates nothing
@@ -316,14 +268,8 @@ def main(argv: list[str]) -> None:
         BACKWARD_DTYPES.clear()
         try:
             losses, gradients, params, rank = run(args, namespace, kind, mode)
-            results[case] = {
-                "losses": losses,
-                "gradients": gradients,
-                "params": params,
-                "block_dtypes": list(BLOCK_DTYPES),
-                "backward_dtypes": list(BACKWARD_DTYPES),
-                "error": None,
-            }
+            results[case] = {"losses": losses, "gradients": gradients, "params": params, "error": None}
+            results[case].update(block_dtypes=list(BLOCK_DTYPES), backward_dtypes=list(BACKWARD_DTYPES))
         except Exception as error:
             message = str(error).strip().splitlines()[0] if str(error).strip() else ""
             results[case] = {"error": f"{type(error).__name__}: {message}", "traceback": traceback.format_exc()[-2000:]}
