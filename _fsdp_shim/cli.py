@@ -59,7 +59,6 @@ def _parser() -> argparse.ArgumentParser:
     verify("--precision", choices=("bf16-true", "16-true"), default="bf16-true", help=f"of every run {default}")
     verify("--devices", type=_positive, default=1, metavar="N", help=f"processes (GPUs with CUDA) {default}")
     verify("--steps", type=_positive, default=3, metavar="N", help=f"training steps per run {default}")
-    verify("--measure", action="store_true", help="train even where the installed Lightning has the fix")
     verify("--model", **attr, help="your LightningModule class (no arguments) or a factory (default: the seed model)")
     verify("--init-args", type=_json_object, default={}, metavar="JSON", help="keyword arguments for --model")
     verify("--datamodule", **attr, help="LightningDataModule class or factory (default: the model's train_dataloader)")
@@ -69,7 +68,6 @@ def _parser() -> argparse.ArgumentParser:
         help="also train with FSDP activation checkpointing of these classes (torch.nn:TransformerEncoderLayer) and "
         "judge the recompute fix (default: the seed model's own causal block; with --model, not checked)",
     )
-    verify("--auto-wrap", **classes, help="with --model: FSDP's auto-wrap classes (default: one unit, the whole model)")
     verify("--model-path", type=Path, metavar="DIR", help="the folder --model and the classes come from (default: .)")
     seconds = f"how long one step may take: past it, verify stops it and every process it started, exits 1 {default}"
     verify("--timeout", type=partial(_positive, kind=float), default=PROBE_TIMEOUT, metavar="SECONDS", help=seconds)
@@ -114,8 +112,8 @@ def _verify(args: argparse.Namespace) -> int:
     from _fsdp_shim.verify import command
 
     problem = None
-    if args.model is None and (args.init_args or args.datamodule or args.auto_wrap):
-        problem = "--init-args, --datamodule and --auto-wrap need --model"
+    if args.model is None and (args.init_args or args.datamodule):
+        problem = "--init-args and --datamodule need --model"
     elif args.model is None and not args.activation_checkpointing and args.model_path is not None:
         problem = "--model-path needs --model or --activation-checkpointing"
     elif args.model is not None and args.package is not None:

@@ -147,17 +147,17 @@ def test_a_block_that_makes_a_tensor_without_a_dtype_is_fixed(layouts: dict[str,
     assert recompute["verdict"] == "fixed", recompute["reason"]
     assert recompute["reason"].startswith("with the shim, checkpointing Block (2 modules) changes nothing")
     assert same_bits(section["shim_on"], section["checkpointed_shim_on"])
-    off, off_checkpointed = section["shim_off"], section["checkpointed_shim_off"]
+    off = section["shim_off"] or section["shim_on"]  # 2.5+ (it casts): no run without the shim unchecked
+    off_checkpointed = section["checkpointed_shim_off"]
     assert off_checkpointed[0]["error"] is None and not same_bits(off, off_checkpointed)
     assert "with the shim off, the checkpointed run differs first in the loss of step " in recompute["reason"]
     if base_release(layout.trainer_version) < (2, 5, 0):  # unpatched, the weights stay float32
         assert_exactly_half(section, 2)
     # As if the shim had done nothing: its runs replaced by the shim-off ones, whose state is "switched off".
     record = as_section(section)
-    assert record.shim_off and record.checkpointed_shim_off
-    verdict, reason = judge_recompute(
-        record.shim_off, record.shim_off, record.checkpointed_shim_off, record.checkpointed_shim_off, "Block"
-    )
+    plain, checkpointed_off = record.shim_off or record.shim_on, record.checkpointed_shim_off
+    assert plain and checkpointed_off
+    verdict, reason = judge_recompute(plain, plain, checkpointed_off, checkpointed_off, "Block")
     assert verdict == "FAILED" and reason.startswith("the shim did not apply it to lightning.pytorch: switched off")
     assert "with the shim, the checkpointed run " in reason
 
@@ -187,7 +187,7 @@ def test_a_recompute_the_shim_did_not_apply_is_failed_checked_or_not(state: Stat
 
 def test_checkpointing_blocks_that_give_every_tensor_a_dtype_is_not_needed(layouts: dict[str, Layout]) -> None:
     """``nn.Linear`` makes no tensor of its own: checkpointing it changes nothing with the shim or without, bit for
-    bit. ``--activation-checkpointing`` trains a release that has the cast too: its cast is then measured."""
+    bit. ``--activation-checkpointing`` trains a release that has the cast too, for the recompute only."""
     standalone = layouts.get("standalone")
     fixed = standalone is not None and base_release(standalone.trainer_version) >= (2, 5, 0)
     namespace = TRAINER["standalone"] if fixed else an_affected_namespace(layouts, "trainer")[0]
@@ -201,10 +201,10 @@ def test_checkpointing_blocks_that_give_every_tensor_a_dtype_is_not_needed(layou
     assert section["namespace"] == namespace and document(proc)["activation_checkpointing"] == [blocks]
     assert recompute["verdict"] == "not needed" and "explicit dtype" in recompute["reason"], recompute["reason"]
     for shim in ("shim_off", "shim_on"):
-        assert same_bits(section[shim], section[f"checkpointed_{shim}"]), shim
+        assert same_bits(section[shim] or section["shim_on"], section[f"checkpointed_{shim}"]), shim
         assert [r["checkpointed"] for r in section[f"checkpointed_{shim}"]] == [3]  # the blocks' two and the head
     if fixed:
-        assert section["verdict"] == "not needed" and "measured: the shim changes nothing" in section["reason"]
+        assert section["shim_off"] is None and section["reason"].endswith("; trained for the recompute only")
 
 
 def test_activation_checkpointing_of_a_class_the_model_lacks_is_a_usage_error(layouts: dict[str, Layout]) -> None:
@@ -255,10 +255,9 @@ def test_a_module_without_data_takes_a_datamodule_and_16_true_numerics_show(layo
     assert [on[key] * 2 for key in BYTE_KEYS] == [off[key] for key in BYTE_KEYS]
 
 
-def test_a_release_that_has_the_cast_is_not_trained_unless_measure(layouts: dict[str, Layout]) -> None:
-    """2.5+ already casts: "not needed" from the gate alone. ``--measure`` trains anyway: the shim changes nothing,
-    and 2.6's own 16-true NaN (AdamW's default eps) shows in both runs: Lightning's numerics, not the shim's. The
-    model is a factory's: its namespace is the one its module imported."""
+def test_a_release_that_has_the_cast_is_not_trained_without_a_recompute_to_check(layouts: dict[str, Layout]) -> None:
+    """2.5+ already casts: "not needed" from the gate alone, the recompute not checked without
+    ``--activation-checkpointing``. The model is a factory's: its namespace is the one its module imported."""
     standalone = layout_or_skip(layouts, "standalone")
     if base_release(standalone.trainer_version) < (2, 5, 0):
         pytest.skip("needs a standalone pytorch_lightning that has the cast")
@@ -267,12 +266,6 @@ def test_a_release_that_has_the_cast_is_not_trained_unless_measure(layouts: dict
     assert plain["verdict"] == "not needed" and "nothing was trained" in plain["reason"]
     assert "training with the shim" not in untrained.stderr  # the probe that read Lightning ended there
     assert plain["shim_off"] is plain["shim_on"] is None and fixes(plain)["recompute"]["verdict"] is None
-    args = ("--model", "user_models:make_model", "--precision", "16-true", "--measure", "--json")
-    proc = verify_model(TRAINER["standalone"], *args)
-    assert proc.returncode == 0, proc.stderr
-    section = only_section(proc)
-    assert section["verdict"] == "not needed" and "measured: the shim changes nothing" in section["reason"]
-    assert all(any(v != v for v in section[run][0]["losses"][1:]) for run in ("shim_off", "shim_on"))
 
 
 def test_a_model_that_casts_itself_is_told_the_shim_changes_nothing(layouts: dict[str, Layout]) -> None:
@@ -291,9 +284,9 @@ def test_a_model_that_casts_itself_is_told_the_shim_changes_nothing(layouts: dic
 def test_a_model_that_raises_only_without_the_shim_is_judged(layouts: dict[str, Layout]) -> None:
     """``ChecksItsOwnForward`` calls ``torch.utils.checkpoint`` in its forward: without the shim the recompute
     raises, so there is no run to compare with; with the shim it trains: the recompute is "fixed", by what it
-    raised, and on 2.1-2.4 the cast is "not checked". ``--measure``: 2.5+ trains too."""
-    namespace, version = an_affected_namespace(layouts, "trainer", fix="recompute")
-    proc = verify_model(namespace, "--model", "user_models:ChecksItsOwnForward", "--measure", "--json")
+    raised, and the cast is "not checked"."""
+    namespace, _ = an_affected_namespace(layouts, "trainer")
+    proc = verify_model(namespace, "--model", "user_models:ChecksItsOwnForward", "--json")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "your code raised" not in proc.stderr
     section = only_section(proc)
@@ -302,9 +295,8 @@ def test_a_model_that_raises_only_without_the_shim_is_judged(layouts: dict[str, 
     assert recompute["verdict"] == "fixed", recompute["reason"]
     assert recompute["reason"].startswith("without the shim, a recompute of torch's checkpoint raised CheckpointError")
     assert recompute["reason"].endswith("; with the shim it trains")
-    if base_release(version) < (2, 5, 0):
-        assert (cast["verdict"], section["verdict"]) == (None, "not checked")
-        assert cast["reason"].endswith("so there is no run without the shim to compare with")
+    assert (cast["verdict"], section["verdict"]) == (None, "not checked")
+    assert cast["reason"].endswith("so there is no run without the shim to compare with")
     text = render(as_section(section), Options(model="user_models:ChecksItsOwnForward"), {})
     assert "\n  recompute [shim: patched]: fixed: without the shim, a recompute of torch's checkpoint raised" in text
     assert text.endswith("\nverdict: fixed")
@@ -371,8 +363,7 @@ def test_what_the_probe_refuses_and_why() -> None:
         (["--init-args", "[1]"], "must be a JSON object"),
         (["--model", "no_colon"], "is not MODULE:ATTR"),
         (["--activation-checkpointing", "torch.nn:Linear,no_colon"], "'no_colon' is not MODULE:CLASS"),
-        (["--datamodule", "m:D"], "--init-args, --datamodule and --auto-wrap need --model"),
-        (["--auto-wrap", "m:B"], "--init-args, --datamodule and --auto-wrap need --model"),
+        (["--datamodule", "m:D"], "--init-args and --datamodule need --model"),
         (["--model-path", "."], "--model-path needs --model or --activation-checkpointing"),
         (["--model", "m:M", "--package", "lightning"], "--package is for the seed model; with --model"),
         (["--package", "all"], "argument --package: invalid choice: 'all'"),
@@ -480,37 +471,6 @@ def test_without_torch_or_lightning_it_says_so_exit_2(tmp_path: Path) -> None:
     assert "neither lightning nor pytorch_lightning is installed" in no_lightning.stderr
 
 
-TORCH_2_1_CPU_STREAM = """
-import torch.cpu
-
-
-class Stream:  # torch 2.1's CPU stream: no __init__, so FSDP's Stream(priority=0) raises TypeError
-    pass
-
-
-torch.cpu.Stream = Stream
-"""
-
-
-@pytest.mark.usefixtures("lightning_installed")
-def test_a_torch_that_cannot_run_fsdp_on_cpu_is_named_not_the_model(tmp_path: Path) -> None:
-    """torch 2.1's CPU device handle has no streams, so FSDP raises inside torch whatever the model: with torch
-    2.1's ``torch.cpu.Stream`` put in place, verify names torch, exit 2, before the model (which hangs) is imported."""
-    import torch
-
-    (tmp_path / "sitecustomize.py").write_text(TORCH_2_1_CPU_STREAM)
-    env = clean_env(FSDP_SHIM_TEST_PIDS=str(tmp_path))
-    env["PYTHONPATH"] = f"{tmp_path}:{env.get('PYTHONPATH', '')}"
-    proc = verify("--model", "hanging_models:Model", env=env, cwd=MODELS)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    release = ".".join(torch.__version__.split("+")[0].split(".")[:2])
-    assert proc.stderr.strip().splitlines()[-1] == (
-        f"fsdp-shim verify: torch {release} cannot run FSDP on this machine's CPU (TypeError: Stream() takes "
-        "no arguments)"
-    )
-    assert "Traceback" not in proc.stderr and list(tmp_path.glob("*.pid")) == []
-
-
 def wait_for_pids(folder: Path, count: int, seconds: float = 120) -> list[int]:
     deadline = time.monotonic() + seconds
     while len(pids := [int(p.stem) for p in folder.glob("*.pid")]) < count:
@@ -578,25 +538,10 @@ def test_a_model_that_raised_without_the_shim_outside_a_recompute_credits_the_ca
     assert wrong[0] == "FAILED" and "LightningModule.dtype is torch.float32 on rank 0" in wrong[1]
 
 
-def test_the_users_own_fsdp_units_are_used_with_auto_wrap(layouts: dict[str, Layout]) -> None:
-    """``--auto-wrap``: verify wraps the model as the user's strategy does, so a model that trains only with its
-    own units (a bfloat16 block beside a float32 one) trains with the shim off too, and the cast is measured (its
-    SGD keeps no optimizer state: nothing there to shrink, and no failure for it)."""
-    namespace, _ = an_affected_namespace(layouts, "trainer")
-    units = ("--auto-wrap", "user_models:OwnDtypeBlock")
-    proc = verify_model(namespace, "--model", "user_models:MixedDtypes", *units, "--json")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    section = only_section(proc)
-    assert section["shim_off_error"] is None and section["verdict"] == "fixed", section["reason"]
-    off, on = section["shim_off"][0], section["shim_on"][0]
-    assert off["flat_param_dtypes"] == [BF16, "torch.float32"] and on["flat_param_dtypes"] == [BF16]
-    assert on["param_bytes"] < off["param_bytes"] and on["optimizer_state_bytes"] == off["optimizer_state_bytes"] == 0
-
-
-def test_a_model_that_needs_its_own_units_without_them_is_told_what_was_measured(layouts: dict[str, Layout]) -> None:
-    """Without ``--auto-wrap`` the same model raises without the shim (one unit of mixed dtypes) and trains with it;
-    checkpointed, the recompute gets no verdict, and the phase counter reaches its total: the
-    run it skips (checkpointed, without the shim) is counted and said."""
+def test_a_model_of_mixed_dtypes_is_told_what_was_measured(layouts: dict[str, Layout]) -> None:
+    """``MixedDtypes`` raises without the shim (one FSDP unit of mixed dtypes) and trains with it; checkpointed, the
+    recompute gets no verdict, and the phase counter reaches its total: the run it skips (checkpointed, without the
+    shim) is counted and said."""
     namespace, _ = an_affected_namespace(layouts, "trainer")
     checkpointed = ("--activation-checkpointing", "user_models:OwnDtypeBlock")
     proc = verify_model(namespace, "--model", "user_models:MixedDtypes", *checkpointed, "--json")

@@ -169,12 +169,14 @@ def verify(options: Options, workdir: Path) -> tuple[Section, dict[str, str]]:
     if gate["import_failure"] is not None:
         return Section(namespace, None, "FAILED", describe_import_failure(namespace, gate["import_failure"])), others
     if not plan:
-        reason = unaffected(CAST, version) + "; nothing was trained (--measure trains anyway)" * CAST.built_in(version)
+        reason = unaffected(CAST, version) + "; nothing was trained" * CAST.built_in(version)
         verdicts = {fix.name: ("not needed", unaffected(fix, version)) for fix in FIXES if not fix.affects(version)}
         fixes = fix_entries(gate["fixes"], {**verdicts, CAST.name: ("not needed", reason)})
         return Section(namespace, version, "not needed", reason, fixes), others
     # With the shim on, the user's code raised: does it without the shim too? Only the run without checkpointing.
     runs = [(n, ac) for n, (shim, ac) in enumerate(plan, 1) if shim == "0" and not (ac and isinstance(on, dict))]
+    if isinstance(on, dict) and not runs:  # 2.5+: no run without the shim and checkpointing to compare with
+        raise users_code_raised(on, "1")
     request = ProbeRequest(str(workdir / "shim0"), options, namespace, runs)
     off = on if isinstance(on, str) and on else run_probe(request, "0", step(runs[0][0]), started)  # on failed: none
     raised = off if isinstance(off, dict) else None  # without the shim only: judged by what the shim made train
@@ -256,12 +258,9 @@ def dtype_problems(runs: Runs, want: str) -> list[str]:
 
 
 def judge(off: Runs, on: Runs, precision: str) -> Verdict:
-    """The cast's verdict: ``fixed`` must hold on every rank, exactly; ``not needed`` if the shim changes nothing."""
-    version, want = on[0].lightning, DTYPES[precision]
-    if not CAST.affects(version):
-        if all(getattr(a, key) == getattr(b, key) for a, b in zip(off, on) for key in FIGURES[:-1]):
-            return "not needed", f"{unaffected(CAST, version)}; measured: the shim changes nothing"
-        return "FAILED", f"{unaffected(CAST, version)}, but the figures differ with the shim on"
+    """The cast's verdict, on a release that lacks it (the only one trained without the shim unchecked): ``fixed``
+    must hold on every rank, exactly; ``not needed`` if the shim changes nothing."""
+    want = DTYPES[precision]
     problems = unapplied(on[0].fixes[CAST.name], on[0].namespace) + dtype_problems(on, want)
     for a, b in zip(off, on):
         for key in BYTE_KEYS:
@@ -314,7 +313,7 @@ def judge_recompute(off: Runs, on: Runs, off_ac: Runs, on_ac: Runs, classes: str
 def judge_raised(raised: dict[str, Any], on: Runs, on_ac: Runs | None, precision: str) -> dict[str, Verdict]:
     """A user's model that raised without the shim and trains with it: the recompute made it train where torch's
     checkpoint raised, else the cast did; the other fix has no run without the shim to compare with."""
-    by = RECOMPUTE if raised["in_recompute"] or not CAST.affects(on[0].lightning) else CAST
+    by = RECOMPUTE if raised["in_recompute"] else CAST  # only a release that lacks the cast trains without the shim
     who = "a recompute of torch's checkpoint" if raised["in_recompute"] else "training"
     without, changed = f"without the shim, {who} raised {raised['message']}", what_changed(on, on_ac) if on_ac else None
     problems = {

@@ -41,24 +41,6 @@ def user_error(phase: str, error: BaseException, **extra: int) -> ProbeStop:
     return ProbeStop("user", one_line(error), phase=phase, traceback=text, in_recompute=in_recompute, **extra)
 
 
-def check_fsdp_on_cpu() -> None:
-    """One FSDP step in a one-rank gloo group before any user code runs, so that a torch that cannot run FSDP on CPU
-    (torch 2.1: ``TypeError: Stream() takes no arguments``) is named, not blamed on the model."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    try:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        FSDP(torch.nn.Linear(2, 2), device_id=torch.device("cpu"))(torch.ones(1, 2)).sum().backward()
-    except Exception as error:
-        release = ".".join(torch.__version__.split("+")[0].split(".")[:2])
-        message = f"torch {release} cannot run FSDP on this machine's CPU ({one_line(error)})"
-        raise ProbeStop("usage", message) from error
-    finally:
-        dist.destroy_process_group()
-
-
 def resolve(spec: str) -> Any:
     """``package.module:attribute`` (or ``:Class.factory``) -> the attribute; importing runs the user's code."""
     module_name, _, attribute = spec.partition(":")
@@ -114,9 +96,9 @@ def module_classes(specs: list[str], option: str) -> set[type]:
     return set(classes)
 
 
-def user_modules(options: Options, build: bool) -> tuple[Any, Any, set[type], set[type], list[str]]:
-    """The user's model and datamodule (built, or their class or factory), checkpointed and auto-wrapped classes, and
-    the model's namespaces (its class's, or those imported with its factory); each refused unless usable."""
+def user_modules(options: Options, build: bool) -> tuple[Any, Any, set[type], list[str]]:
+    """The user's model and datamodule (built, or their class or factory), checkpointed classes, and the model's
+    namespaces (its class's, or those imported with its factory); each refused unless usable."""
     model, datamodule, namespaces = None, None, list[str]()
     if options.model is not None:
         model = checked(options.model, "LightningModule", options.init_args if build else None)
@@ -127,30 +109,22 @@ def user_modules(options: Options, build: bool) -> tuple[Any, Any, set[type], se
         elif own and cls.train_dataloader is sys.modules[own].LightningModule.train_dataloader:
             raise ProbeStop("usage", f"{options.model} has no train_dataloader; pass --datamodule module:attr")
         namespaces = [own] if own else [ns for ns in TRAINER_NAMESPACES if ns in sys.modules]
-    wrapped = module_classes(options.auto_wrap, "--auto-wrap")
     checkpointed = module_classes(options.activation_checkpointing, "--activation-checkpointing")
-    return model, datamodule, checkpointed, wrapped, namespaces
+    return model, datamodule, checkpointed, namespaces
 
 
 def plan(options: Options, version: str) -> list[tuple[str, bool]]:
-    """The runs, as (FSDP_SHIM, checkpointed), the shim on first: none on 2.0.x, nor on 2.5+ unless --measure,
-    --activation-checkpointing or the seed's recompute. Last: the run a model that raised without the shim skips."""
+    """The runs, as (FSDP_SHIM, checkpointed), the shim on first: none on 2.0.x, nor on 2.5+ without a recompute to
+    check (``--model`` without ``--activation-checkpointing``); on 2.5+, none without the shim and checkpointing."""
     checking = options.model is None or bool(options.activation_checkpointing)
-    if not CAST.affects(version):
-        if not CAST.built_in(version) or not (options.measure or checking):
-            return []
-        if options.model is None and not options.measure and not options.activation_checkpointing:
-            return [("1", False), ("1", True), ("0", True)]  # the seed, for the recompute only
-    return [("1", False), *([("1", True)] if checking else []), ("0", False), *([("0", True)] if checking else [])]
+    if CAST.affects(version):
+        return [("1", False), *[("1", True)] * checking, ("0", False), *[("0", True)] * checking]
+    return [("1", False), ("1", True), ("0", True)] if checking and CAST.built_in(version) else []
 
 
 def read_lightning(options: Options) -> dict[str, Any]:
     """``gate.json``: the namespace to check (``--package``'s, the model's, else the first installed), its version,
     import failure, the shim's fix states and the runs planned; the other installed namespaces' versions."""
-    import torch
-
-    if not torch.cuda.is_available():
-        check_fsdp_on_cpu()
     own, versions, failures = user_modules(options, build=False)[-1], dict[str, str](), dict[str, Any]()
     installed = [ns for ns in TRAINER_NAMESPACES if ns.partition(".")[0] in installed_packages()]
     namespace = PACKAGES[options.package] if options.package else (own + installed)[0]
@@ -215,12 +189,12 @@ def train(options: Options, namespace: str, checkpointing: bool, out: Path) -> s
 
     cuda = torch.cuda.is_available()
     torch.manual_seed(0)  # the runs compared bit for bit start from the same weights
-    model, datamodule, classes, wrapped, _ = user_modules(options, build=True)
+    model, datamodule, classes, _ = user_modules(options, build=True)
     pl, loader = importlib.import_module(namespace), None
     if options.model is None:
         model, loader, block = seed_model(pl, options.steps, options.devices)
         classes = classes or {block}
-    policies: dict[str, Any] = {"auto_wrap_policy": wrapped} if wrapped else {}
+    policies: dict[str, Any] = {}
     counted: tuple[type, ...] = tuple(classes)  # a checkpointed run counts the wrappers Lightning's policy put in
     if checkpointing:
         policies["activation_checkpointing_policy"], counted = classes, (CheckpointWrapper,)

@@ -16,7 +16,6 @@ class Options:
     precision: str = "bf16-true"
     devices: int = 1
     steps: int = 3
-    measure: bool = False
     as_json: bool = False
     model: str | None = None
     init_args: dict[str, Any] = field(default_factory=dict)
@@ -24,7 +23,6 @@ class Options:
     timeout: float = PROBE_TIMEOUT
     model_path: str | None = None
     activation_checkpointing: list[str] = field(default_factory=list)
-    auto_wrap: list[str] = field(default_factory=list)  # --model's FSDP units, as the user's auto_wrap_policy
     package: str | None = None  # the seed's Lightning (CHOICES); None: lightning where installed
 
 

@@ -159,7 +159,7 @@ class OwnDtypeBlock(Block):
 
 class MixedDtypes(pl.LightningModule):
     """A block loaded in bfloat16 beside one in float32 (Lightning #20239): FSDP cannot flatten both into one unit,
-    so its own job wraps each block in a unit of its own (``--auto-wrap user_models:OwnDtypeBlock``)."""
+    so it trains only where the shim casts both (its own job would give each block a unit of its own)."""
 
     def __init__(self) -> None:
         super().__init__()
