@@ -11,7 +11,7 @@ import sys
 import traceback
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from _fsdp_shim.activation import status
 from _fsdp_shim.config import CAST, TRAINER_NAMESPACES
@@ -41,8 +41,9 @@ def user_error(phase: str, error: BaseException, **extra: int) -> ProbeStop:
     return ProbeStop("user", one_line(error), phase=phase, traceback=text, in_recompute=in_recompute, **extra)
 
 
-def resolve(spec: str) -> Any:
-    """``package.module:attribute`` (or ``:Class.factory``) -> the attribute; importing runs the user's code."""
+def resolve(spec: str, expected: str, usable: Callable[[Any], bool]) -> Any:
+    """``package.module:attribute`` (or ``:Class.factory``) -> the attribute, refused unless ``usable``: one message
+    that names ``spec`` and what was ``expected``. Importing runs the user's code."""
     module_name, _, attribute = spec.partition(":")
     try:
         target: Any = importlib.import_module(module_name)
@@ -52,11 +53,10 @@ def resolve(spec: str) -> Any:
             message = f"cannot import {module_name!r} (from {spec!r}): run verify where it is importable ({where})"
             raise ProbeStop("usage", message) from error
         raise user_error(f"importing {module_name}", error) from error
-    for index, name in enumerate(attribute.split(".")):
-        if not hasattr(target, name):
-            owner = ".".join([module_name, *attribute.split(".")[:index]])
-            raise ProbeStop("usage", f"{owner} has no attribute {name!r} (from {spec!r})")
-        target = getattr(target, name)
+    for name in attribute.split("."):
+        target = getattr(target, name, None)
+    if not usable(target):
+        raise ProbeStop("usage", f"{spec} is not {expected}")
     return target
 
 
@@ -69,12 +69,8 @@ def namespace_of(obj: Any, kind: str) -> str | None:
 
 def checked(spec: str, kind: str, init_args: dict[str, Any] | None) -> Any:
     """The class or factory ``spec`` names, refused unless it gives a Lightning ``kind``; built with ``init_args``."""
-    target = resolve(spec)
-    if not callable(target):
-        message = f"{spec} is {type(target).__name__!r}, not a {kind} class or a factory that returns one"
-        raise ProbeStop("usage", message)
-    if isinstance(target, type) and namespace_of(target, kind) is None:
-        raise ProbeStop("usage", f"{spec} is a class, but not a subclass of Lightning's {kind}")
+    expected = f"a Lightning {kind} class or a factory that returns one"
+    target = resolve(spec, expected, lambda t: callable(t) and not (isinstance(t, type) and not namespace_of(t, kind)))
     if init_args is None:
         return target
     try:
@@ -82,23 +78,15 @@ def checked(spec: str, kind: str, init_args: dict[str, Any] | None) -> Any:
     except Exception as error:
         raise user_error(f"constructing {spec}", error) from error
     if namespace_of(instance, kind) is None:
-        raise ProbeStop("usage", f"{spec} gave a {type(instance).__name__}, which is not a Lightning {kind}")
+        raise ProbeStop("usage", f"{spec} is not {expected}")
     return instance
-
-
-def module_classes(specs: list[str], option: str) -> set[type]:
-    """The ``torch.nn.Module`` classes ``option`` names (``MODULE:CLASS``), as Lightning's policies take them."""
-    from torch.nn import Module
-
-    for spec, cls in zip(specs, classes := [resolve(spec) for spec in specs]):
-        if not (isinstance(cls, type) and issubclass(cls, Module)):
-            raise ProbeStop("usage", f"{option}: {spec} is not a torch.nn.Module class")
-    return set(classes)
 
 
 def user_modules(options: Options, build: bool) -> tuple[Any, Any, set[type], list[str]]:
     """The user's model and datamodule (built, or their class or factory), checkpointed classes, and the model's
     namespaces (its class's, or those imported with its factory); each refused unless usable."""
+    from torch.nn import Module
+
     model, datamodule, namespaces = None, None, list[str]()
     if options.model is not None:
         model = checked(options.model, "LightningModule", options.init_args if build else None)
@@ -109,7 +97,10 @@ def user_modules(options: Options, build: bool) -> tuple[Any, Any, set[type], li
         elif own and cls.train_dataloader is sys.modules[own].LightningModule.train_dataloader:
             raise ProbeStop("usage", f"{options.model} has no train_dataloader; pass --datamodule module:attr")
         namespaces = [own] if own else [ns for ns in TRAINER_NAMESPACES if ns in sys.modules]
-    checkpointed = module_classes(options.activation_checkpointing, "--activation-checkpointing")
+    checkpointed = {
+        resolve(spec, "a torch.nn.Module class", lambda t: isinstance(t, type) and issubclass(t, Module))
+        for spec in options.activation_checkpointing
+    }
     return model, datamodule, checkpointed, namespaces
 
 

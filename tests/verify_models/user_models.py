@@ -91,9 +91,6 @@ class BuiltOncePerProcess(ThreeWays):
         super().__init__()
 
 
-NOT_A_MODULE = 42
-
-
 class CastsItself(pl.LightningModule):
     """Casts itself to bfloat16 in ``__init__``: right without the shim, which changes nothing for it."""
 
