@@ -12,7 +12,7 @@ from typing import Any
 
 from _fsdp_shim._version import __version__
 from _fsdp_shim.config import SHIM_VARIABLE, switch_state
-from _fsdp_shim.verify.records import CHOICES, PROBE_TIMEOUT, Options
+from _fsdp_shim.verify.command import PACKAGES, PROBE_TIMEOUT, Options
 
 BOOTSTRAP = str(Path(__file__).resolve().parent / "bootstrap")  # its sitecustomize arms the shim, then the user's
 COMMANDS = {  # each command's description (its summary up to the colon) and example
@@ -71,7 +71,7 @@ def _parser() -> argparse.ArgumentParser:
     verify("--model-path", type=Path, metavar="DIR", help="the folder --model and the classes come from (default: .)")
     seconds = f"how long one step may take: past it, verify stops it and every process it started, exits 1 {default}"
     verify("--timeout", type=partial(_positive, kind=float), default=PROBE_TIMEOUT, metavar="SECONDS", help=seconds)
-    verify("--package", choices=CHOICES, help="for the seed model (default: lightning, else pytorch_lightning)")
+    verify("--package", choices=PACKAGES, help="for the seed model (default: lightning, else pytorch_lightning)")
     verify("--json", action="store_true", dest="as_json", help="machine-readable output, every figure per rank")
     return parser
 

@@ -32,8 +32,7 @@ from conftest import (
 
 from _fsdp_shim.config import State, base_release
 from _fsdp_shim.status import FixStatus
-from _fsdp_shim.verify.command import Section, fix_entries, judge_raised, judge_recompute, render
-from _fsdp_shim.verify.records import Options, RankResult
+from _fsdp_shim.verify.command import Options, RankResult, Section, fix_entries, judge_raised, judge_recompute, render
 
 MODELS = ROOT / "tests" / "verify_models"
 BYTE_KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes")
@@ -386,10 +385,9 @@ def test_a_package_that_is_not_installed_is_refused_before_anything_starts(capsy
     if importlib.util.find_spec("torch") is None:
         pytest.skip("needs torch, which verify looks for first")
     from _fsdp_shim.distributions import installed_packages
-    from _fsdp_shim.verify.command import main
-    from _fsdp_shim.verify.records import CHOICES
+    from _fsdp_shim.verify.command import PACKAGES, main
 
-    missing = [package for package in CHOICES if package not in installed_packages()]
+    missing = [package for package in PACKAGES if package not in installed_packages()]
     if not missing:
         pytest.skip("both Lightning packages are installed")
     assert main(Options(package=missing[0])) == 2

@@ -20,9 +20,10 @@ from typing import Any, Callable, Optional
 
 from _fsdp_shim.config import CAST, DOCS, FIXES, RECOMPUTE, Fix, State
 from _fsdp_shim.distributions import describe_import_failure, installed_packages
-from _fsdp_shim.verify.records import CHOICES, Options, ProbeRequest, RankResult
 
-PROBE_SCRIPT = Path(__file__).resolve().parent.parent / "children" / "verify_probe.py"
+PROBE_SCRIPT = Path(__file__).resolve().with_name("probe.py")
+PROBE_TIMEOUT = 1800  # seconds one step (reading Lightning, or one training run) may take (--timeout)
+PACKAGES = {"lightning": "lightning.pytorch", "pytorch_lightning": "pytorch_lightning"}  # --package: namespace
 READING = "reading the installed Lightning"
 DTYPES = {"bf16-true": "torch.bfloat16", "16-true": "torch.float16"}
 BYTE_KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes")
@@ -35,6 +36,50 @@ SLOTS = {  # a run's (FSDP_SHIM, checkpointed): where a Section holds its figure
     ("0", True): "checkpointed_shim_off",
     ("1", True): "checkpointed_shim_on",
 }
+
+
+@dataclass(frozen=True)
+class Options:  # what the command line asked for, in --json's order
+    precision: str = "bf16-true"
+    devices: int = 1
+    steps: int = 3
+    as_json: bool = False
+    model: str | None = None
+    init_args: dict[str, Any] = field(default_factory=dict)
+    datamodule: str | None = None
+    timeout: float = PROBE_TIMEOUT
+    model_path: str | None = None
+    activation_checkpointing: list[str] = field(default_factory=list)
+    package: str | None = None  # the seed's Lightning (PACKAGES); None: lightning where installed
+
+
+@dataclass(frozen=True)
+class ProbeRequest:
+    out: str  # a path prefix: shim1, shim0 in verify's folder
+    options: Options
+    namespace: str | None = None  # None: the first probe, which reads Lightning (gate.json) and picks it
+    runs: list[tuple[int, bool]] = field(default_factory=list)  # (number in the plan, checkpointed)
+
+
+@dataclass(frozen=True)
+class RankResult:
+    """One rank's figures from one run; a checkpointed run that raised has ``error``, ``checkpointed``, ``fixes``."""
+
+    rank: int
+    module_dtype: str = ""
+    flat_param_dtypes: list[str] = field(default_factory=list)
+    param_bytes: int = 0
+    grad_bytes: int = 0
+    optimizer_state_bytes: int = 0
+    losses: list[float | None] = field(default_factory=list)
+    param_hashes: dict[str, str] = field(default_factory=dict)  # SHA-256 of this rank's shards, by name
+    checkpointed: int = 0  # modules of the checkpointed classes (or their checkpoint wrappers)
+    lightning: str = ""
+    namespace: str = ""
+    fixes: dict[str, dict[str, Any]] = field(default_factory=dict)  # the shim's FixStatus.as_dict(), per fix
+    error: str | None = None
+
+
 Runs = list[RankResult]
 Verdict = tuple[Optional[str], str]  # None: not checked
 
@@ -69,7 +114,7 @@ def main(options: Options) -> int:
     try:
         if importlib.util.find_spec("torch") is None:
             raise Stop(f"torch is not installed {here}; install torch and Lightning, then run verify again", 2)
-        if not set(CHOICES) & set(installed_packages()):
+        if not set(PACKAGES) & set(installed_packages()):
             raise Stop(f"neither lightning nor pytorch_lightning is installed {here}", 2)
         if options.package and options.package not in installed_packages():
             raise Stop(f"--package {options.package} is not installed {here}", 2)

@@ -4,10 +4,17 @@
 
 from __future__ import annotations
 
-import importlib
-import json
 import os
 import sys
+
+if __name__ == "__main__":  # by path, never -c or -m (which put the current folder, a user's yaml.py, first)
+    here = os.path.dirname(os.path.realpath(__file__))  # off sys.path: its modules would shadow the user's
+    sys.path[:] = [entry for entry in sys.path if os.path.realpath(entry or os.curdir) != here]
+    if (root := os.path.dirname(os.path.dirname(here))) not in {os.path.realpath(e or os.curdir) for e in sys.path}:
+        sys.path.insert(0, root)  # a clone's, so the probe imports the fsdp_shim that started it
+
+import importlib
+import json
 import traceback
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -16,7 +23,7 @@ from typing import Any, Callable
 from _fsdp_shim.activation import status
 from _fsdp_shim.config import CAST, TRAINER_NAMESPACES
 from _fsdp_shim.distributions import import_failure, installed_packages
-from _fsdp_shim.verify.records import PACKAGES, Options, ProbeRequest, RankResult
+from _fsdp_shim.verify.command import PACKAGES, Options, ProbeRequest, RankResult
 
 VOCAB, SEQUENCE, BATCH, WIDTH = 256, 32, 4, 32  # the seed model's
 
@@ -269,3 +276,7 @@ def main(argv: list[str]) -> None:
         Path(f"{request.out}.rank{rank}.error.json").write_text(json.dumps(stop.record))
         leave_process_group(stop.code)
     leave_process_group()
+
+
+if __name__ == "__main__":  # Lightning's launcher re-runs sys.argv (this file, the request) on every other rank
+    main(sys.argv[1:])
