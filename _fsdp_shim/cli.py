@@ -26,7 +26,7 @@ COMMANDS = {  # each command's description (its summary up to the colon) and exa
     "verify": "Train a model for a few steps with FSDP, with the shim off and on, in fresh processes, and compare:\n"
     "dtypes and exact byte counts, a verdict per fix (fixed, not needed, FAILED) for one Lightning package\n"
     "(--package); with --activation-checkpointing also each run with and without checkpointing, bit for bit.\n"
-    "Exit codes: 0 fixed or not needed; 1 FAILED, your model raised, or a step ran past --timeout;\n"
+    "Exit codes: 0 fixed or not needed; 1 FAILED, your model raised, or a probe ran past --timeout;\n"
     "2 verify could not run; 130 interrupted.\n\n"
     "example:\n  fsdp-shim verify --model my_project.model:MyModel --devices 2",
 }
@@ -69,7 +69,7 @@ def _parser() -> argparse.ArgumentParser:
         "judge the recompute fix (default: the seed model's own causal block; with --model, not checked)",
     )
     verify("--model-path", type=Path, metavar="DIR", help="the folder --model and the classes come from (default: .)")
-    seconds = f"how long one step may take: past it, verify stops it and every process it started, exits 1 {default}"
+    seconds = f"how long one probe (a shim state's runs) may take: past it, verify stops it all, exits 1 {default}"
     verify("--timeout", type=partial(_positive, kind=float), default=PROBE_TIMEOUT, metavar="SECONDS", help=seconds)
     verify("--package", choices=PACKAGES, help="for the seed model (default: lightning, else pytorch_lightning)")
     verify("--json", action="store_true", dest="as_json", help="machine-readable output, every figure per rank")

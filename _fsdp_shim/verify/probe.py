@@ -1,6 +1,4 @@
-"""verify's probe, one fresh process per shim state: the first reads the installed Lightning into ``gate.json``
-(refusing unusable user modules before anything trains); each trains its runs of the plan with FSDP, writing a
-``RankResult`` per run and rank, or an error record."""
+"""verify's probe, a fresh process per shim state: reads Lightning, refuses unusable user modules, trains its runs."""
 
 from __future__ import annotations
 
@@ -22,15 +20,13 @@ from typing import Any, Callable
 
 from _fsdp_shim.activation import status
 from _fsdp_shim.config import CAST, TRAINER_NAMESPACES
-from _fsdp_shim.distributions import import_failure, installed_packages
-from _fsdp_shim.verify.command import PACKAGES, Options, ProbeRequest, RankResult
+from _fsdp_shim.distributions import distribution_of, import_failure, installed_packages
+from _fsdp_shim.verify.command import BYTE_KEYS, PACKAGES, SHIM, Options, RankResult
 
 VOCAB, SEQUENCE, BATCH, WIDTH = 256, 32, 4, 32  # the seed model's
 
 
-class ProbeStop(Exception):
-    """End the probe, writing ``record`` as its error report: exit 2 for ``kind`` "usage", 1 for "user"."""
-
+class ProbeStop(Exception):  # end the probe, writing record as its error report: exit 2 for "usage", 1 for "user"
     def __init__(self, kind: str, message: str, **record: Any) -> None:
         super().__init__(message)
         self.code, self.record = 2 if kind == "usage" else 1, {"kind": kind, "message": message, **record}
@@ -49,15 +45,13 @@ def user_error(phase: str, error: BaseException, **extra: int) -> ProbeStop:
 
 
 def resolve(spec: str, expected: str, usable: Callable[[Any], bool]) -> Any:
-    """``package.module:attribute`` (or ``:Class.factory``) -> the attribute, refused unless ``usable``: one message
-    that names ``spec`` and what was ``expected``. Importing runs the user's code."""
+    """``package.module:attribute`` (or ``:Class.factory``) -> the attribute, refused unless ``usable``."""
     module_name, _, attribute = spec.partition(":")
     try:
         target: Any = importlib.import_module(module_name)
     except Exception as error:
         if isinstance(error, ModuleNotFoundError) and error.name and module_name.startswith(error.name):
-            where = "the current folder, --model-path DIR, or PYTHONPATH"
-            message = f"cannot import {module_name!r} (from {spec!r}): run verify where it is importable ({where})"
+            message = f"cannot import {module_name!r} ({spec}): run verify where it imports (--model-path, PYTHONPATH)"
             raise ProbeStop("usage", message) from error
         raise user_error(f"importing {module_name}", error) from error
     for name in attribute.split("."):
@@ -90,8 +84,7 @@ def checked(spec: str, kind: str, init_args: dict[str, Any] | None) -> Any:
 
 
 def user_modules(options: Options, build: bool) -> tuple[Any, Any, set[type], list[str]]:
-    """The user's model and datamodule (built, or their class or factory), checkpointed classes, and the model's
-    namespaces (its class's, or those imported with its factory); each refused unless usable."""
+    """The model and datamodule (built, or class or factory), checkpointed classes, and the model's namespaces."""
     from torch.nn import Module
 
     model, datamodule, namespaces = None, None, list[str]()
@@ -104,38 +97,35 @@ def user_modules(options: Options, build: bool) -> tuple[Any, Any, set[type], li
         elif own and cls.train_dataloader is sys.modules[own].LightningModule.train_dataloader:
             raise ProbeStop("usage", f"{options.model} has no train_dataloader; pass --datamodule module:attr")
         namespaces = [own] if own else [ns for ns in TRAINER_NAMESPACES if ns in sys.modules]
-    checkpointed = {
+    classes = {
         resolve(spec, "a torch.nn.Module class", lambda t: isinstance(t, type) and issubclass(t, Module))
         for spec in options.activation_checkpointing
     }
-    return model, datamodule, checkpointed, namespaces
+    return model, datamodule, classes, namespaces
 
 
-def plan(options: Options, version: str) -> list[tuple[str, bool]]:
-    """The runs, as (FSDP_SHIM, checkpointed), the shim on first: none on 2.0.x, nor on 2.5+ without a recompute to
-    check (``--model`` without ``--activation-checkpointing``); on 2.5+, none without the shim and checkpointing."""
+def plan(options: Options, version: str) -> list[str]:
+    """The runs, by ``Section`` slot: none on 2.0.x, nor on 2.5+ without a recompute to check; 2.5+: no ``shim_off``."""
     checking = options.model is None or bool(options.activation_checkpointing)
     if CAST.affects(version):
-        return [("1", False), *[("1", True)] * checking, ("0", False), *[("0", True)] * checking]
-    return [("1", False), ("1", True), ("0", True)] if checking and CAST.built_in(version) else []
+        return ["shim_on", *["checkpointed_shim_on"] * checking, "shim_off", *["checkpointed_shim_off"] * checking]
+    return ["shim_on", "checkpointed_shim_on", "checkpointed_shim_off"] if checking and CAST.built_in(version) else []
 
 
 def read_lightning(options: Options) -> dict[str, Any]:
-    """``gate.json``: the namespace to check (``--package``'s, the model's, else the first installed), its version,
-    import failure, the shim's fix states and the runs planned; the other installed namespaces' versions."""
-    own, versions, failures = user_modules(options, build=False)[-1], dict[str, str](), dict[str, Any]()
+    """What the probe reads of Lightning: the namespace checked and its release, fix states and runs; the others'."""
+    own = user_modules(options, build=False)[-1]
     installed = [ns for ns in TRAINER_NAMESPACES if ns.partition(".")[0] in installed_packages()]
-    namespace = PACKAGES[options.package] if options.package else (own + installed)[0]
-    for ns in installed:
-        try:
-            versions[ns] = getattr(importlib.import_module(ns), "__version__", None) or "(unknown)"
-        except Exception as error:
-            versions[ns], failures[ns] = "", import_failure(error)
-    if namespace not in versions:  # imported by the model, yet not found where Lightning packages are looked for
+    namespace = PACKAGES[options.package] if options.package else (own + installed + ["Lightning"])[0]
+    if namespace not in installed:  # imported by the model, yet not found where Lightning packages are looked for
         raise ProbeStop("usage", f"{namespace} is not installed in this interpreter ({sys.executable})")
-    failure, version = failures.get(namespace), versions[namespace]
+    try:
+        version, failure = getattr(importlib.import_module(namespace), "__version__", None) or "(unknown)", None
+    except Exception as error:
+        version, failure = "", import_failure(error)
     fixes, runs = (fix_states(namespace), plan(options, version)) if failure is None else ({}, [])
-    others = {ns: v for ns, v in versions.items() if ns != namespace}
+    found = {ns: distribution_of(ns.partition(".")[0]) for ns in installed if ns != namespace}
+    others = {ns: distribution[1] if distribution else "(unknown)" for ns, distribution in found.items()}
     return dict(namespace=namespace, version=version, import_failure=failure, fixes=fixes, plan=runs, others=others)
 
 
@@ -144,8 +134,8 @@ def fix_states(namespace: str) -> dict[str, dict[str, Any]]:
 
 
 def seed_model(pl: Any, steps: int, devices: int) -> tuple[Any, Any, type]:
-    """The seed LightningModule, its data, and its class to checkpoint: a causal block built in ``__init__`` (float32
-    at the wrap where Lightning lacks the cast) whose mask and scale have no dtype (float32 in an unfixed recompute)."""
+    """The seed model, its data and its class to checkpoint: a causal block built in ``__init__`` (float32 at the wrap
+    without the cast) whose mask and scale have no dtype (float32 in an unfixed recompute)."""
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -178,8 +168,7 @@ def seed_model(pl: Any, steps: int, devices: int) -> tuple[Any, Any, type]:
 
 
 def train(options: Options, namespace: str, checkpointing: bool, out: Path) -> str | None:
-    """Train the seed's model (or ``--model``) in ``namespace`` with FSDP, from the same weights as every run; write
-    this rank's result. What a checkpointed run raised, else None."""
+    """Train the model with FSDP from the same weights as every run; write this rank's result; a checkpointed error."""
     import torch
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
@@ -192,20 +181,14 @@ def train(options: Options, namespace: str, checkpointing: bool, out: Path) -> s
     if options.model is None:
         model, loader, block = seed_model(pl, options.steps, options.devices)
         classes = classes or {block}
-    policies: dict[str, Any] = {}
-    counted: tuple[type, ...] = tuple(classes)  # a checkpointed run counts the wrappers Lightning's policy put in
-    if checkpointing:
-        policies["activation_checkpointing_policy"], counted = classes, (CheckpointWrapper,)
     if not cuda:
         cpu_guards.lift(namespace)
-    callback = measure.measuring_callback(pl, counted)
-    flags: dict[str, Any] = dict.fromkeys(
-        ("logger", "enable_checkpointing", "enable_progress_bar", "enable_model_summary"), False
-    )
-    flags.update(precision=options.precision, max_steps=options.steps, limit_val_batches=0, num_sanity_val_steps=0)
-    device = {"accelerator": "cuda" if cuda else "cpu", "devices": options.devices}  # deterministic: bit for bit
-    strategy = importlib.import_module(f"{namespace}.strategies").FSDPStrategy(**policies)
-    trainer = pl.Trainer(strategy=strategy, callbacks=[callback], deterministic=bool(classes), **device, **flags)
+    callback = measure.measuring_callback(pl, (CheckpointWrapper,) if checkpointing else tuple(classes))
+    strategy = pl.strategies.FSDPStrategy(**({"activation_checkpointing_policy": classes} if checkpointing else {}))
+    quiet = dict.fromkeys(("logger", "enable_checkpointing", "enable_progress_bar", "enable_model_summary"), False)
+    steps = {"max_steps": options.steps, "limit_val_batches": 0, "num_sanity_val_steps": 0, "callbacks": [callback]}
+    device = {"accelerator": "cuda" if cuda else "cpu", "devices": options.devices, "deterministic": bool(classes)}
+    trainer = pl.Trainer(strategy=strategy, precision=options.precision, **device, **steps, **quiet)  # bit for bit
     error = None
     try:
         trainer.fit(model, loader, datamodule=datamodule)
@@ -221,26 +204,17 @@ def train(options: Options, namespace: str, checkpointing: bool, out: Path) -> s
     rank, root = trainer.global_rank, trainer.strategy.model
     result = RankResult(rank, checkpointed=callback.checkpointed, fixes=fix_states(namespace), error=error)
     if not error:
-        flat = measure.flat_parameters(root)
-        result = replace(
-            result,
-            module_dtype=str(trainer.lightning_module.dtype),
-            flat_param_dtypes=sorted({str(p.dtype) for p in flat}),
-            param_bytes=measure.nbytes(flat),
-            grad_bytes=callback.grad_bytes,
-            optimizer_state_bytes=measure.optimizer_state_bytes(trainer.optimizers[0]),
-            losses=callback.losses,
-            param_hashes=measure.parameter_hashes(root),
-            lightning=pl.__version__,
-            namespace=pl.__name__,
-        )
+        flat, module, optimizer = measure.flat_parameters(root), trainer.lightning_module, trainer.optimizers[0]
+        sizes = measure.nbytes(flat), callback.grad_bytes, measure.optimizer_state_bytes(optimizer)
+        result = replace(result, module_dtype=str(module.dtype), flat_param_dtypes=sorted({str(p.dtype) for p in flat}))
+        result = replace(result, **dict(zip(BYTE_KEYS, sizes)), losses=callback.losses, lightning=pl.__version__)
+        result = replace(result, param_hashes=measure.parameter_hashes(root), namespace=pl.__name__)
     Path(f"{out}.rank{rank}.json").write_text(json.dumps(asdict(result)))
     return error
 
 
 def leave_process_group(code: int = 0, barrier: bool = True) -> None:
-    """Leave together and end without finalization (only in our own children): finalizing torch.distributed in a
-    half-gone interpreter can abort a C++ thread after complete results."""
+    """Leave together and end without finalization (only in our own children), which can abort a C++ thread."""
     torch = sys.modules.get("torch")
     if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
         if code == 0 and barrier:
@@ -252,31 +226,25 @@ def leave_process_group(code: int = 0, barrier: bool = True) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """Run the probe ``argv[0]`` (a ``ProbeRequest`` as JSON) asks for; never returns. The first reads Lightning into
-    ``gate.json``, then trains the plan's runs with the shim on; each run's start is a file, ``runN``."""
+    """Run the probe, ``argv``: the prefix of its files, the ``Options`` as JSON; never returns."""
     import fsdp_shim  # noqa: F401  (activates, before Lightning is imported, unless FSDP_SHIM=0)
 
-    data = json.loads(argv[0])
-    request, folder = ProbeRequest(**{**data, "options": Options(**data["options"])}), Path(data["out"]).parent
-    if request.options.model_path is not None:  # only for the modules the user named, from their folder
-        sys.path.insert(0, request.options.model_path)
+    out, options = Path(argv[0]), Options(**json.loads(argv[1]))
+    if options.model_path is not None:  # only for the modules the user named, from their folder
+        sys.path.insert(0, options.model_path)
     try:
-        if request.namespace is None:
-            gate = read_lightning(request.options)
-            (folder / "gate.json").write_text(json.dumps(gate))  # the command reads it once run 1 starts, or at the end
-            runs = [(number, ac) for number, (shim, ac) in enumerate(gate["plan"], 1) if shim == "1"]
-            request = replace(request, namespace=gate["namespace"], runs=runs)
-            sys.argv[1:] = [json.dumps(asdict(request))]  # Lightning's launcher starts the other ranks with sys.argv
-        for number, checkpointing in request.runs:
-            (folder / f"run{number}").touch()
-            if train(request.options, str(request.namespace), checkpointing, folder / f"run{number}"):
+        gate = read_lightning(options)
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # Lightning's launcher gives the other ranks theirs
+            Path(f"{out}.gate.json").write_text(json.dumps(gate))
+        for slot in [slot for slot in gate["plan"] if slot.endswith(SHIM[os.environ["FSDP_SHIM"]])]:
+            if train(options, gate["namespace"], slot.startswith("checkpointed"), out.parent / slot):
                 leave_process_group(0, barrier=False)  # after an error a collective may be pending: no barrier
     except ProbeStop as stop:
         rank = stop.record.get("rank", int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))))
-        Path(f"{request.out}.rank{rank}.error.json").write_text(json.dumps(stop.record))
+        Path(f"{out}.rank{rank}.error.json").write_text(json.dumps(stop.record))
         leave_process_group(stop.code)
     leave_process_group()
 
 
-if __name__ == "__main__":  # Lightning's launcher re-runs sys.argv (this file, the request) on every other rank
+if __name__ == "__main__":  # Lightning's launcher re-runs sys.argv (this file, its arguments) on every other rank
     main(sys.argv[1:])

@@ -147,33 +147,6 @@ class Checkpointed(pl.LightningModule):
         return _data()
 
 
-class OwnDtypeBlock(Block):
-    """A ``Block`` that takes its input in its own weights' dtype."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x.to(self.lin.weight.dtype))
-
-
-class MixedDtypes(pl.LightningModule):
-    """A block loaded in bfloat16 beside one in float32 (Lightning #20239): FSDP cannot flatten both into one unit,
-    so it trains only where the shim casts both (its own job would give each block a unit of its own)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.Sequential(OwnDtypeBlock().to(torch.bfloat16), OwnDtypeBlock())
-        self.head = nn.Linear(FEATURES, FEATURES)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        (x,) = batch
-        return self.head(self.blocks(x).to(self.head.weight.dtype)).float().pow(2).mean()
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.trainer.model.parameters(), lr=1e-3)
-
-    def train_dataloader(self) -> DataLoader:
-        return _data()
-
-
 class ChecksItsOwnForward(pl.LightningModule):
     """Checkpoints its blocks in its own forward with ``torch.utils.checkpoint`` (no Lightning policy), built in
     ``configure_model``, so they are the precision's dtype with the shim or without: unpatched, the recompute
