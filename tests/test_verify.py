@@ -350,13 +350,12 @@ def test_what_the_probe_refuses_and_why() -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--steps", "0"], "argument --steps: 0 is not a positive number"),
-        (["--devices", "-1"], "argument --devices: -1 is not a positive number"),
-        (["--steps", "two"], "'two' is not a whole number"),
-        (["--timeout", "soon"], "'soon' is not a number"),
+        (["--steps", "0"], "argument --steps: '0' is not a positive whole number"),
+        (["--devices", "-1"], "argument --devices: '-1' is not a positive whole number"),
+        (["--timeout", "soon"], "argument --timeout: 'soon' is not a positive number"),
         (["--init-args", "[1]"], "must be a JSON object"),
         (["--model", "no_colon"], "is not MODULE:ATTR"),
-        (["--activation-checkpointing", "torch.nn:Linear,no_colon"], "'no_colon' is not MODULE:CLASS"),
+        (["--activation-checkpointing", "torch.nn:Linear,no_colon"], "'no_colon' is not MODULE:ATTR"),
         (["--datamodule", "m:D"], "--init-args and --datamodule need --model"),
         (["--model-path", "."], "--model-path needs --model or --activation-checkpointing"),
         (["--model", "m:M", "--package", "lightning"], "--package is for the seed model; with --model"),
