@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 from _fsdp_shim._version import __version__
 from _fsdp_shim.config import SHIM_VARIABLE, switch_state
-from _fsdp_shim.verify.records import CHOICES, PROBE_TIMEOUT, Options
+from _fsdp_shim.verify.command import PACKAGES, PROBE_TIMEOUT, Options
+from _fsdp_shim.verify.command import main as verify_main
 
 BOOTSTRAP = str(Path(__file__).resolve().parent / "bootstrap")  # its sitecustomize arms the shim, then the user's
 COMMANDS = {  # each command's description (its summary up to the colon) and example
@@ -23,11 +24,8 @@ COMMANDS = {  # each command's description (its summary up to the colon) and exa
     "status": "What is installed and active, and whether the pieces agree: fsdp-shim run and FSDP_SHIM, the\n"
     "Lightning releases installed (read from metadata) and whether they still need each fix. Exit code 1,\n"
     "with a PROBLEM line, where the pieces disagree.\n\nexample:\n  fsdp-shim status --python-check",
-    "verify": "Train a model for a few steps with FSDP, with the shim off and on, in fresh processes, and compare:\n"
-    "dtypes and exact byte counts, a verdict per fix (fixed, not needed, FAILED) for one Lightning package\n"
-    "(--package); with --activation-checkpointing also each run with and without checkpointing, bit for bit.\n"
-    "Exit codes: 0 fixed or not needed; 1 FAILED, your model raised, or a step ran past --timeout;\n"
-    "2 verify could not run; 130 interrupted.\n\n"
+    "verify": "Train a model for a few steps with FSDP, with the shim off and on, in fresh processes: a verdict\n"
+    "per fix. Exit codes: 0 fixed or not needed; 1 FAILED, your model raised, --timeout; 2 cannot run; 130 Ctrl-C.\n\n"
     "example:\n  fsdp-shim verify --model my_project.model:MyModel --devices 2",
 }
 
@@ -53,80 +51,51 @@ def _parser() -> argparse.ArgumentParser:
     status = add["status"].add_argument
     status("--json", action="store_true", help="machine-readable output")
     status("--python-check", action="store_true", help="also ask a fresh interpreter what importing Lightning gives")
-    attr: dict[str, Any] = {"type": _module_attribute, "metavar": "MODULE:ATTR"}  # --model and --datamodule
-    classes: dict[str, Any] = {"type": _class_list, "metavar": "MODULE:CLASS[,...]", "default": []}
     verify, default = add["verify"].add_argument, "(default: %(default)s)"
-    verify("--precision", choices=("bf16-true", "16-true"), default="bf16-true", help=f"of every run {default}")
+    verify("--precision", choices=("bf16-true", "16-true"), default="bf16-true", help=default)
     verify("--devices", type=_positive, default=1, metavar="N", help=f"processes (GPUs with CUDA) {default}")
     verify("--steps", type=_positive, default=3, metavar="N", help=f"training steps per run {default}")
-    verify("--measure", action="store_true", help="train even where the installed Lightning has the fix")
-    verify("--model", **attr, help="your LightningModule class (no arguments) or a factory (default: the seed model)")
-    verify("--init-args", type=_json_object, default={}, metavar="JSON", help="keyword arguments for --model")
-    verify("--datamodule", **attr, help="LightningDataModule class or factory (default: the model's train_dataloader)")
-    verify(
-        "--activation-checkpointing",
-        **classes,
-        help="also train with FSDP activation checkpointing of these classes (torch.nn:TransformerEncoderLayer) and "
-        "judge the recompute fix (default: the seed model's own causal block; with --model, not checked)",
-    )
-    verify("--auto-wrap", **classes, help="with --model: FSDP's auto-wrap classes (default: one unit, the whole model)")
-    verify("--model-path", type=Path, metavar="DIR", help="the folder --model and the classes come from (default: .)")
-    seconds = f"how long one step may take: past it, verify stops it and every process it started, exits 1 {default}"
-    verify("--timeout", type=partial(_positive, kind=float), default=PROBE_TIMEOUT, metavar="SECONDS", help=seconds)
-    verify("--package", choices=CHOICES, help="for the seed model (default: lightning, else pytorch_lightning)")
+    verify("--model", type=_spec, metavar="MODULE:ATTR", help="a LightningModule class or factory (default: the seed)")
+    verify("--init-args", type=json.loads, default={}, metavar="JSON", help="keyword arguments for --model, an object")
+    verify("--datamodule", type=_spec, metavar="MODULE:ATTR", help="a LightningDataModule class or factory for --model")
+    classes: dict[str, Any] = {"type": lambda text: [_spec(item.strip()) for item in text.split(",")], "default": []}
+    checkpointed = "classes to checkpoint (default: the seed model's own causal block; with --model, not checked)"
+    verify("--activation-checkpointing", **classes, metavar="MODULE:CLASS[,...]", help=checkpointed)
+    verify("--model-path", type=lambda p: str(Path(p).resolve()), metavar="DIR", help="where --model is (default: .)")
+    seconds = f"how long one probe process (per shim state, with its ranks) may take {default}"
+    verify("--timeout", type=lambda t: _positive(t, float), default=PROBE_TIMEOUT, metavar="SECONDS", help=seconds)
+    verify("--package", choices=PACKAGES, help="for the seed model (default: lightning, else pytorch_lightning)")
     verify("--json", action="store_true", dest="as_json", help="machine-readable output, every figure per rank")
     return parser
 
 
-def _positive(text: str, kind: type[float] = int) -> float:
-    """An argparse type: a number of ``kind`` (int, or float by ``partial``) above 0."""
-    try:
-        value = kind(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a {'whole ' if kind is int else ''}number") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text} is not a positive number")
-    return value
+def _positive(text: str, kind: type[float] = int) -> float:  # an argparse type: a number of kind above 0
+    with contextlib.suppress(ValueError):
+        if (value := kind(text)) > 0:
+            return value
+    raise argparse.ArgumentTypeError(f"{text!r} is not a positive {'whole ' * (kind is int)}number")
 
 
-def _module_attribute(text: str, spelling: str = "MODULE:ATTR (e.g. my_project.model:MyModule)") -> str:
+def _spec(text: str) -> str:
     module, _, attribute = text.partition(":")  # an empty part splits into [""], no identifier
     if not all(part.isidentifier() for part in [*module.split("."), *attribute.split(".")]):
-        raise argparse.ArgumentTypeError(f"{text!r} is not {spelling}")
+        raise argparse.ArgumentTypeError(f"{text!r} is not MODULE:ATTR (e.g. my_project.model:MyModel)")
     return text
 
 
-def _class_list(text: str) -> list[str]:
-    return [_module_attribute(item.strip(), "MODULE:CLASS (e.g. torch.nn:Linear)") for item in text.split(",")]
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise argparse.ArgumentTypeError(f"not JSON ({error})") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError("must be a JSON object, e.g. '{\"hidden\": 64}'")
-    return value
-
-
 def _verify(args: argparse.Namespace) -> int:
-    from _fsdp_shim.verify import command
-
-    problem = None
-    if args.model is None and (args.init_args or args.datamodule or args.auto_wrap):
-        problem = "--init-args, --datamodule and --auto-wrap need --model"
+    if not isinstance(args.init_args, dict):
+        problem = "--init-args must be a JSON object, e.g. '{\"hidden\": 64}'"
+    elif args.model is None and (args.init_args or args.datamodule):
+        problem = "--init-args and --datamodule need --model"
     elif args.model is None and not args.activation_checkpointing and args.model_path is not None:
         problem = "--model-path needs --model or --activation-checkpointing"
     elif args.model is not None and args.package is not None:
         problem = "--package is for the seed model; with --model, your model's imports decide"
-    if problem is not None:
-        print(f"fsdp-shim verify: {problem}", file=sys.stderr)
-        return 2
-    options = {name: value for name, value in vars(args).items() if name != "command"}  # named as in Options
-    if args.model_path is not None:
-        options["model_path"] = str(args.model_path.resolve())
-    return command.main(Options(**options))
+    else:
+        return verify_main(Options(**{name: value for name, value in vars(args).items() if name != "command"}))
+    print(f"fsdp-shim verify: {problem}", file=sys.stderr)
+    return 2
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -5,7 +5,6 @@ so each serves several assertions; verdicts on states no real run gives here are
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import signal
@@ -32,8 +31,7 @@ from conftest import (
 
 from _fsdp_shim.config import State, base_release
 from _fsdp_shim.status import FixStatus
-from _fsdp_shim.verify.command import Section, fix_entries, judge_raised, judge_recompute, render
-from _fsdp_shim.verify.records import Options, RankResult
+from _fsdp_shim.verify.command import Options, RankResult, Section, fix_entries, judge_raised, judge_recompute, render
 
 MODELS = ROOT / "tests" / "verify_models"
 BYTE_KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes")
@@ -100,7 +98,7 @@ def test_the_seed_model_gets_a_verdict_per_fix(layouts: dict[str, Layout], plant
     section, release = only_section(proc), base_release(version)
     assert release is not None and (section["namespace"], section["version"]) == (namespace, version)
     assert document(proc)["not_checked"] == dict(others)
-    lacks_cast, lacks_recompute = (2, 1, 0) <= release < (2, 5, 0), release >= (2, 1, 0)
+    lacks_cast, lacks_recompute = (2, 1, 0) <= release < (2, 5, 0), release >= (2, 1, 0)  # 2.5+: recompute only
     assert document(proc)["verdict"] == ("fixed" if lacks_recompute else "not needed")
     cast, recompute = fixes(section)["cast"], fixes(section)["recompute"]
     assert cast["shim"]["state"] == ("patched" if lacks_cast else "built in" if lacks_recompute else "not affected")
@@ -110,17 +108,14 @@ def test_the_seed_model_gets_a_verdict_per_fix(layouts: dict[str, Layout], plant
         assert same_bits(section["shim_on"], section["checkpointed_shim_on"])
         error = section["checkpointed_shim_off"][0]["error"]
         assert error and f"with the shim off, the checkpointed run raised {error}" in recompute["reason"]
-    runs = 4 if lacks_cast else 3 if lacks_recompute else 0
     if lacks_cast:
         assert_exactly_half(section, 1)
     else:
         assert section["shim_off"] is None
-    phases = [line for line in proc.stderr.splitlines() if line.startswith("fsdp-shim verify: ")]
-    assert phases[0] == "fsdp-shim verify: reading the installed Lightning ..."
-    assert [line.split("]")[0] for line in phases[1:]] == [f"fsdp-shim verify: [{i}/{runs}" for i in range(1, runs + 1)]
-    said = [line.partition("training with the shim ")[2] for line in phases[1:]]  # as they run: the shim on first
-    order = ["on ...", "on, checkpointed ...", *["off ..."] * lacks_cast, "off, checkpointed ..."]
-    assert said == order[:runs]
+    assert proc.stderr.splitlines() == [  # one line per probe, as it starts
+        "fsdp-shim verify: reading the installed Lightning, then training with the shim on ...",
+        *[f"fsdp-shim verify: training {namespace} {version} with the shim off ..."] * lacks_recompute,
+    ]
     text = render(as_section(section), Options(), dict(others))
     assert ("    param_bytes: " in text) is lacks_cast and text.endswith(f"verdict: {document(proc)['verdict']}")
     for other, other_version in others:
@@ -147,17 +142,17 @@ def test_a_block_that_makes_a_tensor_without_a_dtype_is_fixed(layouts: dict[str,
     assert recompute["verdict"] == "fixed", recompute["reason"]
     assert recompute["reason"].startswith("with the shim, checkpointing Block (2 modules) changes nothing")
     assert same_bits(section["shim_on"], section["checkpointed_shim_on"])
-    off, off_checkpointed = section["shim_off"], section["checkpointed_shim_off"]
+    off = section["shim_off"] or section["shim_on"]  # 2.5+ (it casts): no run without the shim unchecked
+    off_checkpointed = section["checkpointed_shim_off"]
     assert off_checkpointed[0]["error"] is None and not same_bits(off, off_checkpointed)
     assert "with the shim off, the checkpointed run differs first in the loss of step " in recompute["reason"]
     if base_release(layout.trainer_version) < (2, 5, 0):  # unpatched, the weights stay float32
         assert_exactly_half(section, 2)
     # As if the shim had done nothing: its runs replaced by the shim-off ones, whose state is "switched off".
     record = as_section(section)
-    assert record.shim_off and record.checkpointed_shim_off
-    verdict, reason = judge_recompute(
-        record.shim_off, record.shim_off, record.checkpointed_shim_off, record.checkpointed_shim_off, "Block"
-    )
+    plain, checkpointed_off = record.shim_off or record.shim_on, record.checkpointed_shim_off
+    assert plain and checkpointed_off
+    verdict, reason = judge_recompute(plain, plain, checkpointed_off, checkpointed_off, "Block")
     assert verdict == "FAILED" and reason.startswith("the shim did not apply it to lightning.pytorch: switched off")
     assert "with the shim, the checkpointed run " in reason
 
@@ -187,7 +182,7 @@ def test_a_recompute_the_shim_did_not_apply_is_failed_checked_or_not(state: Stat
 
 def test_checkpointing_blocks_that_give_every_tensor_a_dtype_is_not_needed(layouts: dict[str, Layout]) -> None:
     """``nn.Linear`` makes no tensor of its own: checkpointing it changes nothing with the shim or without, bit for
-    bit. ``--activation-checkpointing`` trains a release that has the cast too: its cast is then measured."""
+    bit. ``--activation-checkpointing`` trains a release that has the cast too, for the recompute only."""
     standalone = layouts.get("standalone")
     fixed = standalone is not None and base_release(standalone.trainer_version) >= (2, 5, 0)
     namespace = TRAINER["standalone"] if fixed else an_affected_namespace(layouts, "trainer")[0]
@@ -201,10 +196,10 @@ def test_checkpointing_blocks_that_give_every_tensor_a_dtype_is_not_needed(layou
     assert section["namespace"] == namespace and document(proc)["activation_checkpointing"] == [blocks]
     assert recompute["verdict"] == "not needed" and "explicit dtype" in recompute["reason"], recompute["reason"]
     for shim in ("shim_off", "shim_on"):
-        assert same_bits(section[shim], section[f"checkpointed_{shim}"]), shim
+        assert same_bits(section[shim] or section["shim_on"], section[f"checkpointed_{shim}"]), shim
         assert [r["checkpointed"] for r in section[f"checkpointed_{shim}"]] == [3]  # the blocks' two and the head
     if fixed:
-        assert section["verdict"] == "not needed" and "measured: the shim changes nothing" in section["reason"]
+        assert section["shim_off"] is None and section["reason"].endswith("; trained for the recompute only")
 
 
 def test_activation_checkpointing_of_a_class_the_model_lacks_is_a_usage_error(layouts: dict[str, Layout]) -> None:
@@ -216,7 +211,7 @@ def test_activation_checkpointing_of_a_class_the_model_lacks_is_a_usage_error(la
     assert proc.returncode == 2, proc.stderr
     message = "--activation-checkpointing: this model has no module of user_models:Block to checkpoint"
     assert proc.stderr.strip().splitlines()[-1] == f"fsdp-shim verify: {message}"
-    assert "[1/4]" in proc.stderr and "[2/4]" not in proc.stderr
+    assert "with the shim off" not in proc.stderr
 
 
 # ----------------------------------------------------------------------------- the user's own model
@@ -243,7 +238,7 @@ def test_a_module_without_data_takes_a_datamodule_and_16_true_numerics_show(layo
     refused = verify_model(namespace, "--model", "user_models:NoData")
     assert refused.returncode == 2
     assert "user_models:NoData has no train_dataloader; pass --datamodule" in refused.stderr
-    assert "training with the shim" not in refused.stderr
+    assert "with the shim off" not in refused.stderr
     args = ("--model", "user_models:NoData", "--datamodule", "user_models:Data", "--precision", "16-true", "--json")
     proc = verify_model(namespace, *args)
     assert proc.returncode == 1, proc.stderr
@@ -255,24 +250,17 @@ def test_a_module_without_data_takes_a_datamodule_and_16_true_numerics_show(layo
     assert [on[key] * 2 for key in BYTE_KEYS] == [off[key] for key in BYTE_KEYS]
 
 
-def test_a_release_that_has_the_cast_is_not_trained_unless_measure(layouts: dict[str, Layout]) -> None:
-    """2.5+ already casts: "not needed" from the gate alone. ``--measure`` trains anyway: the shim changes nothing,
-    and 2.6's own 16-true NaN (AdamW's default eps) shows in both runs: Lightning's numerics, not the shim's. The
-    model is a factory's: its namespace is the one its module imported."""
+def test_a_release_that_has_the_cast_is_not_trained_without_a_recompute_to_check(layouts: dict[str, Layout]) -> None:
+    """2.5+ already casts: "not needed" from the gate alone, the recompute not checked without
+    ``--activation-checkpointing``. The model is a factory's: its namespace is the one its module imported."""
     standalone = layout_or_skip(layouts, "standalone")
     if base_release(standalone.trainer_version) < (2, 5, 0):
         pytest.skip("needs a standalone pytorch_lightning that has the cast")
     untrained = verify_model(TRAINER["standalone"], "--model", "user_models:make_model", "--json")
     plain = only_section(untrained)
     assert plain["verdict"] == "not needed" and "nothing was trained" in plain["reason"]
-    assert "training with the shim" not in untrained.stderr  # the probe that read Lightning ended there
+    assert "with the shim off" not in untrained.stderr  # the probe that read Lightning ended there
     assert plain["shim_off"] is plain["shim_on"] is None and fixes(plain)["recompute"]["verdict"] is None
-    args = ("--model", "user_models:make_model", "--precision", "16-true", "--measure", "--json")
-    proc = verify_model(TRAINER["standalone"], *args)
-    assert proc.returncode == 0, proc.stderr
-    section = only_section(proc)
-    assert section["verdict"] == "not needed" and "measured: the shim changes nothing" in section["reason"]
-    assert all(any(v != v for v in section[run][0]["losses"][1:]) for run in ("shim_off", "shim_on"))
 
 
 def test_a_model_that_casts_itself_is_told_the_shim_changes_nothing(layouts: dict[str, Layout]) -> None:
@@ -291,9 +279,9 @@ def test_a_model_that_casts_itself_is_told_the_shim_changes_nothing(layouts: dic
 def test_a_model_that_raises_only_without_the_shim_is_judged(layouts: dict[str, Layout]) -> None:
     """``ChecksItsOwnForward`` calls ``torch.utils.checkpoint`` in its forward: without the shim the recompute
     raises, so there is no run to compare with; with the shim it trains: the recompute is "fixed", by what it
-    raised, and on 2.1-2.4 the cast is "not checked". ``--measure``: 2.5+ trains too."""
-    namespace, version = an_affected_namespace(layouts, "trainer", fix="recompute")
-    proc = verify_model(namespace, "--model", "user_models:ChecksItsOwnForward", "--measure", "--json")
+    raised, and the cast is "not checked"."""
+    namespace, _ = an_affected_namespace(layouts, "trainer")
+    proc = verify_model(namespace, "--model", "user_models:ChecksItsOwnForward", "--json")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "your code raised" not in proc.stderr
     section = only_section(proc)
@@ -302,9 +290,8 @@ def test_a_model_that_raises_only_without_the_shim_is_judged(layouts: dict[str, 
     assert recompute["verdict"] == "fixed", recompute["reason"]
     assert recompute["reason"].startswith("without the shim, a recompute of torch's checkpoint raised CheckpointError")
     assert recompute["reason"].endswith("; with the shim it trains")
-    if base_release(version) < (2, 5, 0):
-        assert (cast["verdict"], section["verdict"]) == (None, "not checked")
-        assert cast["reason"].endswith("so there is no run without the shim to compare with")
+    assert (cast["verdict"], section["verdict"]) == (None, "not checked")
+    assert cast["reason"].endswith("so there is no run without the shim to compare with")
     text = render(as_section(section), Options(model="user_models:ChecksItsOwnForward"), {})
     assert "\n  recompute [shim: patched]: fixed: without the shim, a recompute of torch's checkpoint raised" in text
     assert text.endswith("\nverdict: fixed")
@@ -320,7 +307,7 @@ def test_a_run_that_ends_its_process_is_named_and_the_run_before_keeps_its_figur
     section = only_section(proc)
     assert section["verdict"] == "FAILED"
     assert section["reason"].startswith("the checkpointed run with FSDP_SHIM=1 failed (exit 3)"), section["reason"]
-    assert [run["module_dtype"] for run in section["shim_on"]] == [BF16]
+    assert [(run["module_dtype"], len(run["losses"])) for run in section["shim_on"]] == [(BF16, 1)]  # --steps 1
     assert [section[key] for key in ("checkpointed_shim_on", "shim_off", "checkpointed_shim_off")] == [None] * 3
 
 
@@ -339,8 +326,8 @@ def test_an_option_that_names_no_model_is_refused_before_training(layouts: dict[
     """Read while verify reads Lightning: exit 2 with the reason, nothing trained (the reasons: in-process below)."""
     proc = verify_model(an_affected_namespace(layouts, "trainer")[0], "--model", "user_models:Data")
     assert proc.returncode == 2
-    assert "user_models:Data is a class, but not a subclass of Lightning's LightningModule" in proc.stderr
-    assert "training with the shim" not in proc.stderr
+    assert "user_models:Data is not a Lightning LightningModule class or a factory that returns one" in proc.stderr
+    assert "with the shim off" not in proc.stderr
 
 
 def test_what_the_probe_refuses_and_why() -> None:
@@ -348,13 +335,12 @@ def test_what_the_probe_refuses_and_why() -> None:
     pytest.importorskip("torch")
     from _fsdp_shim.verify import probe
 
-    assert probe.resolve("json:JSONDecoder.decode") is json.JSONDecoder.decode
+    assert probe.resolve("json:JSONDecoder.decode", "", callable) is json.JSONDecoder.decode
     for options, message in [
-        (Options(model="json:JSONDecoder.no_factory"), "json.JSONDecoder has no attribute 'no_factory' (from "),
-        (Options(model="json:__name__"), "json:__name__ is 'str', not a LightningModule class or a factory"),
-        (Options(model="json:JSONDecoder"), "json:JSONDecoder is a class, but not a subclass of Lightning's"),
-        (Options(model="not_a_module_here:Model"), "cannot import 'not_a_module_here' (from 'not_a_module_here:"),
-        (Options(activation_checkpointing=["json:loads"]), "--activation-checkpointing: json:loads is not a torch."),
+        (Options(model="json:JSONDecoder.no"), "json:JSONDecoder.no is not a Lightning LightningModule class or a"),
+        (Options(model="json:__name__"), "json:__name__ is not a Lightning LightningModule class or a factory"),
+        (Options(model="not_a_module_here:Model"), "cannot import 'not_a_module_here' (not_a_module_here:Model): run"),
+        (Options(activation_checkpointing=["json:loads"]), "json:loads is not a torch.nn.Module class"),
     ]:
         with pytest.raises(probe.ProbeStop) as stop:
             probe.user_modules(options, build=False)
@@ -364,15 +350,13 @@ def test_what_the_probe_refuses_and_why() -> None:
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--steps", "0"], "argument --steps: 0 is not a positive number"),
-        (["--devices", "-1"], "argument --devices: -1 is not a positive number"),
-        (["--steps", "two"], "'two' is not a whole number"),
-        (["--timeout", "soon"], "'soon' is not a number"),
+        (["--steps", "0"], "argument --steps: '0' is not a positive whole number"),
+        (["--devices", "-1"], "argument --devices: '-1' is not a positive whole number"),
+        (["--timeout", "soon"], "argument --timeout: 'soon' is not a positive number"),
         (["--init-args", "[1]"], "must be a JSON object"),
         (["--model", "no_colon"], "is not MODULE:ATTR"),
-        (["--activation-checkpointing", "torch.nn:Linear,no_colon"], "'no_colon' is not MODULE:CLASS"),
-        (["--datamodule", "m:D"], "--init-args, --datamodule and --auto-wrap need --model"),
-        (["--auto-wrap", "m:B"], "--init-args, --datamodule and --auto-wrap need --model"),
+        (["--activation-checkpointing", "torch.nn:Linear,no_colon"], "'no_colon' is not MODULE:ATTR"),
+        (["--datamodule", "m:D"], "--init-args and --datamodule need --model"),
         (["--model-path", "."], "--model-path needs --model or --activation-checkpointing"),
         (["--model", "m:M", "--package", "lightning"], "--package is for the seed model; with --model"),
         (["--package", "all"], "argument --package: invalid choice: 'all'"),
@@ -391,21 +375,17 @@ def test_bad_options_are_usage_errors_before_anything_starts(
 
 
 @pytest.mark.usefixtures("lightning_installed")
-def test_a_package_that_is_not_installed_is_refused_before_anything_starts(capsys: pytest.CaptureFixture[str]) -> None:
-    """``--package`` names one this interpreter cannot find (found without importing it): exit 2, nothing started."""
-    if importlib.util.find_spec("torch") is None:
-        pytest.skip("needs torch, which verify looks for first")
+def test_a_package_that_is_not_installed_is_refused_before_anything_trains() -> None:
+    """``--package`` names one this interpreter cannot find (found without importing it): exit 2, nothing trained."""
     from _fsdp_shim.distributions import installed_packages
-    from _fsdp_shim.verify.command import main
-    from _fsdp_shim.verify.records import CHOICES
+    from _fsdp_shim.verify.command import PACKAGES
 
-    missing = [package for package in CHOICES if package not in installed_packages()]
+    missing = [package for package in PACKAGES if package not in installed_packages()]
     if not missing:
         pytest.skip("both Lightning packages are installed")
-    assert main(Options(package=missing[0])) == 2
-    assert capsys.readouterr().err == (
-        f"fsdp-shim verify: --package {missing[0]} is not installed in this interpreter ({sys.executable})\n"
-    )
+    proc = verify("--package", missing[0], env=clean_env())
+    assert proc.returncode == 2 and "with the shim off" not in proc.stderr
+    assert f"fsdp-shim verify: {PACKAGES[missing[0]]} is not installed in this interpreter (" in proc.stderr
 
 
 def test_the_help_says_each_default(capsys: pytest.CaptureFixture[str]) -> None:
@@ -434,7 +414,7 @@ def test_a_broken_lightning_next_to_a_working_one_is_failed(layouts: dict[str, L
     )
     assert "fails to import" in section["reason"] and "Lightning 2.1-2.3 needs setuptools<81" in section["reason"]
     assert document(proc)["not_checked"] == {"pytorch_lightning": standalone.trainer_version}
-    assert "training with the shim" not in proc.stderr
+    assert "with the shim off" not in proc.stderr
 
 
 @pytest.mark.per_release  # only 2.1-2.3 import pkg_resources
@@ -475,40 +455,9 @@ def test_without_torch_or_lightning_it_says_so_exit_2(tmp_path: Path) -> None:
     command = [python, "-m", "fsdp_shim", "verify"]
     no_torch = subprocess.run(command, capture_output=True, text=True, env=clean_env(PYTHONPATH=None), cwd=tmp_path)
     assert no_torch.returncode == 2 and "torch is not installed in this interpreter" in no_torch.stderr
-    no_lightning = verify(env=clean_env(PYTHONPATH=None), cwd=tmp_path)
+    no_lightning = verify(env=clean_env(PYTHONPATH=str(ROOT)), cwd=tmp_path)  # this checkout, not the installed one
     assert no_lightning.returncode == 2, no_lightning.stderr
-    assert "neither lightning nor pytorch_lightning is installed" in no_lightning.stderr
-
-
-TORCH_2_1_CPU_STREAM = """
-import torch.cpu
-
-
-class Stream:  # torch 2.1's CPU stream: no __init__, so FSDP's Stream(priority=0) raises TypeError
-    pass
-
-
-torch.cpu.Stream = Stream
-"""
-
-
-@pytest.mark.usefixtures("lightning_installed")
-def test_a_torch_that_cannot_run_fsdp_on_cpu_is_named_not_the_model(tmp_path: Path) -> None:
-    """torch 2.1's CPU device handle has no streams, so FSDP raises inside torch whatever the model: with torch
-    2.1's ``torch.cpu.Stream`` put in place, verify names torch, exit 2, before the model (which hangs) is imported."""
-    import torch
-
-    (tmp_path / "sitecustomize.py").write_text(TORCH_2_1_CPU_STREAM)
-    env = clean_env(FSDP_SHIM_TEST_PIDS=str(tmp_path))
-    env["PYTHONPATH"] = f"{tmp_path}:{env.get('PYTHONPATH', '')}"
-    proc = verify("--model", "hanging_models:Model", env=env, cwd=MODELS)
-    assert proc.returncode == 2, proc.stdout + proc.stderr
-    release = ".".join(torch.__version__.split("+")[0].split(".")[:2])
-    assert proc.stderr.strip().splitlines()[-1] == (
-        f"fsdp-shim verify: torch {release} cannot run FSDP on this machine's CPU (TypeError: Stream() takes "
-        "no arguments)"
-    )
-    assert "Traceback" not in proc.stderr and list(tmp_path.glob("*.pid")) == []
+    assert "fsdp-shim verify: Lightning is not installed in this interpreter (" in no_lightning.stderr
 
 
 def wait_for_pids(folder: Path, count: int, seconds: float = 120) -> list[int]:
@@ -535,8 +484,8 @@ def test_a_probe_that_runs_past_timeout_is_stopped_with_everything_it_started(tm
     pids = wait_for_pids(tmp_path, 2, seconds=0)
     assert proc.returncode == 1, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == (
-        "fsdp-shim verify: reading the installed Lightning did not finish within 20 s, so verify stopped it and "
-        "every process it started; --timeout SECONDS allows longer"
+        "fsdp-shim verify: reading the installed Lightning, then training with the shim on ran past --timeout 20 s; "
+        "every process it started was stopped"
     )
     time.sleep(0.5)
     assert [pid for pid in pids if alive(pid)] == []
@@ -557,7 +506,8 @@ def test_ctrl_c_stops_every_process_the_probe_started(tmp_path: Path) -> None:
     _, stderr = command.communicate(timeout=60)
     assert command.returncode == 130, stderr
     assert stderr.strip().splitlines()[-1] == (
-        "fsdp-shim verify: interrupted while reading the installed Lightning; every process it started was stopped"
+        "fsdp-shim verify: interrupted while reading the installed Lightning, then training with the shim on; every "
+        "process it started was stopped"
     )
     time.sleep(0.5)
     assert [pid for pid in pids if alive(pid)] == []
@@ -576,33 +526,3 @@ def test_a_model_that_raised_without_the_shim_outside_a_recompute_credits_the_ca
     assert verdicts["recompute"] == (None, without + "so there is no run without the shim to compare with")
     wrong = judge_raised(raised, [replace(on[0], module_dtype="torch.float32")], None, "bf16-true")["cast"]
     assert wrong[0] == "FAILED" and "LightningModule.dtype is torch.float32 on rank 0" in wrong[1]
-
-
-def test_the_users_own_fsdp_units_are_used_with_auto_wrap(layouts: dict[str, Layout]) -> None:
-    """``--auto-wrap``: verify wraps the model as the user's strategy does, so a model that trains only with its
-    own units (a bfloat16 block beside a float32 one) trains with the shim off too, and the cast is measured (its
-    SGD keeps no optimizer state: nothing there to shrink, and no failure for it)."""
-    namespace, _ = an_affected_namespace(layouts, "trainer")
-    units = ("--auto-wrap", "user_models:OwnDtypeBlock")
-    proc = verify_model(namespace, "--model", "user_models:MixedDtypes", *units, "--json")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    section = only_section(proc)
-    assert section["shim_off_error"] is None and section["verdict"] == "fixed", section["reason"]
-    off, on = section["shim_off"][0], section["shim_on"][0]
-    assert off["flat_param_dtypes"] == [BF16, "torch.float32"] and on["flat_param_dtypes"] == [BF16]
-    assert on["param_bytes"] < off["param_bytes"] and on["optimizer_state_bytes"] == off["optimizer_state_bytes"] == 0
-
-
-def test_a_model_that_needs_its_own_units_without_them_is_told_what_was_measured(layouts: dict[str, Layout]) -> None:
-    """Without ``--auto-wrap`` the same model raises without the shim (one unit of mixed dtypes) and trains with it;
-    checkpointed, the recompute gets no verdict, and the phase counter reaches its total: the
-    run it skips (checkpointed, without the shim) is counted and said."""
-    namespace, _ = an_affected_namespace(layouts, "trainer")
-    checkpointed = ("--activation-checkpointing", "user_models:OwnDtypeBlock")
-    proc = verify_model(namespace, "--model", "user_models:MixedDtypes", *checkpointed, "--json")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    recompute = fixes(only_section(proc))["recompute"]
-    assert recompute["verdict"] is None and "no run without the shim to compare with" in recompute["reason"]
-    phases = [line.split("]")[0] + "]" for line in proc.stderr.splitlines() if line.startswith("fsdp-shim verify: [")]
-    assert phases == [f"fsdp-shim verify: [{i}/4]" for i in range(1, 5)], proc.stderr
-    assert proc.stderr.splitlines()[-1].endswith("with the shim off, checkpointed: skipped, it raised without the shim")

@@ -8,7 +8,6 @@ import importlib.util
 import json
 import math
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -16,33 +15,57 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from _fsdp_shim.config import CAST, DOCS, FIXES, RECOMPUTE, Fix, State
-from _fsdp_shim.distributions import describe_import_failure, installed_packages
-from _fsdp_shim.verify.records import CHOICES, Options, ProbeRequest, RankResult
+from _fsdp_shim.distributions import describe_import_failure
 
-PROBE_SCRIPT = Path(__file__).resolve().parent.parent / "children" / "verify_probe.py"
-READING = "reading the installed Lightning"
+PROBE_SCRIPT = Path(__file__).resolve().with_name("probe.py")
+PROBE_TIMEOUT = 1800  # seconds one probe (one shim state's process and the ranks it starts) may take (--timeout)
+PACKAGES = {"lightning": "lightning.pytorch", "pytorch_lightning": "pytorch_lightning"}  # --package: namespace
 DTYPES = {"bf16-true": "torch.bfloat16", "16-true": "torch.float16"}
 BYTE_KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes")
 FIGURES = ("module_dtype", "flat_param_dtypes", *BYTE_KEYS, "losses")
 NOT_CHECKED = "--activation-checkpointing MODULE:CLASS[,...] trains your checkpointed blocks with it"
 SHIM = {"0": "off", "1": "on"}
-SLOTS = {  # a run's (FSDP_SHIM, checkpointed): where a Section holds its figures
-    ("0", False): "shim_off",
-    ("1", False): "shim_on",
-    ("0", True): "checkpointed_shim_off",
-    ("1", True): "checkpointed_shim_on",
-}
-Runs = list[RankResult]
 Verdict = tuple[Optional[str], str]  # None: not checked
+Runs = list["RankResult"]  # every rank's, by rank
+
+
+@dataclass(frozen=True)
+class Options:  # what the command line asked for, in --json's order
+    precision: str = "bf16-true"
+    devices: int = 1
+    steps: int = 3
+    as_json: bool = False
+    model: str | None = None
+    init_args: dict[str, Any] = field(default_factory=dict)
+    datamodule: str | None = None
+    timeout: float = PROBE_TIMEOUT
+    model_path: str | None = None
+    activation_checkpointing: list[str] = field(default_factory=list)
+    package: str | None = None  # the seed's Lightning (PACKAGES); None: lightning where installed
+
+
+@dataclass(frozen=True)
+class RankResult:  # one rank's figures from one run; a checkpointed run that raised: error, checkpointed, fixes
+    rank: int
+    module_dtype: str = ""
+    flat_param_dtypes: list[str] = field(default_factory=list)
+    param_bytes: int = 0
+    grad_bytes: int = 0
+    optimizer_state_bytes: int = 0
+    losses: list[float | None] = field(default_factory=list)
+    param_hashes: dict[str, str] = field(default_factory=dict)  # SHA-256 of this rank's shards, by name
+    checkpointed: int = 0  # modules of the checkpointed classes (or their checkpoint wrappers)
+    lightning: str = ""
+    namespace: str = ""
+    fixes: dict[str, dict[str, Any]] = field(default_factory=dict)  # the shim's FixStatus.as_dict(), per fix
+    error: str | None = None
 
 
 @dataclass
-class Section:
-    """One namespace (or the user's model): ``verdict`` and ``reason`` are the cast's, ``fixes`` every fix's."""
-
+class Section:  # one namespace: verdict and reason are the cast's, fixes every fix's; each run's figures in its slot
     namespace: str
     version: str | None
     verdict: str
@@ -55,9 +78,7 @@ class Section:
     shim_off_error: str | None = None  # the traceback of a user's model that raised without the shim
 
 
-class Stop(Exception):
-    """End verify: ``before`` (the user's traceback), then ``fsdp-shim verify: MESSAGE`` on stderr; exit ``code``."""
-
+class Stop(Exception):  # end verify: before (the user's traceback), then "fsdp-shim verify: MESSAGE"; exit code
     def __init__(self, message: str, code: int = 1, before: str = "") -> None:
         super().__init__(f"{before}fsdp-shim verify: {message}")
         self.code = code
@@ -65,22 +86,16 @@ class Stop(Exception):
 
 def main(options: Options) -> int:
     """Run verify: 0 fixed or not needed; 1 FAILED, the user's code raised, or a timeout; 2 cannot run; 130 Ctrl-C."""
-    start, here = time.monotonic(), f"in this interpreter ({sys.executable})"
+    start = time.monotonic()
     try:
-        if importlib.util.find_spec("torch") is None:
-            raise Stop(f"torch is not installed {here}; install torch and Lightning, then run verify again", 2)
-        if not set(CHOICES) & set(installed_packages()):
-            raise Stop(f"neither lightning nor pytorch_lightning is installed {here}", 2)
-        if options.package and options.package not in installed_packages():
-            raise Stop(f"--package {options.package} is not installed {here}", 2)
+        if importlib.util.find_spec("torch") is None:  # no Lightning, or not --package's: the probe says so, exit 2
+            raise Stop(f"torch is not installed in this interpreter ({sys.executable}); install torch and Lightning", 2)
         try:
-            workdir = tempfile.mkdtemp(prefix="fsdp-shim-verify-")
+            workdir = tempfile.TemporaryDirectory(prefix="fsdp-shim-verify-")
         except OSError as error:
             raise Stop(f"no usable temporary folder ({error}); set TMPDIR to a writable folder", 2) from None
-        try:
-            section, others = verify(options, Path(workdir))
-        finally:
-            shutil.rmtree(workdir, ignore_errors=True)
+        with workdir:
+            section, others = verify(options, Path(workdir.name))
     except Stop as stop:
         print(stop, file=sys.stderr)
         return stop.code
@@ -93,37 +108,25 @@ def main(options: Options) -> int:
     return 1 if verdict == "FAILED" else 0
 
 
-def run_probe(request: ProbeRequest, shim: str, step: str, started: Callable[[], str | None]) -> Any:
-    """Run one probe in a session of its own, SIGKILLed whatever happens (a rank hung in a collective survives
-    SIGTERM): ``""``, why it failed, or the user's error record. ``started``: the step of a run it has started since,
-    if any (each step has ``--timeout``). Only user modules get a folder on its path."""
-    options, out = request.options, Path(request.out)
+def run_probe(out: Path, options: Options, shim: str, step: str) -> Any:
+    """Run a probe in its own session, SIGKILLed after (hung ranks survive SIGTERM): "", a failure, or a user error."""
+    print(f"fsdp-shim verify: {step} ...", file=sys.stderr, flush=True)  # with --json, stdout is the document
     path = (options.model_path or os.getcwd()) if options.model or options.activation_checkpointing else None
-    argument = json.dumps(asdict(replace(request, options=replace(options, model_path=path))))
     with open(f"{out}.stderr", "w") as log:
         env = dict(os.environ, FSDP_SHIM=shim, PYTHONWARNINGS="ignore")
-        command = [sys.executable, str(PROBE_SCRIPT), argument]
+        command = [sys.executable, str(PROBE_SCRIPT), str(out), json.dumps(asdict(replace(options, model_path=path)))]
         proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, env=env, start_new_session=True)
-    deadline = time.monotonic() + options.timeout
     try:
-        while True:
-            done = proc.poll() is not None
-            while (new := started()) is not None:
-                step, deadline = new, time.monotonic() + options.timeout
-            if done:
-                break
-            if time.monotonic() > deadline:
-                message = f"{step} did not finish within {options.timeout:g} s, so verify stopped it and every process"
-                raise Stop(f"{message} it started; --timeout SECONDS allows longer")
-            time.sleep(0.1)
+        proc.wait(options.timeout)
+    except subprocess.TimeoutExpired:
+        raise Stop(f"{step} ran past --timeout {options.timeout:g} s; every process it started was stopped") from None
     except KeyboardInterrupt:
         raise Stop(f"interrupted while {step}; every process it started was stopped", 130) from None
     finally:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)  # its own session: the group's id is its pid
         proc.wait()
-    for error in sorted(out.parent.glob(f"{out.name}.rank*.error.json"))[:1]:
-        record: dict[str, Any] = json.loads(error.read_text())
+    for record in [json.loads(p.read_text()) for p in sorted(out.parent.glob(f"{out.name}.rank*.error.json"))][:1]:
         if record["kind"] == "usage":
             raise Stop(record["message"], 2)
         return record
@@ -137,72 +140,47 @@ def users_code_raised(record: dict[str, Any], shim: str, also: str = "") -> Stop
 
 
 def verify(options: Options, workdir: Path) -> tuple[Section, dict[str, str]]:
-    """The section of the Lightning namespace checked, and the other installed ones, not checked. Two probes: the
-    first reads Lightning into ``gate.json`` (the namespace, the fix states, the runs planned), then trains the runs
-    with the shim on; the second, those with it off."""
-    print(f"fsdp-shim verify: {READING} ...", file=sys.stderr, flush=True)  # with --json, stdout is the document
-    gate, gate_file, said = dict[str, Any](), workdir / "gate.json", 0  # said: the last run said to have started
-
-    def step(number: int, then: str = " ...") -> str:
-        """Run ``number``'s step, said on stderr, numbered out of all the runs planned (each counted once)."""
-        nonlocal said
-        if not gate:  # the first probe wrote it before it started run 1
-            gate.update(json.loads(gate_file.read_text()))
-        (shim, ac), said = gate["plan"][number - 1], number
-        text = f"[{number}/{len(gate['plan'])}] {gate['namespace']} {gate['version']}: training with the shim"
-        text += f" {SHIM[shim]}{', checkpointed' * ac}"
-        print(f"fsdp-shim verify: {text}{then}", file=sys.stderr, flush=True)
-        return text
-
-    def started() -> str | None:
-        """The step of a run the probe started since the last one said, if any (the probe writes ``runN`` first)."""
-        return step(said + 1) if (workdir / f"run{said + 1}").exists() else None
-
-    on = run_probe(ProbeRequest(str(workdir / "shim1"), options), "1", READING, started)
-    if not gate and gate_file.exists():
-        gate.update(json.loads(gate_file.read_text()))
-    if not gate and isinstance(on, dict):
-        raise users_code_raised(on, "1")
-    if not gate:
-        return Section("Lightning", None, "FAILED", f"{READING} {on or 'wrote nothing'}"), {}
+    """The section of the namespace checked, and the other installed ones: each probe reads Lightning (the first into
+    ``shim1.gate.json``) and trains its runs; the second also where the user's code raised in the first."""
+    on = run_probe(workdir / "shim1", options, "1", "reading the installed Lightning, then training with the shim on")
+    if not (workdir / "shim1.gate.json").exists():
+        if isinstance(on, dict):
+            raise users_code_raised(on, "1")
+        return Section("Lightning", None, "FAILED", f"reading the installed Lightning {on or 'wrote nothing'}"), {}
+    gate = json.loads((workdir / "shim1.gate.json").read_text())
     namespace, version, others, plan = gate["namespace"], gate["version"], gate["others"], gate["plan"]
     if gate["import_failure"] is not None:
         return Section(namespace, None, "FAILED", describe_import_failure(namespace, gate["import_failure"])), others
     if not plan:
-        reason = unaffected(CAST, version) + "; nothing was trained (--measure trains anyway)" * CAST.built_in(version)
         verdicts = {fix.name: ("not needed", unaffected(fix, version)) for fix in FIXES if not fix.affects(version)}
+        reason = verdicts[CAST.name][1] + "; nothing was trained" * CAST.built_in(version)
         fixes = fix_entries(gate["fixes"], {**verdicts, CAST.name: ("not needed", reason)})
         return Section(namespace, version, "not needed", reason, fixes), others
-    # With the shim on, the user's code raised: does it without the shim too? Only the run without checkpointing.
-    runs = [(n, ac) for n, (shim, ac) in enumerate(plan, 1) if shim == "0" and not (ac and isinstance(on, dict))]
-    request = ProbeRequest(str(workdir / "shim0"), options, namespace, runs)
-    off = on if isinstance(on, str) and on else run_probe(request, "0", step(runs[0][0]), started)  # on failed: none
+    step = f"training {namespace} {version} with the shim off"
+    off = on if on and isinstance(on, str) else run_probe(workdir / "shim0", options, "0", step)  # not if on failed
     raised = off if isinstance(off, dict) else None  # without the shim only: judged by what the shim made train
     if isinstance(on, dict):
         also = f", and with the shim on too ({on['message']})" if raised else ""
         raise users_code_raised(raised or on, "0" if raised else "1", also)
-    if raised and plan[-1] == ["0", True]:
-        step(len(plan), ": skipped, it raised without the shim")
-    results = dict[tuple[str, bool], Runs]()
-    for number, (shim, ac) in enumerate(plan, 1):
-        if shim == "0" and raised:
-            continue  # judged by the runs with the shim
-        paths = workdir.glob(f"run{number}.rank*.json")
-        results[shim, ac] = sorted((RankResult(**json.loads(p.read_text())) for p in paths), key=lambda r: r.rank)
-        probe, last = (on if shim == "1" else off), all(other != shim for other, _ in plan[number:])
-        found = results[shim, ac]
+    results: dict[str, Runs] = {}
+    for slot in [s for s in plan if not (raised and s.endswith("_off"))]:  # raised: judged by the runs with the shim
+        paths = workdir.glob(f"{slot}.rank*.json")
+        found = results[slot] = sorted((RankResult(**json.loads(p.read_text())) for p in paths), key=lambda r: r.rank)
+        shim = "1" if slot.endswith("_on") else "0"
+        probe, last = (on if shim == "1" else off), slot == [s for s in plan if s.endswith(SHIM[shim])][-1]
         if (probe and last) or (len(found) != options.devices and not any(r.error for r in found)):
             # a probe that failed: its first run without every rank's result, else its last run
-            error = f"the {'checkpointed ' * ac}run with FSDP_SHIM={shim} {probe or 'wrote no result on some rank'}"
-            trained: dict[str, Any] = {SLOTS[key]: runs or None for key, runs in results.items()}
-            return replace(Section(namespace, version, "FAILED", error), **trained), others
+            run = f"the {'checkpointed ' * slot.startswith('checkpointed')}run with FSDP_SHIM={shim}"
+            error = f"{run} {probe or 'wrote no result on some rank'}"
+            trained: dict[str, Any] = {slot: runs or None for slot, runs in results.items()}
+            return Section(namespace, version, "FAILED", error, **trained), others
     return judged(options, version, results, raised), others
 
 
-def judged(options: Options, version: str, runs: dict[tuple[str, bool], Runs], raised: Any) -> Section:
-    """The section of a namespace trained: each fix judged from its runs (a model that ``raised`` without the shim is
-    judged by the runs with it)."""
-    on, on_ac, off, off_ac = runs["1", False], runs.get(("1", True)), runs.get(("0", False)), runs.get(("0", True))
+def judged(options: Options, version: str, runs: dict[str, Runs], raised: Any) -> Section:
+    """Each fix judged from the runs (a model that ``raised`` without the shim: from those with it)."""
+    on, off = runs["shim_on"], runs.get("shim_off")
+    on_ac, off_ac = runs.get("checkpointed_shim_on"), runs.get("checkpointed_shim_off")
     classes = ", ".join(spec.rpartition(":")[2] for spec in options.activation_checkpointing) or "CausalBlock"
     if raised is not None:
         verdicts = judge_raised(raised, on, on_ac, options.precision)
@@ -211,10 +189,10 @@ def judged(options: Options, version: str, runs: dict[tuple[str, bool], Runs], r
     else:
         verdicts = {CAST.name: judge(off, on, options.precision)}
     if on_ac and off_ac:
-        verdicts[RECOMPUTE.name] = judge_recompute(off or on, on, off_ac, on_ac, classes)
+        verdicts[RECOMPUTE.name] = judge_recompute(off or on, on, off_ac, on_ac, classes)  # 2.5+: off is on
     (verdict, reason), fixes = verdicts[CAST.name], fix_entries((on_ac or on)[0].fixes, verdicts)
-    section = Section(on[0].namespace, version, verdict or "not checked", reason, fixes, off, on, off_ac, on_ac)
-    return replace(section, shim_off_error=raised["traceback"] if raised else None)
+    error = raised["traceback"] if raised else None
+    return Section(on[0].namespace, version, verdict or "not checked", reason, fixes, **runs, shim_off_error=error)
 
 
 def unaffected(fix: Fix, version: str) -> str:
@@ -248,24 +226,17 @@ def dtype_problems(runs: Runs, want: str) -> list[str]:
     """Each rank's ``LightningModule.dtype`` and flat-parameter dtypes that are not ``want``."""
     problems = []
     for r in runs:
-        if r.module_dtype != want:
-            problems.append(f"LightningModule.dtype is {r.module_dtype} on rank {r.rank}, expected {want}")
-        if r.flat_param_dtypes != [want]:
-            problems.append(f"flat parameters are {', '.join(r.flat_param_dtypes)} on rank {r.rank}, expected {want}")
+        wrong = {"LightningModule.dtype is": [r.module_dtype], "flat parameters are": r.flat_param_dtypes}
+        problems += [f"{k} {', '.join(v)} on rank {r.rank}, expected {want}" for k, v in wrong.items() if v != [want]]
     return problems
 
 
 def judge(off: Runs, on: Runs, precision: str) -> Verdict:
-    """The cast's verdict: ``fixed`` must hold on every rank, exactly; ``not needed`` if the shim changes nothing."""
-    version, want = on[0].lightning, DTYPES[precision]
-    if not CAST.affects(version):
-        if all(getattr(a, key) == getattr(b, key) for a, b in zip(off, on) for key in FIGURES[:-1]):
-            return "not needed", f"{unaffected(CAST, version)}; measured: the shim changes nothing"
-        return "FAILED", f"{unaffected(CAST, version)}, but the figures differ with the shim on"
+    """The cast's verdict: ``fixed`` only where it holds on every rank, exactly; ``not needed`` if nothing changes."""
+    want = DTYPES[precision]
     problems = unapplied(on[0].fixes[CAST.name], on[0].namespace) + dtype_problems(on, want)
     for a, b in zip(off, on):
-        for key in BYTE_KEYS:
-            before, after = getattr(a, key), getattr(b, key)
+        for key, before, after in ((key, getattr(a, key), getattr(b, key)) for key in BYTE_KEYS):
             if after > before or (a.flat_param_dtypes != [want] and after >= before > 0):  # SGD keeps no state
                 problems.append(f"{key} did not shrink on rank {b.rank} ({before:,} -> {after:,})")
     if finite(off[0].losses) and not finite(on[0].losses):
@@ -294,8 +265,7 @@ def what_changed(plain: Runs, checkpointed: Runs) -> str | None:
 
 
 def judge_recompute(off: Runs, on: Runs, off_ac: Runs, on_ac: Runs, classes: str) -> Verdict:
-    """``fixed`` when, with the shim, checkpointing changes nothing bit for bit, and without it something (``off``
-    is ``on`` where the release has the cast: the shim changes nothing there without checkpointing)."""
+    """``fixed`` when, with the shim, checkpointing changes nothing bit for bit, and without it something."""
     count = on_ac[0].checkpointed or off_ac[0].checkpointed
     blocks = f"checkpointing {classes} ({count} module{'' if count == 1 else 's'}) changes nothing"
     state, changed, unfixed = on_ac[0].fixes[RECOMPUTE.name], what_changed(on, on_ac), what_changed(off, off_ac)
@@ -312,21 +282,18 @@ def judge_recompute(off: Runs, on: Runs, off_ac: Runs, on_ac: Runs, classes: str
 
 
 def judge_raised(raised: dict[str, Any], on: Runs, on_ac: Runs | None, precision: str) -> dict[str, Verdict]:
-    """A user's model that raised without the shim and trains with it: the recompute made it train where torch's
-    checkpoint raised, else the cast did; the other fix has no run without the shim to compare with."""
-    by = RECOMPUTE if raised["in_recompute"] or not CAST.affects(on[0].lightning) else CAST
-    who = "a recompute of torch's checkpoint" if raised["in_recompute"] else "training"
-    without, changed = f"without the shim, {who} raised {raised['message']}", what_changed(on, on_ac) if on_ac else None
-    problems = {
-        CAST: dtype_problems(on, DTYPES[precision]),
-        RECOMPUTE: [f"the checkpointed run {changed}"] * bool(changed),
-    }
+    """A model that raised only without the shim: the fix that made it train (where torch's checkpoint raised: the
+    recompute, else the cast) is ``fixed``; the other has no run without the shim to compare with."""
+    by, who = (RECOMPUTE, "a recompute of torch's checkpoint") if raised["in_recompute"] else (CAST, "training")
+    changed = what_changed(on, on_ac) if on_ac else None
+    problems = {CAST: dtype_problems(on, DTYPES[precision])}
+    problems[RECOMPUTE] = [f"the checkpointed run {changed}"] * bool(changed)
     verdicts: dict[str, Verdict] = {}
     for fix in FIXES:
         found = unapplied(on[0].fixes[fix.name], on[0].namespace) * (fix is by) + problems[fix]
-        verdict = "FAILED" if found else "fixed" if fix is by else None
         said = "with the shim it trains" if fix is by else "so there is no run without the shim to compare with"
-        verdicts[fix.name] = verdict, f"{without}; " + ("; ".join(found) if found else said)
+        reason = f"without the shim, {who} raised {raised['message']}; " + ("; ".join(found) if found else said)
+        verdicts[fix.name] = "FAILED" if found else "fixed" if fix is by else None, reason
     return verdicts
 
 
@@ -336,8 +303,7 @@ def overall(section: Section) -> str:
 
 
 def render(section: Section, options: Options, others: dict[str, str]) -> str:
-    """The text report: rank 0's figures where both runs trained, each fix's shim state, verdict and reason, the
-    installed namespaces not checked, and the overall verdict."""
+    """The text report: rank 0's figures (where both runs trained), each fix's verdict, the namespaces not checked."""
     lines = [f"fsdp-shim verify ({options.precision}, {options.devices} device(s), {options.steps} steps)", ""]
     lines.append(f"{section.namespace} {section.version or ''}".rstrip())
     if section.shim_off and section.shim_on:

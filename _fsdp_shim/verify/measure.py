@@ -4,9 +4,10 @@ tests measure with it too). torch is imported where used."""
 from __future__ import annotations
 
 import hashlib
+import re
 from typing import Any, Optional
 
-WRAPPERS = ("_forward_module.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")  # torch's clean_tensor_name
+WRAPPERS = re.compile(r"(_forward_module|_fsdp_wrapped_module|_checkpoint_wrapped_module)\.")  # clean_tensor_name's
 
 
 def flat_parameters(root: Any) -> list[Any]:
@@ -39,9 +40,7 @@ def parameter_hashes(root: Any) -> dict[str, str]:
     hashes = {}
     for name, parameter in root.named_parameters():
         data = parameter.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-        for wrapper in WRAPPERS:
-            name = name.replace(wrapper, "")
-        hashes[name] = hashlib.sha256(str(parameter.dtype).encode() + data.tobytes()).hexdigest()
+        hashes[WRAPPERS.sub("", name)] = hashlib.sha256(str(parameter.dtype).encode() + data.tobytes()).hexdigest()
     return hashes
 
 

@@ -1,29 +1,32 @@
-"""verify's probe, one fresh process per shim state: the first reads the installed Lightning into ``gate.json``
-(refusing unusable user modules before anything trains); each trains its runs of the plan with FSDP, writing a
-``RankResult`` per run and rank, or an error record."""
+"""verify's probe, a fresh process per shim state: reads Lightning, refuses unusable user modules, trains its runs."""
 
 from __future__ import annotations
 
-import importlib
-import json
 import os
 import sys
+
+if __name__ == "__main__":  # by path, never -c or -m (which put the current folder, a user's yaml.py, first)
+    here = os.path.dirname(os.path.realpath(__file__))  # off sys.path: its modules would shadow the user's
+    sys.path[:] = [entry for entry in sys.path if os.path.realpath(entry or os.curdir) != here]
+    if (root := os.path.dirname(os.path.dirname(here))) not in {os.path.realpath(e or os.curdir) for e in sys.path}:
+        sys.path.insert(0, root)  # a clone's, so the probe imports the fsdp_shim that started it
+
+import importlib
+import json
 import traceback
 from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from _fsdp_shim.activation import status
 from _fsdp_shim.config import CAST, TRAINER_NAMESPACES
-from _fsdp_shim.distributions import import_failure, installed_packages
-from _fsdp_shim.verify.records import PACKAGES, Options, ProbeRequest, RankResult
+from _fsdp_shim.distributions import distribution_of, import_failure, installed_packages
+from _fsdp_shim.verify.command import BYTE_KEYS, PACKAGES, SHIM, Options, RankResult
 
 VOCAB, SEQUENCE, BATCH, WIDTH = 256, 32, 4, 32  # the seed model's
 
 
-class ProbeStop(Exception):
-    """End the probe, writing ``record`` as its error report: exit 2 for ``kind`` "usage", 1 for "user"."""
-
+class ProbeStop(Exception):  # end the probe, writing record as its error report: exit 2 for "usage", 1 for "user"
     def __init__(self, kind: str, message: str, **record: Any) -> None:
         super().__init__(message)
         self.code, self.record = 2 if kind == "usage" else 1, {"kind": kind, "message": message, **record}
@@ -41,40 +44,20 @@ def user_error(phase: str, error: BaseException, **extra: int) -> ProbeStop:
     return ProbeStop("user", one_line(error), phase=phase, traceback=text, in_recompute=in_recompute, **extra)
 
 
-def check_fsdp_on_cpu() -> None:
-    """One FSDP step in a one-rank gloo group before any user code runs, so that a torch that cannot run FSDP on CPU
-    (torch 2.1: ``TypeError: Stream() takes no arguments``) is named, not blamed on the model."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
-    try:
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-        FSDP(torch.nn.Linear(2, 2), device_id=torch.device("cpu"))(torch.ones(1, 2)).sum().backward()
-    except Exception as error:
-        release = ".".join(torch.__version__.split("+")[0].split(".")[:2])
-        message = f"torch {release} cannot run FSDP on this machine's CPU ({one_line(error)})"
-        raise ProbeStop("usage", message) from error
-    finally:
-        dist.destroy_process_group()
-
-
-def resolve(spec: str) -> Any:
-    """``package.module:attribute`` (or ``:Class.factory``) -> the attribute; importing runs the user's code."""
+def resolve(spec: str, expected: str, usable: Callable[[Any], bool]) -> Any:
+    """``package.module:attribute`` (or ``:Class.factory``) -> the attribute, refused unless ``usable``."""
     module_name, _, attribute = spec.partition(":")
     try:
         target: Any = importlib.import_module(module_name)
     except Exception as error:
         if isinstance(error, ModuleNotFoundError) and error.name and module_name.startswith(error.name):
-            where = "the current folder, --model-path DIR, or PYTHONPATH"
-            message = f"cannot import {module_name!r} (from {spec!r}): run verify where it is importable ({where})"
+            message = f"cannot import {module_name!r} ({spec}): run verify where it imports (--model-path, PYTHONPATH)"
             raise ProbeStop("usage", message) from error
         raise user_error(f"importing {module_name}", error) from error
-    for index, name in enumerate(attribute.split(".")):
-        if not hasattr(target, name):
-            owner = ".".join([module_name, *attribute.split(".")[:index]])
-            raise ProbeStop("usage", f"{owner} has no attribute {name!r} (from {spec!r})")
-        target = getattr(target, name)
+    for name in attribute.split("."):
+        target = getattr(target, name, None)
+    if not usable(target):
+        raise ProbeStop("usage", f"{spec} is not {expected}")
     return target
 
 
@@ -87,12 +70,8 @@ def namespace_of(obj: Any, kind: str) -> str | None:
 
 def checked(spec: str, kind: str, init_args: dict[str, Any] | None) -> Any:
     """The class or factory ``spec`` names, refused unless it gives a Lightning ``kind``; built with ``init_args``."""
-    target = resolve(spec)
-    if not callable(target):
-        message = f"{spec} is {type(target).__name__!r}, not a {kind} class or a factory that returns one"
-        raise ProbeStop("usage", message)
-    if isinstance(target, type) and namespace_of(target, kind) is None:
-        raise ProbeStop("usage", f"{spec} is a class, but not a subclass of Lightning's {kind}")
+    expected = f"a Lightning {kind} class or a factory that returns one"
+    target = resolve(spec, expected, lambda t: callable(t) and not (isinstance(t, type) and not namespace_of(t, kind)))
     if init_args is None:
         return target
     try:
@@ -100,23 +79,14 @@ def checked(spec: str, kind: str, init_args: dict[str, Any] | None) -> Any:
     except Exception as error:
         raise user_error(f"constructing {spec}", error) from error
     if namespace_of(instance, kind) is None:
-        raise ProbeStop("usage", f"{spec} gave a {type(instance).__name__}, which is not a Lightning {kind}")
+        raise ProbeStop("usage", f"{spec} is not {expected}")
     return instance
 
 
-def module_classes(specs: list[str], option: str) -> set[type]:
-    """The ``torch.nn.Module`` classes ``option`` names (``MODULE:CLASS``), as Lightning's policies take them."""
+def user_modules(options: Options, build: bool) -> tuple[Any, Any, set[type], list[str]]:
+    """The model and datamodule (built, or class or factory), checkpointed classes, and the model's namespaces."""
     from torch.nn import Module
 
-    for spec, cls in zip(specs, classes := [resolve(spec) for spec in specs]):
-        if not (isinstance(cls, type) and issubclass(cls, Module)):
-            raise ProbeStop("usage", f"{option}: {spec} is not a torch.nn.Module class")
-    return set(classes)
-
-
-def user_modules(options: Options, build: bool) -> tuple[Any, Any, set[type], set[type], list[str]]:
-    """The user's model and datamodule (built, or their class or factory), checkpointed and auto-wrapped classes, and
-    the model's namespaces (its class's, or those imported with its factory); each refused unless usable."""
     model, datamodule, namespaces = None, None, list[str]()
     if options.model is not None:
         model = checked(options.model, "LightningModule", options.init_args if build else None)
@@ -127,43 +97,35 @@ def user_modules(options: Options, build: bool) -> tuple[Any, Any, set[type], se
         elif own and cls.train_dataloader is sys.modules[own].LightningModule.train_dataloader:
             raise ProbeStop("usage", f"{options.model} has no train_dataloader; pass --datamodule module:attr")
         namespaces = [own] if own else [ns for ns in TRAINER_NAMESPACES if ns in sys.modules]
-    wrapped = module_classes(options.auto_wrap, "--auto-wrap")
-    checkpointed = module_classes(options.activation_checkpointing, "--activation-checkpointing")
-    return model, datamodule, checkpointed, wrapped, namespaces
+    classes = {
+        resolve(spec, "a torch.nn.Module class", lambda t: isinstance(t, type) and issubclass(t, Module))
+        for spec in options.activation_checkpointing
+    }
+    return model, datamodule, classes, namespaces
 
 
-def plan(options: Options, version: str) -> list[tuple[str, bool]]:
-    """The runs, as (FSDP_SHIM, checkpointed), the shim on first: none on 2.0.x, nor on 2.5+ unless --measure,
-    --activation-checkpointing or the seed's recompute. Last: the run a model that raised without the shim skips."""
+def plan(options: Options, version: str) -> list[str]:
+    """The runs, by ``Section`` slot: none on 2.0.x, nor on 2.5+ without a recompute to check; 2.5+: no ``shim_off``."""
     checking = options.model is None or bool(options.activation_checkpointing)
-    if not CAST.affects(version):
-        if not CAST.built_in(version) or not (options.measure or checking):
-            return []
-        if options.model is None and not options.measure and not options.activation_checkpointing:
-            return [("1", False), ("1", True), ("0", True)]  # the seed, for the recompute only
-    return [("1", False), *([("1", True)] if checking else []), ("0", False), *([("0", True)] if checking else [])]
+    if CAST.affects(version):
+        return ["shim_on", *["checkpointed_shim_on"] * checking, "shim_off", *["checkpointed_shim_off"] * checking]
+    return ["shim_on", "checkpointed_shim_on", "checkpointed_shim_off"] if checking and CAST.built_in(version) else []
 
 
 def read_lightning(options: Options) -> dict[str, Any]:
-    """``gate.json``: the namespace to check (``--package``'s, the model's, else the first installed), its version,
-    import failure, the shim's fix states and the runs planned; the other installed namespaces' versions."""
-    import torch
-
-    if not torch.cuda.is_available():
-        check_fsdp_on_cpu()
-    own, versions, failures = user_modules(options, build=False)[-1], dict[str, str](), dict[str, Any]()
+    """What the probe reads of Lightning: the namespace checked and its release, fix states and runs; the others'."""
+    own = user_modules(options, build=False)[-1]
     installed = [ns for ns in TRAINER_NAMESPACES if ns.partition(".")[0] in installed_packages()]
-    namespace = PACKAGES[options.package] if options.package else (own + installed)[0]
-    for ns in installed:
-        try:
-            versions[ns] = getattr(importlib.import_module(ns), "__version__", None) or "(unknown)"
-        except Exception as error:
-            versions[ns], failures[ns] = "", import_failure(error)
-    if namespace not in versions:  # imported by the model, yet not found where Lightning packages are looked for
+    namespace = PACKAGES[options.package] if options.package else (own + installed + ["Lightning"])[0]
+    if namespace not in installed:  # imported by the model, yet not found where Lightning packages are looked for
         raise ProbeStop("usage", f"{namespace} is not installed in this interpreter ({sys.executable})")
-    failure, version = failures.get(namespace), versions[namespace]
+    try:
+        version, failure = getattr(importlib.import_module(namespace), "__version__", None) or "(unknown)", None
+    except Exception as error:
+        version, failure = "", import_failure(error)
     fixes, runs = (fix_states(namespace), plan(options, version)) if failure is None else ({}, [])
-    others = {ns: v for ns, v in versions.items() if ns != namespace}
+    found = {ns: distribution_of(ns.partition(".")[0]) for ns in installed if ns != namespace}
+    others = {ns: distribution[1] if distribution else "(unknown)" for ns, distribution in found.items()}
     return dict(namespace=namespace, version=version, import_failure=failure, fixes=fixes, plan=runs, others=others)
 
 
@@ -172,8 +134,8 @@ def fix_states(namespace: str) -> dict[str, dict[str, Any]]:
 
 
 def seed_model(pl: Any, steps: int, devices: int) -> tuple[Any, Any, type]:
-    """The seed LightningModule, its data, and its class to checkpoint: a causal block built in ``__init__`` (float32
-    at the wrap where Lightning lacks the cast) whose mask and scale have no dtype (float32 in an unfixed recompute)."""
+    """The seed model, its data and its class to checkpoint: a causal block built in ``__init__`` (float32 at the wrap
+    without the cast) whose mask and scale have no dtype (float32 in an unfixed recompute)."""
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -206,8 +168,7 @@ def seed_model(pl: Any, steps: int, devices: int) -> tuple[Any, Any, type]:
 
 
 def train(options: Options, namespace: str, checkpointing: bool, out: Path) -> str | None:
-    """Train the seed's model (or ``--model``) in ``namespace`` with FSDP, from the same weights as every run; write
-    this rank's result. What a checkpointed run raised, else None."""
+    """Train the model with FSDP from the same weights as every run; write this rank's result; a checkpointed error."""
     import torch
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
@@ -215,25 +176,19 @@ def train(options: Options, namespace: str, checkpointing: bool, out: Path) -> s
 
     cuda = torch.cuda.is_available()
     torch.manual_seed(0)  # the runs compared bit for bit start from the same weights
-    model, datamodule, classes, wrapped, _ = user_modules(options, build=True)
+    model, datamodule, classes, _ = user_modules(options, build=True)
     pl, loader = importlib.import_module(namespace), None
     if options.model is None:
         model, loader, block = seed_model(pl, options.steps, options.devices)
         classes = classes or {block}
-    policies: dict[str, Any] = {"auto_wrap_policy": wrapped} if wrapped else {}
-    counted: tuple[type, ...] = tuple(classes)  # a checkpointed run counts the wrappers Lightning's policy put in
-    if checkpointing:
-        policies["activation_checkpointing_policy"], counted = classes, (CheckpointWrapper,)
     if not cuda:
         cpu_guards.lift(namespace)
-    callback = measure.measuring_callback(pl, counted)
-    flags: dict[str, Any] = dict.fromkeys(
-        ("logger", "enable_checkpointing", "enable_progress_bar", "enable_model_summary"), False
-    )
-    flags.update(precision=options.precision, max_steps=options.steps, limit_val_batches=0, num_sanity_val_steps=0)
-    device = {"accelerator": "cuda" if cuda else "cpu", "devices": options.devices}  # deterministic: bit for bit
-    strategy = importlib.import_module(f"{namespace}.strategies").FSDPStrategy(**policies)
-    trainer = pl.Trainer(strategy=strategy, callbacks=[callback], deterministic=bool(classes), **device, **flags)
+    callback = measure.measuring_callback(pl, (CheckpointWrapper,) if checkpointing else tuple(classes))
+    strategy = pl.strategies.FSDPStrategy(**({"activation_checkpointing_policy": classes} if checkpointing else {}))
+    quiet = dict.fromkeys(("logger", "enable_checkpointing", "enable_progress_bar", "enable_model_summary"), False)
+    steps = {"max_steps": options.steps, "limit_val_batches": 0, "num_sanity_val_steps": 0, "callbacks": [callback]}
+    device = {"accelerator": "cuda" if cuda else "cpu", "devices": options.devices, "deterministic": bool(classes)}
+    trainer = pl.Trainer(strategy=strategy, precision=options.precision, **device, **steps, **quiet)  # bit for bit
     error = None
     try:
         trainer.fit(model, loader, datamodule=datamodule)
@@ -249,26 +204,17 @@ def train(options: Options, namespace: str, checkpointing: bool, out: Path) -> s
     rank, root = trainer.global_rank, trainer.strategy.model
     result = RankResult(rank, checkpointed=callback.checkpointed, fixes=fix_states(namespace), error=error)
     if not error:
-        flat = measure.flat_parameters(root)
-        result = replace(
-            result,
-            module_dtype=str(trainer.lightning_module.dtype),
-            flat_param_dtypes=sorted({str(p.dtype) for p in flat}),
-            param_bytes=measure.nbytes(flat),
-            grad_bytes=callback.grad_bytes,
-            optimizer_state_bytes=measure.optimizer_state_bytes(trainer.optimizers[0]),
-            losses=callback.losses,
-            param_hashes=measure.parameter_hashes(root),
-            lightning=pl.__version__,
-            namespace=pl.__name__,
-        )
+        flat, module, optimizer = measure.flat_parameters(root), trainer.lightning_module, trainer.optimizers[0]
+        sizes = measure.nbytes(flat), callback.grad_bytes, measure.optimizer_state_bytes(optimizer)
+        result = replace(result, module_dtype=str(module.dtype), flat_param_dtypes=sorted({str(p.dtype) for p in flat}))
+        result = replace(result, **dict(zip(BYTE_KEYS, sizes)), losses=callback.losses, lightning=pl.__version__)
+        result = replace(result, param_hashes=measure.parameter_hashes(root), namespace=pl.__name__)
     Path(f"{out}.rank{rank}.json").write_text(json.dumps(asdict(result)))
     return error
 
 
 def leave_process_group(code: int = 0, barrier: bool = True) -> None:
-    """Leave together and end without finalization (only in our own children): finalizing torch.distributed in a
-    half-gone interpreter can abort a C++ thread after complete results."""
+    """Leave together and end without finalization (only in our own children), which can abort a C++ thread."""
     torch = sys.modules.get("torch")
     if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
         if code == 0 and barrier:
@@ -280,27 +226,25 @@ def leave_process_group(code: int = 0, barrier: bool = True) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """Run the probe ``argv[0]`` (a ``ProbeRequest`` as JSON) asks for; never returns. The first reads Lightning into
-    ``gate.json``, then trains the plan's runs with the shim on; each run's start is a file, ``runN``."""
+    """Run the probe, ``argv``: the prefix of its files, the ``Options`` as JSON; never returns."""
     import fsdp_shim  # noqa: F401  (activates, before Lightning is imported, unless FSDP_SHIM=0)
 
-    data = json.loads(argv[0])
-    request, folder = ProbeRequest(**{**data, "options": Options(**data["options"])}), Path(data["out"]).parent
-    if request.options.model_path is not None:  # only for the modules the user named, from their folder
-        sys.path.insert(0, request.options.model_path)
+    out, options = Path(argv[0]), Options(**json.loads(argv[1]))
+    if options.model_path is not None:  # only for the modules the user named, from their folder
+        sys.path.insert(0, options.model_path)
     try:
-        if request.namespace is None:
-            gate = read_lightning(request.options)
-            (folder / "gate.json").write_text(json.dumps(gate))  # the command reads it once run 1 starts, or at the end
-            runs = [(number, ac) for number, (shim, ac) in enumerate(gate["plan"], 1) if shim == "1"]
-            request = replace(request, namespace=gate["namespace"], runs=runs)
-            sys.argv[1:] = [json.dumps(asdict(request))]  # Lightning's launcher starts the other ranks with sys.argv
-        for number, checkpointing in request.runs:
-            (folder / f"run{number}").touch()
-            if train(request.options, str(request.namespace), checkpointing, folder / f"run{number}"):
+        gate = read_lightning(options)
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # Lightning's launcher gives the other ranks theirs
+            Path(f"{out}.gate.json").write_text(json.dumps(gate))
+        for slot in [slot for slot in gate["plan"] if slot.endswith(SHIM[os.environ["FSDP_SHIM"]])]:
+            if train(options, gate["namespace"], slot.startswith("checkpointed"), out.parent / slot):
                 leave_process_group(0, barrier=False)  # after an error a collective may be pending: no barrier
     except ProbeStop as stop:
         rank = stop.record.get("rank", int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))))
-        Path(f"{request.out}.rank{rank}.error.json").write_text(json.dumps(stop.record))
+        Path(f"{out}.rank{rank}.error.json").write_text(json.dumps(stop.record))
         leave_process_group(stop.code)
     leave_process_group()
+
+
+if __name__ == "__main__":  # Lightning's launcher re-runs sys.argv (this file, its arguments) on every other rank
+    main(sys.argv[1:])

@@ -91,9 +91,6 @@ class BuiltOncePerProcess(ThreeWays):
         super().__init__()
 
 
-NOT_A_MODULE = 42
-
-
 class CastsItself(pl.LightningModule):
     """Casts itself to bfloat16 in ``__init__``: right without the shim, which changes nothing for it."""
 
@@ -145,33 +142,6 @@ class Checkpointed(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.trainer.model.parameters(), lr=1e-2)
-
-    def train_dataloader(self) -> DataLoader:
-        return _data()
-
-
-class OwnDtypeBlock(Block):
-    """A ``Block`` that takes its input in its own weights' dtype."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x.to(self.lin.weight.dtype))
-
-
-class MixedDtypes(pl.LightningModule):
-    """A block loaded in bfloat16 beside one in float32 (Lightning #20239): FSDP cannot flatten both into one unit,
-    so its own job wraps each block in a unit of its own (``--auto-wrap user_models:OwnDtypeBlock``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.Sequential(OwnDtypeBlock().to(torch.bfloat16), OwnDtypeBlock())
-        self.head = nn.Linear(FEATURES, FEATURES)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        (x,) = batch
-        return self.head(self.blocks(x).to(self.head.weight.dtype)).float().pow(2).mean()
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.trainer.model.parameters(), lr=1e-3)
 
     def train_dataloader(self) -> DataLoader:
         return _data()
