@@ -1,5 +1,5 @@
 """``fsdp-shim verify`` (docs/verify.md): train the seed model (or ``--model``) with the shim on and off in fresh
-processes (probes; the first reads the installed Lightning before it trains), judge each fix, and report."""
+processes (probes, each reading the installed Lightning before it trains), judge each fix, and report."""
 
 from __future__ import annotations
 
