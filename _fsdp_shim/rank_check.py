@@ -37,7 +37,7 @@ def confirm_every_rank(namespace: str, dtype: Any, joined_here: bool = False) ->
     try:
         problem = _check(namespace, dtype, joined_here, present)
     except Exception as error:
-        _messages().could_not_check(error)
+        _failures().rank_check_failed(error)
         return
     if problem is not None:
         raise problem
@@ -61,7 +61,7 @@ def _check(namespace: str, dtype: Any, joined_here: bool, present: Any) -> Excep
     except Exception:
         limit = DEFAULT_TIMEOUT_SECONDS
     if problem is not None:
-        _messages().unreadable_timeout(problem, limit)
+        _failures().unreadable_rank_check_timeout(problem, limit)
     if limit == 0:
         return None
     grace = GRACE_SECONDS if seconds is None and joined_here else None  # set, the variable is the whole wait
@@ -70,7 +70,7 @@ def _check(namespace: str, dtype: Any, joined_here: bool, present: Any) -> Excep
     missing = [r for r in range(world_size) if r not in reports]
     if missing or len({behaviour(sent) for sent in reports.values()}) > 1:
         waited, paused = (grace if early and grace else limit), present_ranks(present, missing, number)
-        _checked[number - 1] = (group, _messages().stop(missing, reports, world_size, waited, early, paused))
+        _checked[number - 1] = (group, _failures().ranks_disagree(missing, reports, world_size, waited, early, paused))
         return _checked[number - 1][1]
     if rank == 0:
         line = "fsdp-shim: patched on all %d ranks (%s), confirmed in %.2f s"
@@ -173,8 +173,8 @@ def exchange(
     return {r: json.loads(store.get(key)) for r, key in enumerate(keys) if store.check([key])}, early
 
 
-def _messages() -> Any:
-    """What the rank check says when it fails, loaded only then."""
-    from _fsdp_shim import rank_check_messages
+def _failures() -> Any:
+    """The failure policy and what the rank check says when it fails, loaded only then."""
+    from _fsdp_shim import failures
 
-    return rank_check_messages
+    return failures
