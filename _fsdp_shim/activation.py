@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 _lock = threading.Lock()  # guards the globals below; never held while patching or importing
 _active: bool | None = None  # None until activated (activate(), or the first hand-over) or deactivated
-_imported_before_activation: set[str] = set()
+_late: set[str] = set()  # handed over late: imported before arming, or loaded past the finder
 _seen_executing: dict[str, ModuleType] = {}  # patched at their import, so never late
 
 
@@ -39,7 +39,7 @@ def activate() -> bool:
         return False
     with _lock:
         _active = True
-        _imported_before_activation.update(
+        _late.update(
             name for name in NAMESPACES if name in sys.modules and _seen_executing.get(name) is not sys.modules[name]
         )
     startup.arm("import fsdp_shim")
@@ -70,7 +70,7 @@ def namespace_executed(module: ModuleType, late: bool = False) -> None:
         if _active is None:
             _active = True  # armed at start-up: this is the activation
         if late:
-            _imported_before_activation.add(name)
+            _late.add(name)
         elif _active:
             _seen_executing[name] = module
     _patch(name)
@@ -102,7 +102,7 @@ def _patch(name: str) -> None:
             version = getattr(sys.modules.get(name), "__version__", "")
             for fix in (fix for fix in FIXES if after[fix] is not before[fix]):
                 log.debug("fsdp-shim: %s %s, %s fix: %s", name, version, fix.name, after[fix].value)
-        if name in _imported_before_activation and after[CAST] is State.PATCHED and before[CAST] is not State.PATCHED:
+        if name in _late and after[CAST] is State.PATCHED and before[CAST] is not State.PATCHED:
             from _fsdp_shim import failures
 
             failures.warn_about_models_already_wrapped(name)
@@ -129,4 +129,4 @@ def status() -> ShimStatus:
     from _fsdp_shim.status import collect
 
     _check_again()
-    return collect(enabled(), bool(_active), set(_imported_before_activation))
+    return collect(enabled(), bool(_active), set(_late))

@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     verify("--devices", type=_positive, default=1, metavar="N", help=f"processes (GPUs with CUDA) {default}")
     verify("--steps", type=_positive, default=3, metavar="N", help=f"training steps per run {default}")
     verify("--model", type=_spec, metavar="MODULE:ATTR", help="a LightningModule class or factory (default: the seed)")
-    verify("--init-args", type=json.loads, default={}, metavar="JSON", help="keyword arguments for --model, an object")
+    verify("--init-args", type=_object, default={}, metavar="JSON", help="keyword arguments for --model, an object")
     verify("--datamodule", type=_spec, metavar="MODULE:ATTR", help="a LightningDataModule class or factory for --model")
     classes: dict[str, Any] = {"type": lambda text: [_spec(item.strip()) for item in text.split(",")], "default": []}
     checkpointed = "classes to checkpoint (default: the seed model's own causal block; with --model, not checked)"
@@ -76,6 +76,13 @@ def _positive(text: str, kind: type[float] = int) -> float:  # an argparse type:
     raise argparse.ArgumentTypeError(f"{text!r} is not a positive {'whole ' * (kind is int)}number")
 
 
+def _object(text: str) -> dict[str, Any]:  # an argparse type: a JSON object
+    with contextlib.suppress(ValueError):
+        if isinstance(value := json.loads(text), dict):
+            return value
+    raise argparse.ArgumentTypeError(f"{text!r} must be a JSON object, e.g. '{{\"hidden\": 64}}'")
+
+
 def _spec(text: str) -> str:
     module, _, attribute = text.partition(":")  # an empty part splits into [""], no identifier
     if not all(part.isidentifier() for part in [*module.split("."), *attribute.split(".")]):
@@ -84,9 +91,7 @@ def _spec(text: str) -> str:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    if not isinstance(args.init_args, dict):
-        problem = "--init-args must be a JSON object, e.g. '{\"hidden\": 64}'"
-    elif args.model is None and (args.init_args or args.datamodule):
+    if args.model is None and (args.init_args or args.datamodule):
         problem = "--init-args and --datamodule need --model"
     elif args.model is None and not args.activation_checkpointing and args.model_path is not None:
         problem = "--model-path needs --model or --activation-checkpointing"

@@ -141,7 +141,7 @@ def torch_version() -> str:
 
 
 # ----------------------------------------------------------------------------- the rank check
-def ranks_disagree(
+def rank_check_error(
     silent: list[int], reports: dict[int, Any], world_size: int, waited: float, joined: bool, paused: list[int]
 ) -> Exception:
     """The ``FSDPShimError`` that stops the job: ranks ``silent`` did not report (``joined``: seen to join the group,

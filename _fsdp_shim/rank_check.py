@@ -70,8 +70,9 @@ def _check(namespace: str, dtype: Any, joined_here: bool, present: Any) -> Excep
     missing = [r for r in range(world_size) if r not in reports]
     if missing or len({behaviour(sent) for sent in reports.values()}) > 1:
         waited, paused = (grace if early and grace else limit), present_ranks(present, missing, number)
-        _checked[number - 1] = (group, _failures().ranks_disagree(missing, reports, world_size, waited, early, paused))
-        return _checked[number - 1][1]
+        error = _failures().rank_check_error(missing, reports, world_size, waited, early, paused)
+        _checked[number - 1] = (group, error)
+        return error
     if rank == 0:
         line = "fsdp-shim: patched on all %d ranks (%s), confirmed in %.2f s"
         log.announce(line, world_size, report["summary"], time.monotonic() - started)

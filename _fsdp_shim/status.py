@@ -134,7 +134,8 @@ class ShimStatus:
 
 
 def collect(on: bool, active: bool, late: set[str]) -> ShimStatus:
-    """The shim in this process: ``on`` by FSDP_SHIM, ``active`` here, ``late`` the namespaces imported before it."""
+    """The shim in this process: ``on`` by FSDP_SHIM, ``active`` here, ``late`` the namespaces it was handed late
+    (imported before it was armed, or loaded past its finder)."""
     skipped, environment = config.disabled_fixes()[0], {name: os.environ.get(name) for name in config.VARIABLES[:4]}
     namespaces = tuple(_namespace(name, on, name in late) for name in NAMESPACES)
     disabled = tuple(name for name in config.FIX_NAMES if name in skipped)
@@ -266,13 +267,15 @@ def _still_needed(lightning: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 def _recompute_needed() -> tuple[bool | None, str]:
     """Whether this environment's torch restores the forward's default dtype in every recompute itself."""
+    if importlib.util.find_spec("torch") is None:
+        return None, "cannot tell: no torch in this environment"
     try:
         import torch
 
         from _fsdp_shim import recompute_check as check
 
         left = [path for path in check.paths() if path not in check.restored_by_torch()]
-    except Exception as error:  # no torch, or a checkpoint module it cannot read
+    except Exception as error:  # a checkpoint module it cannot read
         return None, f"cannot tell: torch's checkpoint cannot be read ({type(error).__name__}: {error})"
     if not left:
         return False, f"torch {torch.__version__}'s checkpoint restores the default dtype itself"

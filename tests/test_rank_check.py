@@ -465,20 +465,20 @@ def test_a_silent_rank_is_named_without_a_dtype_it_did_not_send():
     sent = {"summary": "bfloat16; fixes: cast, recompute", "host": "n1", "namespace": "lightning.pytorch"}
     sent |= {"lightning": "2.4.0", "fsdp_shim": "0.3.0"}
     reports = {0: sent, 2: {**sent, "host": "n2"}}
-    late = str(failures.ranks_disagree([1], reports, 3, 2, False, []))
+    late = str(failures.rank_check_error([1], reports, 3, 2, False, []))
     assert late.startswith(
         "fsdp-shim: rank 1 of 3 did not report within 2 s which fixes it runs, so this job may be half-patched "
         "(ranks 0, 2 on n1, n2: bfloat16; fixes: cast, recompute (lightning.pytorch 2.4.0, fsdp-shim 0.3.0))."
     ), late
     assert "FSDP_SHIM=0 in its environment" in late and "still busy after 2 s" in late and late.endswith(DOCS)
     assert set(re.findall(r"\b(b?float\d+)\b", late)) == {"bfloat16"}, late
-    silent = str(failures.ranks_disagree([1], reports, 3, 30, True, []))
+    silent = str(failures.rank_check_error([1], reports, 3, 30, True, []))
     assert "rank 1 of 3 joined the process group but did not report within 30 s" in silent
     assert "still busy 30 s after joining it" in silent, silent
-    paused = str(failures.ranks_disagree([1], reports, 3, 1800, False, [1]))
+    paused = str(failures.rank_check_error([1], reports, 3, 1800, False, [1]))
     assert "within 1800 s which fixes it runs (rank 1 had fsdp-shim when joining the group), so" in paused, paused
     assert "paused since (a debugger" in paused and "FSDP_SHIM=0" not in paused, paused
-    some = str(failures.ranks_disagree([1, 2], {0: sent}, 3, 1800, False, [2]))
+    some = str(failures.rank_check_error([1, 2], {0: sent}, 3, 1800, False, [2]))
     assert "ranks 1, 2 of 3 did not report within 1800 s which fixes it runs (rank 2 had fsdp-shim when" in some
     assert "FSDP_SHIM=0 in its environment" in some, some
 

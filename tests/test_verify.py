@@ -441,7 +441,8 @@ def without_pkg_resources(tmp_path: Path, package: str) -> dict[str, str]:
 
 
 def test_without_torch_or_lightning_it_says_so_exit_2(tmp_path: Path) -> None:
-    """An interpreter with fsdp-shim and its dependencies but no torch; then this one without Lightning."""
+    """An interpreter with fsdp-shim and its dependencies but no torch; then this one without Lightning, also with a
+    ``--model`` whose module imports Lightning: refused before that module runs, not blamed on it."""
     import packaging
 
     environment, dependencies = tmp_path / "venv", tmp_path / "dependencies"
@@ -458,6 +459,24 @@ def test_without_torch_or_lightning_it_says_so_exit_2(tmp_path: Path) -> None:
     no_lightning = verify(env=clean_env(PYTHONPATH=str(ROOT)), cwd=tmp_path)  # this checkout, not the installed one
     assert no_lightning.returncode == 2, no_lightning.stderr
     assert "fsdp-shim verify: Lightning is not installed in this interpreter (" in no_lightning.stderr
+    model = ("--model", "user_models:make_model", "--model-path", str(MODELS))
+    with_model = verify(*model, env=clean_env(PYTHONPATH=str(ROOT)), cwd=tmp_path)
+    assert with_model.returncode == 2 and "Lightning is not installed in this interpreter (" in with_model.stderr
+
+
+def test_a_model_that_raises_only_without_the_shim_where_the_release_casts_is_fixed_by_the_recompute() -> None:
+    """On 2.5+ the cast is Lightning's own: a model that trained only with the shim was made to by the recompute
+    (its run checkpointed the same as its plain run), and the cast has no run without the shim to compare with."""
+    from _fsdp_shim.verify.command import RankResult, judge_raised
+
+    fixes = {"cast": {"state": "built in", "reason": "left untouched"}, "recompute": {"state": "patched", "reason": ""}}
+    run = RankResult(0, BF16, [BF16], losses=[1.5], param_hashes={"w": "1"}, lightning="2.5.0", fixes=fixes)
+    raised = {"in_recompute": False, "message": "RuntimeError: expected mat1 and mat2 to have the same dtype"}
+    verdicts = judge_raised(raised, [run], [run], "bf16-true")
+    assert (verdicts["recompute"][0], verdicts["cast"][0]) == ("fixed", None), verdicts
+    affected = replace(run, lightning="2.4.0", fixes={**fixes, "cast": {"state": "patched", "reason": ""}})
+    verdicts = judge_raised(raised, [affected], [affected], "bf16-true")
+    assert (verdicts["cast"][0], verdicts["recompute"][0]) == ("fixed", None), verdicts
 
 
 def wait_for_pids(folder: Path, count: int, seconds: float = 120) -> list[int]:

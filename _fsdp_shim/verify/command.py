@@ -108,13 +108,15 @@ def main(options: Options) -> int:
     return 1 if verdict == "FAILED" else 0
 
 
-def run_probe(out: Path, options: Options, shim: str, step: str) -> Any:
-    """Run a probe in its own session, SIGKILLed after (hung ranks survive SIGTERM): "", a failure, or a user error."""
+def run_probe(out: Path, options: Options, shim: str, step: str, slots: list[str] | None = None) -> Any:
+    """Run a probe (its ``slots``, else its shim state's runs of the plan) in its own session, SIGKILLed after (hung
+    ranks survive SIGTERM): "", a failure, or a user error."""
     print(f"fsdp-shim verify: {step} ...", file=sys.stderr, flush=True)  # with --json, stdout is the document
     path = (options.model_path or os.getcwd()) if options.model or options.activation_checkpointing else None
     with open(f"{out}.stderr", "w") as log:
         env = dict(os.environ, FSDP_SHIM=shim, PYTHONWARNINGS="ignore")
         command = [sys.executable, str(PROBE_SCRIPT), str(out), json.dumps(asdict(replace(options, model_path=path)))]
+        command += [json.dumps(slots)] * bool(slots)
         proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, env=env, start_new_session=True)
     try:
         proc.wait(options.timeout)
@@ -157,7 +159,8 @@ def verify(options: Options, workdir: Path) -> tuple[Section, dict[str, str]]:
         fixes = fix_entries(gate["fixes"], {**verdicts, CAST.name: ("not needed", reason)})
         return Section(namespace, version, "not needed", reason, fixes), others
     step = f"training {namespace} {version} with the shim off"
-    off = on if on and isinstance(on, str) else run_probe(workdir / "shim0", options, "0", step)  # not if on failed
+    only = ["shim_off"] if isinstance(on, dict) else None  # the user's code raised with the shim: does it without?
+    off = on if on and isinstance(on, str) else run_probe(workdir / "shim0", options, "0", step, only)  # on failed
     raised = off if isinstance(off, dict) else None  # without the shim only: judged by what the shim made train
     if isinstance(on, dict):
         also = f", and with the shim on too ({on['message']})" if raised else ""
@@ -282,9 +285,10 @@ def judge_recompute(off: Runs, on: Runs, off_ac: Runs, on_ac: Runs, classes: str
 
 
 def judge_raised(raised: dict[str, Any], on: Runs, on_ac: Runs | None, precision: str) -> dict[str, Verdict]:
-    """A model that raised only without the shim: the fix that made it train (where torch's checkpoint raised: the
-    recompute, else the cast) is ``fixed``; the other has no run without the shim to compare with."""
-    by, who = (RECOMPUTE, "a recompute of torch's checkpoint") if raised["in_recompute"] else (CAST, "training")
+    """A model that raised only without the shim: the fix that made it train (the recompute where torch's checkpoint
+    raised or the release has the cast, else the cast) is ``fixed``; the other has nothing to compare with."""
+    who = "a recompute of torch's checkpoint" if raised["in_recompute"] else "training"
+    by = RECOMPUTE if raised["in_recompute"] or not CAST.affects(on[0].lightning) else CAST
     changed = what_changed(on, on_ac) if on_ac else None
     problems = {CAST: dtype_problems(on, DTYPES[precision])}
     problems[RECOMPUTE] = [f"the checkpointed run {changed}"] * bool(changed)

@@ -114,10 +114,11 @@ def plan(options: Options, version: str) -> list[str]:
 
 def read_lightning(options: Options) -> dict[str, Any]:
     """What the probe reads of Lightning: the namespace checked and its release, fix states and runs; the others'."""
-    own = user_modules(options, build=False)[-1]
     installed = [ns for ns in TRAINER_NAMESPACES if ns.partition(".")[0] in installed_packages()]
-    namespace = PACKAGES[options.package] if options.package else (own + installed + ["Lightning"])[0]
-    if namespace not in installed:  # imported by the model, yet not found where Lightning packages are looked for
+    namespace = PACKAGES[options.package] if options.package else (installed or ["Lightning"])[0]
+    if namespace in installed and not options.package:  # the model's own (its module runs: after this check)
+        namespace = (user_modules(options, build=False)[-1] + [namespace])[0]
+    if namespace not in installed:  # none, or imported by the model yet not where Lightning packages are looked for
         raise ProbeStop("usage", f"{namespace} is not installed in this interpreter ({sys.executable})")
     try:
         version, failure = getattr(importlib.import_module(namespace), "__version__", None) or "(unknown)", None
@@ -226,7 +227,8 @@ def leave_process_group(code: int = 0, barrier: bool = True) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """Run the probe, ``argv``: the prefix of its files, the ``Options`` as JSON; never returns."""
+    """Run the probe, ``argv``: the prefix of its files, the ``Options`` as JSON, the slots to train (default: its shim
+    state's of the plan); never returns."""
     import fsdp_shim  # noqa: F401  (activates, before Lightning is imported, unless FSDP_SHIM=0)
 
     out, options = Path(argv[0]), Options(**json.loads(argv[1]))
@@ -236,7 +238,8 @@ def main(argv: list[str]) -> None:
         gate = read_lightning(options)
         if os.environ.get("LOCAL_RANK", "0") == "0":  # Lightning's launcher gives the other ranks theirs
             Path(f"{out}.gate.json").write_text(json.dumps(gate))
-        for slot in [slot for slot in gate["plan"] if slot.endswith(SHIM[os.environ["FSDP_SHIM"]])]:
+        mine = [slot for slot in gate["plan"] if slot.endswith(SHIM[os.environ["FSDP_SHIM"]])]
+        for slot in json.loads(argv[2]) if argv[2:] else mine:
             if train(options, gate["namespace"], slot.startswith("checkpointed"), out.parent / slot):
                 leave_process_group(0, barrier=False)  # after an error a collective may be pending: no barrier
     except ProbeStop as stop:
