@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.machinery
 import json
 import sys
+import textwrap
 import warnings
 from pathlib import Path
 from typing import Any
@@ -349,52 +350,55 @@ def test_a_pin_that_cannot_be_loaded_at_a_checkpoint_call_is_a_glue_failure(monk
             body(print, None, args, {})
 
 
+FIT = """
+import torch
+
+
+def fit(pl):
+    \"\"\"One bf16-true FSDP step of a one-layer model on the CPU: the model and the trainer.\"\"\"
+    from _fsdp_shim.verify import cpu_guards
+
+    cpu_guards.lift(pl.__name__)
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(8, 8)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch[0].to(self.layer.weight.dtype)).float().pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.trainer.model.parameters(), lr=0.1)
+
+    model, data = Tiny(), torch.utils.data.TensorDataset(torch.randn(4, 8))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=pl.strategies.FSDPStrategy(), precision="bf16-true", max_steps=1,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=4))
+    return model, trainer
+"""
+
+
 def test_late_activation_warns_about_models_fsdp_already_wrapped(layouts: dict[str, Layout]) -> None:
     """``import fsdp_shim`` after a Trainer set up an FSDP model: that model keeps its float32 (said once), the
     next setup is cast."""
     _, (namespace, _) = affected_package(layouts)
-    said, before, after, late = code_json(
-        f"""
+    script = f"""
         import importlib, json, warnings
-        import torch
-        from _fsdp_shim.verify import cpu_guards
         from children.classes import shim_warnings, statuses
 
         pl = importlib.import_module({namespace!r})
-        cpu_guards.lift({namespace!r})
-
-        class Tiny(pl.LightningModule):
-            def __init__(self):
-                super().__init__()
-                self.layer = torch.nn.Linear(8, 8)
-
-            def training_step(self, batch, batch_idx):
-                return self.layer(batch[0]).float().pow(2).mean()
-
-            def configure_optimizers(self):
-                return torch.optim.Adam(self.trainer.model.parameters())
-
-        def fit():
-            model = Tiny()
-            trainer = pl.Trainer(
-                accelerator="cpu", devices=1, strategy=pl.strategies.FSDPStrategy(),
-                precision="bf16-true", max_steps=1, logger=False, enable_checkpointing=False,
-                enable_progress_bar=False, enable_model_summary=False,
-            )
-            data = torch.utils.data.TensorDataset(torch.randn(4, 8))
-            trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=4))
-            return model, trainer
-
-        before, kept_alive = fit()
+        before, kept_alive = fit(pl)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             import fsdp_shim
-        after, _ = fit()
+        after, _ = fit(pl)
         late = statuses()[{namespace!r}]["late"]
         print(json.dumps([shim_warnings(caught), str(before.dtype), str(after.dtype), late]))
-        """,
-        env=clean_env(PYTHONWARNINGS="ignore"),
-    )
+        """
+    said, before, after, late = code_json(FIT + textwrap.dedent(script), env=clean_env(PYTHONWARNINGS="ignore"))
     assert (before, after, late) == ("torch.float32", "torch.bfloat16", True)
     assert said == [
         f"fsdp-shim was activated after {namespace} had already set up 1 FSDP model(s); their parameters keep the "
