@@ -185,11 +185,10 @@ def test_other_ranks_log_nothing(layouts: dict[str, Layout]) -> None:
     "modules",
     [
         ["fsdp_shim", "lightning"],
-        ["fsdp_shim", "lightning.fabric.plugins.precision.fsdp"],
         ["lightning.pytorch.strategies.fsdp", "fsdp_shim", "lightning.fabric"],
         ["lightning_fabric", "fsdp_shim", "pytorch_lightning.plugins.precision.fsdp"],
     ],
-    ids=["shim-lightning", "shim-submodule", "submodule-shim", "fabric-shim-trainer-submodule"],
+    ids=["shim-lightning", "submodule-shim", "fabric-shim-trainer-submodule"],
 )
 def test_import_order_does_not_matter(modules: list[str], layouts: dict[str, Layout]) -> None:
     versions = needing_a_fix(layouts)
@@ -262,17 +261,15 @@ def test_a_namespace_imported_again_gets_its_new_classes_patched_and_status_read
         print(json.dumps([versions(), out]))
         """
     )
-    imported, (again, one_module, two_modules, activated) = result
+    imported, steps = result
+    assert len(steps) == 4
     cast = STATES[versions[namespace]][0]
     everything = expected_wrappers(imported)
     precision = [key for key in everything if key.startswith(f"{namespace}:FSDPPrecision")]
     fsdp = [key for key in everything if key.startswith(f"{namespace}:FSDPStrategy.")]
     new_cast = ["failed", f"{namespace}.plugins.precision.fsdp was imported again after fsdp-shim patched it"]
-    for step, (new, dtype, recompute, found, same_torch, status) in (
-        ("again", again),
-        ("one module", one_module),
-        ("two modules", two_modules),
-        ("activated", activated),
+    for step, (new, dtype, recompute, found, same_torch, status) in zip(
+        ("again", "one module", "two modules", "activated"), steps
     ):
         stale = step in ("one module", "two modules") and cast == "patched"
         assert (new, same_torch, recompute) == (True, True, BF16), step
@@ -341,31 +338,45 @@ def test_the_import_finder_never_deadlocks(hook: str, timeout: int, expected: li
     assert result == expected
 
 
+RACING = (
+    '["lightning", "lightning.pytorch", "pytorch_lightning", "lightning.fabric.plugins.precision.fsdp", '
+    '"lightning_fabric", "lightning.fabric", "pytorch_lightning.strategies.fsdp", "lightning.pytorch.strategies", '
+    '"lightning.pytorch.plugins.precision.fsdp", "lightning_fabric.plugins.precision.fsdp"]'
+)
+"""Ten imports that race through Lightning's circular imports: a thread may fail on a partly initialised module,
+with or without the shim (here all do), so they prove only that every thread finishes."""
+
+
 @pytest.mark.parametrize("arming", ["import fsdp_shim", "import _fsdp_shim; _fsdp_shim.arm('fsdp-shim run')"])
-def test_ten_threads_importing_lightning_finish(arming: str, layouts: dict[str, Layout]) -> None:
-    """Lightning's own imports are not thread-safe (a thread may fail on a partly initialised module, with or
-    without the shim); all threads must finish, and what finished executing is patched."""
+@pytest.mark.parametrize("names", [RACING, '["lightning", "pytorch_lightning"] * 5'], ids=["racing", "packages"])
+def test_ten_threads_importing_lightning_finish(arming: str, names: str, layouts: dict[str, Layout]) -> None:
+    """Ten threads importing Lightning at once all finish; where Lightning's imports survive that (each package
+    imported by five threads), the threads raise nothing and every namespace is patched exactly."""
     needing_a_fix(layouts)
     result = run(
         f"""
-        import importlib, json, os, threading
+        import importlib, importlib.util, json, os, threading
         {arming}
-        names = ["lightning", "lightning.pytorch", "pytorch_lightning", "lightning.fabric.plugins.precision.fsdp",
-                 "lightning_fabric", "lightning.fabric", "pytorch_lightning.strategies.fsdp",
-                 "lightning.pytorch.plugins.precision.fsdp", "lightning_fabric.plugins.precision.fsdp",
-                 "lightning.pytorch.strategies"]
-        threads = [threading.Thread(target=importlib.import_module, args=(name,), daemon=True) for name in names]
+        errors = []
+
+        def target(name):
+            try:
+                importlib.import_module(name)
+            except Exception as error:
+                errors.append(repr(error))
+
+        names = [name for name in {names} if importlib.util.find_spec(name.partition(".")[0])]
+        threads = [threading.Thread(target=target, args=(name,), daemon=True) for name in names]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join(240)
-        from children.classes import statuses
-        print(json.dumps([not any(t.is_alive() for t in threads), statuses()]), flush=True)
+        from children.classes import expected_wrappers, versions, wrappers
+        print(json.dumps([not any(t.is_alive() for t in threads), errors, wrappers() == expected_wrappers(versions())]))
         os._exit(0)
         """,
         PYTHONWARNINGS="ignore",
     )
-    finished, statuses = result
-    assert finished is True
-    for namespace, status in statuses.items():  # what finished executing (often nothing: Lightning's own races)
-        assert status["recompute"][0] in ("patched", "not affected"), (namespace, status)
+    assert result[0] is True
+    if names != RACING:
+        assert result[1:] == [[], True], result

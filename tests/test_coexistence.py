@@ -7,11 +7,13 @@ non-reentrant generator (a function of ``torch.utils.checkpoint``), shared by ev
 
 from __future__ import annotations
 
+import textwrap
 from typing import Any
 
 import pytest
 from children.classes import STATES
 from conftest import NAMESPACES, Layout, clean_env, code_json
+from test_failures import FIT
 
 QUIET = ("-W", "ignore::DeprecationWarning")
 ON, OFF = "torch.bfloat16", "torch.float32"
@@ -219,7 +221,6 @@ def test_a_library_that_wraps_the_base_class_after_the_shim_still_runs(layouts: 
 # ----------------------------------------------------------------------------- a finder in front of the shim's
 FIT_PAST_A_FINDER = """
     import importlib, importlib.machinery, json, sys, warnings
-    import torch
     from children.classes import PACKAGES, shim_warnings
 
     class Instrumenter:  # answers for every Lightning module with the path finder's spec
@@ -231,29 +232,7 @@ FIT_PAST_A_FINDER = """
         warnings.simplefilter("always")
         IMPORT_SHIM
         sys.meta_path.insert(0, Instrumenter())
-        pl = importlib.import_module(TRAINER)
-        from _fsdp_shim.verify import cpu_guards
-
-        cpu_guards.lift(TRAINER)
-
-        class Model(pl.LightningModule):
-            def __init__(self):
-                super().__init__()
-                self.layer = torch.nn.Linear(8, 8)
-
-            def training_step(self, batch, batch_idx):
-                return self.layer(batch[0].to(self.layer.weight.dtype)).float().pow(2).mean()
-
-            def configure_optimizers(self):
-                return torch.optim.SGD(self.trainer.model.parameters(), lr=0.1)
-
-        model = Model()
-        trainer = pl.Trainer(
-            accelerator="cpu", devices=1, strategy=pl.strategies.FSDPStrategy(), precision="bf16-true", max_steps=1,
-            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        )
-        data = torch.utils.data.TensorDataset(torch.randn(8, 8))
-        trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=4))
+        model, trainer = fit(importlib.import_module(TRAINER))
     status = sys.modules["_fsdp_shim.activation"].status()
     print(json.dumps({
         "sources": list(status.sources),
@@ -262,6 +241,7 @@ FIT_PAST_A_FINDER = """
         "said": shim_warnings(caught),
     }))
 """
+"""After ``FIT`` (tests/test_failures.py), which imports torch and lifts the CPU guards, not Lightning."""
 
 
 @pytest.mark.parametrize(
@@ -283,5 +263,5 @@ def test_a_finder_in_front_loads_lightning_and_the_shim_patches_it_at_the_next_i
         pytest.skip("needs a Lightning release that lacks the cast")
     trainer = NAMESPACES[package][0]
     script = FIT_PAST_A_FINDER.replace("IMPORT_SHIM", import_shim or "pass").replace("TRAINER", repr(trainer))
-    result = code_json(script, env=clean_env(PYTHONWARNINGS="ignore", **env))
+    result = code_json(FIT + textwrap.dedent(script), env=clean_env(PYTHONWARNINGS="ignore", **env))
     assert result == {"sources": [source], "dtypes": ["torch.bfloat16"], "patched": True, "said": []}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.machinery
 import json
 import sys
+import textwrap
 import warnings
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from _fsdp_shim.failures import FSDPShimError
 
 QUIET = ("-W", "ignore::DeprecationWarning")
 UNCHANGED = "Lightning was left unchanged, so it runs without the cast fix"
+NO_CLASS = "fsdp-shim: cannot patch {0} {1} (cast fix): {0}.plugins.precision.fsdp has no class {2}"
 
 
 def affected_package(layouts: dict[str, Layout], trainer_release_not: str = "") -> tuple[str, tuple[str, str]]:
@@ -31,15 +33,10 @@ def affected_package(layouts: dict[str, Layout], trainer_release_not: str = "") 
 
 
 # ============================================================================= the policy, in this process
-@pytest.fixture
-def not_strict(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    monkeypatch.delenv("FSDP_SHIM_STRICT", raising=False)
-    return monkeypatch
-
-
 def test_one_warning_per_problem_at_the_callers_line_and_strict_mode_raises_the_problem_alone(
-    not_strict: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.delenv("FSDP_SHIM_STRICT", raising=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(3):
@@ -49,16 +46,17 @@ def test_one_warning_per_problem_at_the_callers_line_and_strict_mode_raises_the_
     assert [(w.category, str(w.message), w.filename, w.lineno) for w in caught] == [
         (FSDPShimWarning, "fsdp-shim: the problem; what happened instead", __file__, caller)
     ]
-    not_strict.setenv("FSDP_SHIM_STRICT", "1")
+    monkeypatch.setenv("FSDP_SHIM_STRICT", "1")
     cause = KeyError("precision")
     with pytest.raises(FSDPShimError) as raised:
         failures.report("fsdp-shim: the problem", "what happened instead", key="policy-test-strict", cause=cause)
     assert str(raised.value) == "fsdp-shim: the problem (FSDP_SHIM_STRICT is on)" and raised.value.__cause__ is cause
 
 
-def test_a_warning_at_a_line_without_source_is_still_a_warning(not_strict: pytest.MonkeyPatch) -> None:
+def test_a_warning_at_a_line_without_source_is_still_a_warning(monkeypatch: pytest.MonkeyPatch) -> None:
     """``python -c`` and the prompt run ``__main__`` with a loader that has no source: still a warning, not an
     error from the user's ``import``."""
+    monkeypatch.delenv("FSDP_SHIM_STRICT", raising=False)
     code = compile("failures.report('fsdp-shim: no source', 'instead', key='no-source')", "<string>", "exec")
     namespace = {"__name__": "__main__", "__loader__": importlib.machinery.BuiltinImporter, "failures": failures}
     with warnings.catch_warnings(record=True) as caught:
@@ -111,11 +109,11 @@ RENAMED = """
 """
 
 
-def renamed(layouts: dict[str, Layout], catch: bool, **options: Any) -> tuple[str, tuple[str, str], Any]:
+def renamed(layouts: dict[str, Layout], catch: bool) -> tuple[tuple[str, str], str]:
+    """``RENAMED`` for an installed layout that lacks the cast: its (Trainer, Fabric) namespaces and the code."""
     package, namespaces = affected_package(layouts, trainer_release_not="2.1.0")  # 2.1.0 has no FSDPPrecision
     code = RENAMED.replace("PACKAGE", repr(package)).replace("TRAINER", repr(namespaces[0]))
-    code = code.replace("FABRIC", repr(namespaces[1]))
-    return package, namespaces, code_json(code.replace("CATCH", str(catch)), **options)
+    return namespaces, code.replace("FABRIC", repr(namespaces[1])).replace("CATCH", str(catch))
 
 
 def test_a_renamed_target_warns_once_at_the_users_import_line(layouts: dict[str, Layout]) -> None:
@@ -123,62 +121,49 @@ def test_a_renamed_target_warns_once_at_the_users_import_line(layouts: dict[str,
     the cast left out there, the recompute fix and the rank check applied. A Trainer whose ``FSDPPrecision`` is gone
     (2.2+ keeps ``FSDPPrecisionPlugin`` as its deprecated subclass): the subclass is left untouched, said once
     however often ``activate()`` runs."""
-    _, (trainer, fabric), result = renamed(layouts, True, python_args=QUIET, env=clean_env())
+    (trainer, fabric), code = renamed(layouts, True)
+    result = code_json(code, python_args=QUIET, env=clean_env())
     *said, versions, wrapped, statuses = result["renamed"]
     version = versions[trainer]
-    assert said == [
-        [
-            f"fsdp-shim: cannot patch {fabric} {version} (cast fix): {fabric}.plugins.precision.fsdp has no class "
-            f"RenamedPrecision; {UNCHANGED}",
-            True,
-        ]
-    ]
-    assert wrapped == sorted(
-        set(expected_wrappers(versions)) - {f"{fabric}:{key}" for key in CAST_WRAPS[version]["fabric"]}
-    )
-    assert (statuses[fabric]["patched"], statuses[fabric]["cast"][0], statuses[fabric]["recompute"][0]) == (
+    assert said == [[NO_CLASS.format(fabric, version, "RenamedPrecision") + f"; {UNCHANGED}", True]]
+    fabric_cast = {f"{fabric}:{key}" for key in CAST_WRAPS[version]["fabric"]}
+    assert wrapped == sorted(set(expected_wrappers(versions)) - fabric_cast)
+    assert [statuses[fabric]["patched"], statuses[fabric]["cast"][0], statuses[fabric]["recompute"][0]] == [
         False,
         "failed",
         "patched",
-    )
+    ]
     assert statuses[trainer]["cast"][0] == "patched"
 
     said, touched, statuses = result["without_class"]
-    assert said == [
-        [
-            f"fsdp-shim: cannot patch {trainer} {version} (cast fix): {trainer}.plugins.precision.fsdp has no class "
-            f"FSDPPrecision; {UNCHANGED}",
-            True,
-        ]
-    ]
+    assert said == [[NO_CLASS.format(trainer, version, "FSDPPrecision") + f"; {UNCHANGED}", True]]
     assert f"{trainer}:FSDPPrecisionPlugin.convert_module" not in touched
     rank_check = [key for key in expected_wrappers({trainer: version}, ("cast",)) if key.startswith(f"{trainer}:")]
     assert [key for key in touched if key.startswith(f"{trainer}:")] == rank_check
-    assert statuses[trainer]["cast"] == [
-        "failed",
-        f"{trainer}.plugins.precision.fsdp has no class FSDPPrecision",
-    ] and statuses[trainer]["recompute"] == ["patched", ""]
+    assert statuses[trainer]["cast"] == ["failed", f"{trainer}.plugins.precision.fsdp has no class FSDPPrecision"]
+    assert statuses[trainer]["recompute"] == ["patched", ""]
 
 
-def test_strict_mode_turns_a_renamed_target_into_an_error_from_the_users_import(layouts: dict[str, Layout]) -> None:
-    _, (_, fabric), (kind, message) = renamed(layouts, False, env=clean_env(FSDP_SHIM_STRICT="1"))
-    assert kind == "fsdp_shim.errors.FSDPShimError"
-    assert message.startswith(f"fsdp-shim: cannot patch {fabric} ") and message.endswith(
-        f"(cast fix): {fabric}.plugins.precision.fsdp has no class RenamedPrecision (FSDP_SHIM_STRICT is on)"
-    )
-
-
-def test_minus_w_error_with_the_message_prefix_turns_warnings_into_errors(layouts: dict[str, Layout]) -> None:
-    """What the docs recommend works from the command line; the category form cannot (Python resolves ``-W``
-    categories before ``sys.path`` is set up, and says so)."""
-    flags = ("-W", "error::fsdp_shim.FSDPShimWarning", "-W", "error:fsdp-shim")
-    package, namespaces = affected_package(layouts, trainer_release_not="2.1.0")
-    code = RENAMED.replace("PACKAGE", repr(package)).replace("TRAINER", repr(namespaces[0])).replace("CATCH", "False")
-    code = code.replace("FABRIC", repr(namespaces[1]))
-    proc = run_code(code, python_args=flags, env=clean_env())
-    assert "Invalid -W option ignored: invalid module name: 'fsdp_shim'" in proc.stderr
-    kind, message = json.loads(proc.stdout.splitlines()[-1])
-    assert kind == "fsdp_shim.FSDPShimWarning" and message.startswith(f"fsdp-shim: cannot patch {namespaces[1]} ")
+@pytest.mark.parametrize(
+    ("flags", "env", "kind", "tail"),
+    [
+        ((), {"FSDP_SHIM_STRICT": "1"}, "fsdp_shim.errors.FSDPShimError", " (FSDP_SHIM_STRICT is on)"),
+        (("-W", "error::fsdp_shim.FSDPShimWarning", "-W", "error:fsdp-shim"), {}, "fsdp_shim.FSDPShimWarning", ""),
+    ],
+    ids=["strict", "minus-W-error"],
+)
+def test_strict_mode_or_minus_w_error_turns_a_renamed_target_into_an_error_from_the_users_import(
+    flags: tuple[str, ...], env: dict[str, str], kind: str, tail: str, layouts: dict[str, Layout]
+) -> None:
+    """``FSDP_SHIM_STRICT=1``, or the ``-W error:fsdp-shim`` the docs recommend; the ``-W`` category form cannot
+    work (Python resolves ``-W`` categories before ``sys.path`` is set up, and says so)."""
+    (_, fabric), code = renamed(layouts, False)
+    proc = run_code(code, python_args=flags, env=clean_env(**env))
+    assert ("Invalid -W option ignored: invalid module name: 'fsdp_shim'" in proc.stderr) == bool(flags)
+    raised, message = json.loads(proc.stdout.splitlines()[-1])
+    assert raised == kind and message.startswith(f"fsdp-shim: cannot patch {fabric} ")
+    no_class = f"(cast fix): {fabric}.plugins.precision.fsdp has no class RenamedPrecision"
+    assert message.endswith(no_class + (tail or f"; {UNCHANGED}"))
 
 
 # ============================================================================= a bug of the shim's
@@ -365,52 +350,55 @@ def test_a_pin_that_cannot_be_loaded_at_a_checkpoint_call_is_a_glue_failure(monk
             body(print, None, args, {})
 
 
+FIT = """
+import torch
+
+
+def fit(pl):
+    \"\"\"One bf16-true FSDP step of a one-layer model on the CPU: the model and the trainer.\"\"\"
+    from _fsdp_shim.verify import cpu_guards
+
+    cpu_guards.lift(pl.__name__)
+
+    class Tiny(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.layer = torch.nn.Linear(8, 8)
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch[0].to(self.layer.weight.dtype)).float().pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.trainer.model.parameters(), lr=0.1)
+
+    model, data = Tiny(), torch.utils.data.TensorDataset(torch.randn(4, 8))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=1, strategy=pl.strategies.FSDPStrategy(), precision="bf16-true", max_steps=1,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=4))
+    return model, trainer
+"""
+
+
 def test_late_activation_warns_about_models_fsdp_already_wrapped(layouts: dict[str, Layout]) -> None:
     """``import fsdp_shim`` after a Trainer set up an FSDP model: that model keeps its float32 (said once), the
     next setup is cast."""
     _, (namespace, _) = affected_package(layouts)
-    said, before, after, late = code_json(
-        f"""
+    script = f"""
         import importlib, json, warnings
-        import torch
-        from _fsdp_shim.verify import cpu_guards
         from children.classes import shim_warnings, statuses
 
         pl = importlib.import_module({namespace!r})
-        cpu_guards.lift({namespace!r})
-
-        class Tiny(pl.LightningModule):
-            def __init__(self):
-                super().__init__()
-                self.layer = torch.nn.Linear(8, 8)
-
-            def training_step(self, batch, batch_idx):
-                return self.layer(batch[0]).float().pow(2).mean()
-
-            def configure_optimizers(self):
-                return torch.optim.Adam(self.trainer.model.parameters())
-
-        def fit():
-            model = Tiny()
-            trainer = pl.Trainer(
-                accelerator="cpu", devices=1, strategy=pl.strategies.FSDPStrategy(),
-                precision="bf16-true", max_steps=1, logger=False, enable_checkpointing=False,
-                enable_progress_bar=False, enable_model_summary=False,
-            )
-            data = torch.utils.data.TensorDataset(torch.randn(4, 8))
-            trainer.fit(model, torch.utils.data.DataLoader(data, batch_size=4))
-            return model, trainer
-
-        before, kept_alive = fit()
+        before, kept_alive = fit(pl)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             import fsdp_shim
-        after, _ = fit()
+        after, _ = fit(pl)
         late = statuses()[{namespace!r}]["late"]
         print(json.dumps([shim_warnings(caught), str(before.dtype), str(after.dtype), late]))
-        """,
-        env=clean_env(PYTHONWARNINGS="ignore"),
-    )
+        """
+    said, before, after, late = code_json(FIT + textwrap.dedent(script), env=clean_env(PYTHONWARNINGS="ignore"))
     assert (before, after, late) == ("torch.float32", "torch.bfloat16", True)
     assert said == [
         f"fsdp-shim was activated after {namespace} had already set up 1 FSDP model(s); their parameters keep the "

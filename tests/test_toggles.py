@@ -30,25 +30,20 @@ def test_the_switch_parser(values: list[str | None], state: str) -> None:
     assert {switch_state(value) for value in values} == {state}
 
 
-@pytest.fixture
-def no_switches(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
-    for name in ("FSDP_SHIM", "FSDP_SHIM_STRICT"):
-        monkeypatch.delenv(name, raising=False)
-    return monkeypatch
-
-
-def test_unreadable_switches_fail_closed_and_warn_once(no_switches: pytest.MonkeyPatch) -> None:
+def test_unreadable_switches_fail_closed_and_warn_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """Unreadable, the kill switch switches the shim OFF and strict mode turns ON, each said once per value;
     strict mode is off by default and readable values say nothing."""
+    monkeypatch.delenv("FSDP_SHIM", raising=False)
+    monkeypatch.delenv("FSDP_SHIM_STRICT", raising=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert (activation.enabled(), failures.strict_mode()) == (True, False)
-        no_switches.setenv("FSDP_SHIM", "no")
-        no_switches.setenv("FSDP_SHIM_STRICT", "yes")
+        monkeypatch.setenv("FSDP_SHIM", "no")
+        monkeypatch.setenv("FSDP_SHIM_STRICT", "yes")
         assert (activation.enabled(), failures.strict_mode()) == (False, True)
         assert caught == []
-        no_switches.setenv("FSDP_SHIM", "maybe-in-process")
-        no_switches.setenv("FSDP_SHIM_STRICT", "tru-in-process")
+        monkeypatch.setenv("FSDP_SHIM", "maybe-in-process")
+        monkeypatch.setenv("FSDP_SHIM_STRICT", "tru-in-process")
         for _ in range(2):
             assert (activation.enabled(), failures.strict_mode()) == (False, True)
     valid = "Valid values (case-insensitive): 1, true, on, yes, y, enable, enabled, 0, false, off, no, n, disable, "
