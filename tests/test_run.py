@@ -14,19 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import (
-    FSDP_SHIM,
-    SCENARIO,
-    Layout,
-    affected_layout,
-    clean_env,
-    code_json,
-    make_venv,
-    run_command,
-    run_on_a_free_port,
-    scenario_results,
-    torchrun,
-)
+from conftest import FSDP_SHIM, Layout, affected_layout, clean_env, code_json, make_venv, run_command
 
 import _fsdp_shim
 
@@ -218,19 +206,3 @@ def test_missing_wrapt_under_run_is_loud(tmp_path: Path, layouts: dict[str, Layo
     assert result["warnings"] and all("ImportError: wrapt is missing for this test" in w for w in result["warnings"])
     assert result["warnings"][0].startswith("fsdp-shim: cannot patch lightning.")
     assert result["states"] == {"cast": "failed", "recompute": "failed"}
-
-
-def test_fsdp_shim_run_torchrun_two_ranks_get_the_fix(tmp_path: Path, layouts: dict[str, Layout]) -> None:
-    """torchrun's workers inherit the bootstrap: both ranks train in bfloat16, and the script never imports
-    fsdp_shim."""
-    affected_layout(layouts, "lightning")
-    case, out = "init+pretrained:bf16-true", tmp_path / "torchrun"
-    arguments = ["--api", "trainer", "--shim", "off", "--cases", case, "--devices", "2", "--out", str(out)]
-
-    def attempt(retry: bool) -> tuple[list[str], dict[str, str]]:
-        return [FSDP_SHIM, "run", *torchrun(2), str(SCENARIO), *arguments], clean_env(PYTHONWARNINGS="ignore")
-
-    proc, _ = run_on_a_free_port(attempt)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    ranks = scenario_results(out, 2)
-    assert [ranks[rank][case]["flat_param_dtypes"] for rank in (0, 1)] == [["torch.bfloat16"]] * 2
