@@ -152,18 +152,15 @@ def test_run_into_an_interpreter_without_the_shim_is_loud_at_its_first_lightning
     assert second == "ModuleNotFoundError: No module named 'pytorch_lightning'"
 
 
-def old_pythons() -> dict[str, str | None]:
-    """Each Python older than 3.9 this machine has (pyenv's too, active or not), by version."""
-    root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
-    found: dict[str, str | None] = {}
-    for version in ("2.7", "3.6", "3.7", "3.8"):
-        candidates = sorted(root.glob(f"{version}.*/bin/python{version}")) if root.is_dir() else []
-        found[version] = str(candidates[-1]) if candidates else None
-    return found
+PYENV_VERSIONS = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+OLD_PYTHONS = {
+    v: max(map(str, PYENV_VERSIONS.glob(f"{v}.*/bin/python{v}")), default=None) for v in ("2.7", "3.6", "3.7", "3.8")
+}
+"""Each Python older than 3.9 this machine has (pyenv's too, active or not), by version."""
 
 
 @pytest.mark.per_python
-@pytest.mark.parametrize(("version", "python"), old_pythons().items(), ids=list(old_pythons()))
+@pytest.mark.parametrize(("version", "python"), OLD_PYTHONS.items(), ids=list(OLD_PYTHONS))
 def test_the_bootstrap_is_silent_and_chains_under_a_python_the_shim_does_not_support(
     version: str, python: str | None, tmp_path: Path
 ) -> None:
