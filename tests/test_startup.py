@@ -64,7 +64,9 @@ def test_the_switch_read_by_the_pth_its_pep_829_companion_and_status_and_what_ar
     through ``fsdp_shim_env.start``'s entry point (as Python 3.15's ``site`` runs it: ``pkgutil.resolve_name``,
     then the call; here under ``-S``); ``0`` arms too, and is read again at Lightning's import. Unset, blank or
     spaces: nothing armed, and the ``.pth`` imports nothing at all; ``status`` reads a blank value as unset too.
-    Armed, the start-up imports the start-up module and no other module."""
+    Armed, the start-up imports the start-up module and no other module. ``python -I`` and ``-E`` still read
+    site-packages, so ``FSDP_SHIM=1`` arms there (also under ``fsdp-shim run``, whose bootstrap on ``PYTHONPATH``
+    they ignore); ``python -S`` reads no start-up file at all, as docs/activation.md says."""
     start_file = (site_packages / "fsdp_shim_env.start").read_text()
     entries = [line.strip() for line in start_file.splitlines() if line.strip()[:1] not in ("", "#")]
     assert entries == ["_fsdp_shim:arm_if_switched_on"]
@@ -78,6 +80,12 @@ def test_the_switch_read_by_the_pth_its_pep_829_companion_and_status_and_what_ar
         by_pth = json.loads(run_command([sys.executable, "-c", WHAT_START_UP_LEFT], env=env, cwd=tmp_path).stdout)
         by_start = run_command([sys.executable, "-S", "-c", run_start + WHAT_START_UP_LEFT], env=env, cwd=tmp_path)
         seen[value] = (by_pth, json.loads(by_start.stdout)[:2])
+    reached = {}
+    for flag, launcher in {"-I": (), "-E": (FSDP_SHIM, "run"), "-S": ()}.items():
+        command = [*launcher, sys.executable, flag, "-c", WHAT_START_UP_LEFT]
+        reached[flag] = json.loads(run_command(command, env=clean_env(FSDP_SHIM="1"), cwd=tmp_path).stdout)[:2]
+    armed = [1, [ARMED_BY_THE_PTH.format("1")]]
+    assert reached == {"-I": armed, "-E": armed, "-S": [0, None]}
     blank = run_command([FSDP_SHIM, "status", "--json"], env=clean_env(FSDP_SHIM=""), cwd=tmp_path)
     assert json.loads(blank.stdout)["armed"] == {"state": "not armed", "by": []}  # 0 and 1: test_status.py
     dormant = seen[None][0][2]
@@ -89,24 +97,6 @@ def test_the_switch_read_by_the_pth_its_pep_829_companion_and_status_and_what_ar
         "  ": ([0, None], [0, []]),
         "0": ([1, [ARMED_BY_THE_PTH.format("0")]], [1, [ARMED_BY_THE_PTH.format("0")]]),
         "1": ([1, [ARMED_BY_THE_PTH.format("1")]], [1, [ARMED_BY_THE_PTH.format("1")]]),
-    }
-
-
-@pytest.mark.per_python
-def test_where_start_up_activation_reaches_as_docs_activation_md_says(site_packages: Path, tmp_path: Path) -> None:
-    """``python -I`` and ``-E`` still read site-packages, so ``FSDP_SHIM=1`` arms there, also the one ``fsdp-shim
-    run`` sets, whose bootstrap on ``PYTHONPATH`` they ignore; ``python -S`` reads no start-up file at all."""
-    env = clean_env(FSDP_SHIM="1")
-    armed = {
-        flag: json.loads(
-            run_command([*launcher, sys.executable, flag, "-c", WHAT_START_UP_LEFT], env=env, cwd=tmp_path).stdout
-        )[:2]
-        for flag, launcher in {"-I": (), "-E": (FSDP_SHIM, "run"), "-S": ()}.items()
-    }
-    assert armed == {
-        "-I": [1, [ARMED_BY_THE_PTH.format("1")]],
-        "-E": [1, [ARMED_BY_THE_PTH.format("1")]],
-        "-S": [0, None],
     }
 
 
