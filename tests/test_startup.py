@@ -164,12 +164,9 @@ def test_python_m_fsdp_shim_never_activates_its_own_process_and_another_module_r
     (tmp_path / "trainer_package" / "__init__.py").write_text("import fsdp_shim\n")
     (tmp_path / "trainer_package" / "__main__.py").write_text("")
     report = tmp_path / "armed_by.json"
-    (tmp_path / "sitecustomize.py").write_text(
-        "import atexit, json, sys\n"
-        "def report():\n"
-        f"    with open({str(report)!r}, 'w') as out:\n"
-        "        json.dump(getattr(sys.modules.get('_fsdp_shim'), 'ARMED_BY', []), out)\n"
-        "atexit.register(report)\n"
+    (tmp_path / "sitecustomize.py").write_text(  # at exit, how the process was armed
+        f"import atexit, json, sys\natexit.register(lambda: open({str(report)!r}, 'w').write(json.dumps("
+        "getattr(sys.modules.get('_fsdp_shim'), 'ARMED_BY', []))))\n"
     )
     env = clean_env()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")]))
@@ -195,10 +192,8 @@ SPECS_AND_LOADERS = """\
 import hashlib, importlib.util, json, marshal, pkgutil, sys
 from pathlib import Path
 
-
 def digest(data):
     return hashlib.sha256(data).hexdigest()
-
 
 def describe(spec, name):
     loader, reader = spec.loader, spec.loader.get_resource_reader(name)
@@ -213,14 +208,12 @@ def describe(spec, name):
         "get_resource_reader": [type(reader).__qualname__, str(reader.files())],
     }
 
-
 def spec_before_import(name):  # a submodule's parent found, not imported; the finders asked in order
     if "." not in name:
         return importlib.util.find_spec(name)
     where = importlib.util.find_spec(name.rpartition(".")[0]).submodule_search_locations
     finders = [finder.find_spec for finder in sys.meta_path if hasattr(finder, "find_spec")]
     return next(filter(None, (find_spec(name, where, None) for find_spec in finders)))
-
 
 names = ["lightning", "pytorch_lightning", "lightning_fabric", "lightning.pytorch", "lightning.fabric"]
 names = [name for name in names if importlib.util.find_spec(name.partition(".")[0])]
@@ -229,14 +222,9 @@ data = {}
 for package in [name for name in names if "." not in name]:  # get_data imports the package through its spec
     file = Path(importlib.util.find_spec(package).origin).parent / "version.info"
     data[package] = [digest(file.read_bytes()), digest(pkgutil.get_data(package, "version.info"))]
-after = {
-    name: [
-        sys.modules[name].__loader__ is sys.modules[name].__spec__.loader,
-        "exec_module" in vars(sys.modules[name].__loader__),
-        describe(sys.modules[name].__spec__, name),
-    ]
-    for name in names
-}
+modules = {name: sys.modules[name] for name in names}  # each __loader__ its spec's, with nothing of the shim's on it
+after = {name: [m.__loader__ is m.__spec__.loader, "exec_module" in vars(m.__loader__), describe(m.__spec__, name)]
+         for name, m in modules.items()}
 import _fsdp_shim
 from _fsdp_shim.wrappers import is_shim_wrapper, wrapper_chain
 
@@ -268,8 +256,6 @@ def test_the_armed_finder_leaves_lightnings_specs_and_loaders_and_arming_after_l
     assert plain["armed_at_start"] == []
     assert {"lightning", "lightning.pytorch"} <= set(armed["before"])
     assert [armed[key] for key in ("before", "data", "after")] == [plain[key] for key in ("before", "data", "after")]
-    assert all(from_file == read for from_file, read in armed["data"].values())
-    assert all(is_spec_loader and not shadowed for is_spec_loader, shadowed, _ in armed["after"].values())
     assert (armed["cast"], armed["activated_after_import"]) == ("patched", False)
     assert (plain["cast"], plain["activated_after_import"]) == ("patched", True)
     assert armed["finders"] == plain["finders"] == 1 and armed["shim_layers"] == plain["shim_layers"] == 1
