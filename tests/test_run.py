@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import FSDP_SHIM, Layout, affected_layout, clean_env, code_json, make_venv, run_command
+from conftest import FSDP_SHIM, clean_env, code_json, make_venv, run_command
 
 import _fsdp_shim
 
@@ -174,32 +174,3 @@ def test_the_bootstrap_is_silent_and_chains_under_a_python_the_shim_does_not_sup
     env = clean_env(PYTHONPATH=pythonpath, PYTHONDONTWRITEBYTECODE="1")  # 2.7 writes its .pyc beside the source
     proc = run_command([FSDP_SHIM, "run", python, "-c", code], env=env, cwd=tmp_path)
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, "[True, False]", "")
-
-
-A_LIGHTNING_IMPORT_WITHOUT_WRAPT = """\
-import json, sys, warnings
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    import lightning
-status = sys.modules["_fsdp_shim.activation"].status().namespace("lightning.pytorch")
-print(json.dumps({
-    "warnings": [str(w.message) for w in caught if w.category.__name__ == "FSDPShimWarning"],
-    "states": {fix.fix: fix.state.value for fix in status.fixes},
-}))
-"""
-
-
-def test_missing_wrapt_under_run_is_loud(tmp_path: Path, layouts: dict[str, Layout]) -> None:
-    """The shim's own dependency cannot be imported: Lightning imports unpatched, with a warning that says why, and
-    status says that no fix could be applied."""
-    affected_layout(layouts, "lightning")
-    (tmp_path / "no_wrapt" / "wrapt").mkdir(parents=True)
-    (tmp_path / "no_wrapt" / "wrapt" / "__init__.py").write_text(
-        "raise ImportError('wrapt is missing for this test', name='wrapt')\n"
-    )
-    env = clean_env()
-    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "no_wrapt"), *filter(None, [env.get("PYTHONPATH")])])
-    result = code_json(A_LIGHTNING_IMPORT_WITHOUT_WRAPT, env=env, launcher=(FSDP_SHIM, "run"))
-    assert result["warnings"] and all("ImportError: wrapt is missing for this test" in w for w in result["warnings"])
-    assert result["warnings"][0].startswith("fsdp-shim: cannot patch lightning.")
-    assert result["states"] == {"cast": "failed", "recompute": "failed"}

@@ -287,28 +287,42 @@ def test_a_start_up_file_left_behind_by_a_removed_package_is_silent(site_package
 
 
 A_LIGHTNING_IMPORT = """\
-import json, warnings
+import json, sys, warnings
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     import lightning, pytorch_lightning, lightning_fabric, wave
-print(json.dumps([f"{w.category.__name__}: {w.message}" for w in caught if "fsdp-shim" in str(w.message)]))
+shim = sys.modules.get("_fsdp_shim.activation")
+print(json.dumps([
+    [f"{w.category.__name__}: {w.message}" for w in caught if "fsdp-shim" in str(w.message)],
+    shim and sorted({fix.state.value for ns in shim.status().namespaces if ns.imported for fix in ns.fixes}),
+]))
 """
 
 
-def test_a_shim_that_cannot_load_under_the_start_up_file_is_loud(tmp_path: Path, layouts: dict[str, Layout]) -> None:
-    """The ``.pth`` arms a start-up module whose shim cannot be imported: the first Lightning import warns once
-    (no later import says more), or in strict mode fails with an ImportError that names the cause."""
+@pytest.mark.parametrize("module", ["_fsdp_shim/activation.py", "wrapt/__init__.py"], ids=["shim", "wrapt"])
+def test_a_shim_or_a_wrapt_that_cannot_load_under_the_start_up_file_is_loud(
+    module: str, tmp_path: Path, layouts: dict[str, Layout]
+) -> None:
+    """The ``.pth`` arms, but the shim, or its wrapt, cannot be imported: Lightning imports unpatched with a
+    warning that says why (the shim: once, whatever imports follow; wrapt: per namespace, each fix failed in
+    status), or in strict mode the import fails with an error that names the cause."""
     affected_layout(layouts, "lightning")
-    broken = tmp_path / "broken" / "_fsdp_shim"
-    broken.mkdir(parents=True)
-    shutil.copy(_fsdp_shim.__file__, broken / "__init__.py")
-    (broken / "activation.py").write_text("raise ImportError('this _fsdp_shim is broken for the test')\n")
+    broken = tmp_path / "broken" / module
+    name, cause = broken.parent.name, f"ImportError: {broken.parent.name} is broken for the test"
+    broken.parent.mkdir(parents=True)
+    if name == "_fsdp_shim":
+        shutil.copy(_fsdp_shim.__file__, broken.parent / "__init__.py")
+    broken.write_text(f"raise ImportError('{name} is broken for the test', name={name!r})\n")
     env = clean_env(FSDP_SHIM="1")
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(broken.parent), env.get("PYTHONPATH")]))
-    warned = code_json(A_LIGHTNING_IMPORT, env=env)
-    assert len(warned) == 1, warned
-    assert warned[0].startswith("FSDPShimWarning: fsdp-shim: the shim could not be loaded (ImportError: this _fsdp")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path / "broken"), env.get("PYTHONPATH")]))
+    warned, states = code_json(A_LIGHTNING_IMPORT, env=env)
     strict = run_code(A_LIGHTNING_IMPORT, env={**env, "FSDP_SHIM_STRICT": "1"}, expect_ok=False)
-    assert strict.returncode == 1 and strict.stdout == ""
-    assert "ImportError: fsdp-shim: the shim could not be loaded (ImportError: this _fsdp_shim" in strict.stderr
-    assert "FSDP_SHIM_STRICT is on, so this import fails instead" in strict.stderr
+    shim = name == "_fsdp_shim"
+    said = f"fsdp-shim: the shim could not be loaded ({cause})" if shim else "fsdp-shim: cannot patch lightning."
+    assert warned[0].startswith(f"FSDPShimWarning: {said}") and all(cause in warning for warning in warned), warned
+    assert (len(warned), states) == (1, None) if shim else states == ["failed"], warned
+    kind = "ImportError" if shim else "fsdp_shim.errors.FSDPShimError"
+    ending = "; FSDP_SHIM_STRICT is on, so this import fails instead" if shim else f"{cause} (FSDP_SHIM_STRICT is on)"
+    raised = strict.stderr.splitlines()[-1]
+    assert (strict.returncode, strict.stdout) == (1, ""), strict.stderr
+    assert raised.startswith(f"{kind}: {said}") and raised.endswith(ending), raised
