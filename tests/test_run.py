@@ -19,9 +19,6 @@ from conftest import FSDP_SHIM, clean_env, code_json, make_venv, run_command
 import _fsdp_shim
 
 BOOTSTRAP = Path(_fsdp_shim.__file__).resolve().parent / "bootstrap"
-ARMED_BY = ["FSDP_SHIM=1 (start-up file installed with the package)", "fsdp-shim run"]
-"""How ``fsdp-shim run`` arms a Python of this environment: ``FSDP_SHIM=1`` through the start-up file pip
-installed with the package (read first, by ``site``), then the bootstrap ``sitecustomize``."""
 
 
 @pytest.mark.per_python
@@ -47,19 +44,12 @@ def test_run_sets_the_switch_unless_set_puts_the_bootstrap_first_and_execs_the_c
     assert killed.returncode == -signal.SIGTERM
     not_executable = tmp_path / "job.sh"
     not_executable.write_text("#!/bin/sh\n")
-    outcomes = {
-        name: run(*command)
-        for name, command in {
-            "missing": ["no-such-command-fsdp-shim"],
-            "not executable": [str(not_executable)],
-            "none": [],
-        }.items()
-    }
-    assert {name: (proc.returncode, proc.stderr) for name, proc in outcomes.items()} == {
-        "missing": (127, "fsdp-shim run: command not found: no-such-command-fsdp-shim\n"),
-        "not executable": (126, f"fsdp-shim run: permission denied: {not_executable}\n"),
-        "none": (2, "fsdp-shim run: no command given. Usage: fsdp-shim run CMD [ARGS...]\n"),
-    }
+    outcomes = [run(*command) for command in (["no-such-command-fsdp-shim"], [str(not_executable)], [])]
+    assert [(proc.returncode, proc.stderr) for proc in outcomes] == [
+        (127, "fsdp-shim run: command not found: no-such-command-fsdp-shim\n"),
+        (126, f"fsdp-shim run: permission denied: {not_executable}\n"),
+        (2, "fsdp-shim run: no command given. Usage: fsdp-shim run CMD [ARGS...]\n"),
+    ]
 
 
 USER_SITECUSTOMIZE = """\
@@ -105,7 +95,7 @@ def test_run_chains_the_users_sitecustomize_once_keeping_its_sys_path_and_name(f
     result = code_json(A_PROCESS_UNDER_RUN, env=env, launcher=launcher, cwd=tmp_path)
     assert result == {
         "sitecustomize": "the user's sitecustomize",
-        "armed_by": ARMED_BY,
+        "armed_by": ["FSDP_SHIM=1 (start-up file installed with the package)", "fsdp-shim run"],  # .pth first
         "bootstrap_on_sys_path": [],
         "module_in_cwd": "module_in_cwd" if form == "module" else None,
     }
@@ -134,16 +124,15 @@ def test_run_into_an_interpreter_without_the_shim_is_loud_at_its_first_lightning
     other = make_venv(tmp_path / "other", [])
     said = "fsdp-shim run: the shim could not be armed in " + other.python
     env = clean_env(PYTHONPATH=None)
-    proc = run_command([FSDP_SHIM, "run", other.python, "-c", A_LIGHTNING_IMPORT], env=env, cwd=tmp_path)
+    command = [FSDP_SHIM, "run", other.python, "-c", A_LIGHTNING_IMPORT]
+    proc = run_command(command, env=env, cwd=tmp_path)
     assert proc.returncode == 0 and proc.stderr.count("fsdp-shim run:") == 1 and said in proc.stderr, proc.stderr
     assert proc.stdout.splitlines() == [
         "other imports pass",
         "ModuleNotFoundError: No module named 'lightning'",
         "ModuleNotFoundError: No module named 'pytorch_lightning'",
     ]
-    strict = run_command(
-        [FSDP_SHIM, "run", other.python, "-c", A_LIGHTNING_IMPORT], env={**env, "FSDP_SHIM_STRICT": "1"}, cwd=tmp_path
-    )
+    strict = run_command(command, env={**env, "FSDP_SHIM_STRICT": "1"}, cwd=tmp_path)
     assert strict.returncode == 0 and strict.stderr == "", strict.stderr
     first, second = strict.stdout.splitlines()[1:]
     assert first.startswith(f"ImportError: {said}") and first.endswith(
