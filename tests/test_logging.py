@@ -5,6 +5,7 @@ activation checkpointing (tests/scenarios/recompute.py)."""
 from __future__ import annotations
 
 import logging
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -36,11 +37,7 @@ def test_what_the_shim_prints_in_a_run(
         tmp_path, "trainer", cases, strategy="single", package=layout.package, env=env, logging_setup=logging_setup
     )
     assert_like_the_run_without_checkpointing(results, cases)
-    lines = [
-        line
-        for line in output.splitlines()
-        if line.startswith("fsdp-shim") or ":fsdp_shim:" in line or "FSDPShimWarning" in line
-    ]
+    lines = [line for line in output.splitlines() if re.search("^fsdp-shim|:fsdp_shim:|FSDPShimWarning", line)]
     if setting == "false":
         assert lines == [], output[-3000:]
         return
@@ -66,11 +63,8 @@ def test_the_lines_go_through_the_users_logging_configuration_and_change_none_of
     level of the user's is added or changed."""
     logger = logging.getLogger("fsdp_shim")
     records: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record.getMessage())
-
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
     monkeypatch.setattr(logger, "handlers", [])
     level = logger.level
     try:
@@ -81,7 +75,6 @@ def test_the_lines_go_through_the_users_logging_configuration_and_change_none_of
             log.debug("reason %s", "y")
             assert capsys.readouterr().err.splitlines() == expected, setting
             assert (logger.handlers, logger.level) == ([], logging.WARNING)
-        handler = Collect()
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
         log.announce("confirmed %d", 1)
@@ -113,17 +106,9 @@ def test_rank_zero_is_the_process_groups_where_no_variable_says_it() -> None:
     under Lightning's own launcher; under mpirun no variable is set at all): the line is said once, by rank 0."""
     init = f"tcp://127.0.0.1:{free_port()}"
     env = clean_env(LOCAL_RANK="0", RANK=None, SLURM_PROCID=None, PYTHONWARNINGS="ignore")
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", RANK_OF_THE_GROUP, init, str(rank)],
-            env=env,
-            cwd=ROOT,
-            text=True,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-        )
-        for rank in (0, 1)
-    ]
+    pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
+    command = [sys.executable, "-c", RANK_OF_THE_GROUP, init]
+    procs = [subprocess.Popen([*command, str(rank)], env=env, cwd=ROOT, **pipes) for rank in (0, 1)]
     outputs = [proc.communicate(timeout=120) for proc in procs]
     assert [proc.returncode for proc in procs] == [0, 0], outputs
     said = [[line.partition("active; ")[2] for line in err.splitlines()] for _, err in outputs]
