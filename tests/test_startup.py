@@ -111,25 +111,28 @@ def test_the_start_up_module_imports_only_sys_and_runs_nothing_at_import() -> No
     assert not [node for statement in statements for node in ast.walk(statement) if isinstance(node, ast.Call)]
 
 
-OFF_OR_UNREADABLE = """\
-import importlib, importlib.util, json, os, sys, warnings
-{set_in_script}
+LIGHTNING_IMPORTED = """\
+import importlib.util, json, sys, warnings
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    for name in ("lightning", "pytorch_lightning", "lightning_fabric"):
+    for name in ("lightning", "pytorch_lightning", "lightning_fabric", "wave"):
         if importlib.util.find_spec(name):
-            importlib.import_module(name)
+            __import__(name)
     loaded = "_fsdp_shim.activation" in sys.modules
     armed_by = list(sys.modules["_fsdp_shim"].ARMED_BY)
-    import fsdp_shim
-    status = fsdp_shim.status()
-print(json.dumps({{
+    try:
+        status = __import__("fsdp_shim").status()  # another activation
+    except ImportError:  # a shim that cannot load
+        status = None
+print(json.dumps({
     "armed_by": armed_by,
     "loaded_at_lightnings_import": loaded,
-    "states": sorted({{fix.state.value for ns in status.namespaces if ns.imported for fix in ns.fixes}}),
-    "warnings": [str(w.message) for w in caught if w.category.__name__ == "FSDPShimWarning"],
-}}))
+    "states": status and sorted({fix.state.value for ns in status.namespaces if ns.imported for fix in ns.fixes}),
+    "warnings": [f"{w.category.__name__}: {w.message}" for w in caught if "fsdp-shim" in str(w.message)],
+}))
 """
+"""Imports every Lightning package there is, then ``import fsdp_shim``: how the shim was armed, whether Lightning's
+import loaded it, what status says of each fix, and what the shim warned."""
 
 
 def test_an_off_value_wins_over_every_activation_and_an_unreadable_one_is_off_and_says_so(
@@ -139,10 +142,10 @@ def test_an_off_value_wins_over_every_activation_and_an_unreadable_one_is_off_an
     ``fsdp-shim run`` (the ``.pth`` and the bootstrap armed): no activation loads the shim, nothing is patched,
     nothing is said. Unreadable: the shim loads only to say, once, that it is off."""
     affected_layout(layouts)
-    off_in_env = code_json(OFF_OR_UNREADABLE.format(set_in_script=""), env=clean_env(FSDP_SHIM=" OFF "))
-    set_in_script = OFF_OR_UNREADABLE.format(set_in_script="os.environ['FSDP_SHIM'] = 'disabled'")
+    off_in_env = code_json(LIGHTNING_IMPORTED, env=clean_env(FSDP_SHIM=" OFF "))
+    set_in_script = "import os; os.environ['FSDP_SHIM'] = 'disabled'\n" + LIGHTNING_IMPORTED
     off_in_script = code_json(set_in_script, launcher=(FSDP_SHIM, "run"))
-    unreadable = code_json(OFF_OR_UNREADABLE.format(set_in_script=""), env=clean_env(FSDP_SHIM="maybe"))
+    unreadable = code_json(LIGHTNING_IMPORTED, env=clean_env(FSDP_SHIM="maybe"))
     assert off_in_env["armed_by"] == [ARMED_BY_THE_PTH.format(" OFF ")]
     assert off_in_script["armed_by"] == [ARMED_BY_THE_PTH.format("1"), "fsdp-shim run"]
     assert unreadable["armed_by"] == [ARMED_BY_THE_PTH.format("maybe")]
@@ -286,19 +289,6 @@ def test_a_start_up_file_left_behind_by_a_removed_package_is_silent(site_package
         assert (proc.returncode, proc.stdout, proc.stderr) == (0, "[]\n", ""), value
 
 
-A_LIGHTNING_IMPORT = """\
-import json, sys, warnings
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    import lightning, pytorch_lightning, lightning_fabric, wave
-shim = sys.modules.get("_fsdp_shim.activation")
-print(json.dumps([
-    [f"{w.category.__name__}: {w.message}" for w in caught if "fsdp-shim" in str(w.message)],
-    shim and sorted({fix.state.value for ns in shim.status().namespaces if ns.imported for fix in ns.fixes}),
-]))
-"""
-
-
 @pytest.mark.parametrize("module", ["_fsdp_shim/activation.py", "wrapt/__init__.py"], ids=["shim", "wrapt"])
 def test_a_shim_or_a_wrapt_that_cannot_load_under_the_start_up_file_is_loud(
     module: str, tmp_path: Path, layouts: dict[str, Layout]
@@ -315,8 +305,9 @@ def test_a_shim_or_a_wrapt_that_cannot_load_under_the_start_up_file_is_loud(
     broken.write_text(f"raise ImportError('{name} is broken for the test', name={name!r})\n")
     env = clean_env(FSDP_SHIM="1")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path / "broken"), env.get("PYTHONPATH")]))
-    warned, states = code_json(A_LIGHTNING_IMPORT, env=env)
-    strict = run_code(A_LIGHTNING_IMPORT, env={**env, "FSDP_SHIM_STRICT": "1"}, expect_ok=False)
+    result = code_json(LIGHTNING_IMPORTED, env=env)
+    warned, states = result["warnings"], result["states"]
+    strict = run_code(LIGHTNING_IMPORTED, env={**env, "FSDP_SHIM_STRICT": "1"}, expect_ok=False)
     shim = name == "_fsdp_shim"
     said = f"fsdp-shim: the shim could not be loaded ({cause})" if shim else "fsdp-shim: cannot patch lightning."
     assert warned[0].startswith(f"FSDPShimWarning: {said}") and all(cause in warning for warning in warned), warned
