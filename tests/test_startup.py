@@ -1,15 +1,14 @@
-"""Activation at interpreter start, in fresh interpreters: ``FSDP_SHIM`` read by the ``fsdp_shim_env.pth`` that pip
-installs with the package and by its PEP 829 companion ``fsdp_shim_env.start``; ``python -m fsdp_shim``; what an
-armed and a dormant start cost; what the armed finder leaves of Lightning's import; a shim that cannot load.
-
-The start-up files are those this environment's own install of fsdp-shim put into site-packages (pip or uv, an
-editable install too). ``fsdp-shim run``: test_run.py; what installers put there and remove: test_packaging.py."""
+"""Activation at interpreter start, in fresh interpreters: ``FSDP_SHIM`` read by the start-up files this environment's
+install of fsdp-shim put into site-packages (``fsdp_shim_env.pth``, its PEP 829 companion ``.start``); ``python -m
+fsdp_shim``; what a start costs; what the armed finder leaves of Lightning's import; a shim that cannot load.
+``fsdp-shim run``: test_run.py; what installers put there and remove: test_packaging.py."""
 
 from __future__ import annotations
 
 import ast
 import json
 import os
+import shlex
 import shutil
 import site
 import sys
@@ -31,16 +30,16 @@ from conftest import (
 
 import _fsdp_shim
 
-SITE_PACKAGES = next((Path(d) for d in site.getsitepackages() if (Path(d) / "fsdp_shim_env.pth").is_file()), None)
-"""Where this environment's install of fsdp-shim put its start-up files."""
 PACKAGE_ROOT = Path(_fsdp_shim.__file__).resolve().parent.parent
 ARMED_BY_THE_PTH = "FSDP_SHIM={} (start-up file installed with the package)"
 
 
 @pytest.fixture(scope="module")
 def site_packages() -> Path:
-    assert SITE_PACKAGES is not None, "these tests need fsdp-shim installed here by pip or uv (pip install -e .)"
-    return SITE_PACKAGES
+    """Where this environment's install of fsdp-shim put its start-up files."""
+    found = [Path(d) for d in site.getsitepackages() if (Path(d) / "fsdp_shim_env.pth").is_file()]
+    assert found, "these tests need fsdp-shim installed here by pip or uv (pip install -e .)"
+    return found[0]
 
 
 # ----------------------------------------------------------------------------- the switch and what it costs
@@ -60,13 +59,9 @@ and every module imported."""
 def test_the_switch_read_by_the_pth_its_pep_829_companion_and_status_and_what_arming_imports(
     site_packages: Path, tmp_path: Path
 ) -> None:
-    """Set and not blank, ``FSDP_SHIM`` arms one finder through ``fsdp_shim_env.pth`` (as ``site`` reads it) and
-    through ``fsdp_shim_env.start``'s entry point (as Python 3.15's ``site`` runs it: ``pkgutil.resolve_name``,
-    then the call; here under ``-S``); ``0`` arms too, and is read again at Lightning's import. Unset, blank or
-    spaces: nothing armed, and the ``.pth`` imports nothing at all; ``status`` reads a blank value as unset too.
-    Armed, the start-up imports the start-up module and no other module. ``python -I`` and ``-E`` still read
-    site-packages, so ``FSDP_SHIM=1`` arms there (also under ``fsdp-shim run``, whose bootstrap on ``PYTHONPATH``
-    they ignore); ``python -S`` reads no start-up file at all, as docs/activation.md says."""
+    """``FSDP_SHIM`` set and not blank (``0`` too, read again at Lightning's import) arms one finder through the
+    ``.pth`` and the ``.start`` entry point (run as 3.15's ``site`` will), importing no other module; unset or blank,
+    nothing is imported (``status`` agrees). ``-I`` and ``-E`` still read the ``.pth``, ``-S`` reads nothing."""
     start_file = (site_packages / "fsdp_shim_env.start").read_text()
     entries = [line.strip() for line in start_file.splitlines() if line.strip()[:1] not in ("", "#")]
     assert entries == ["_fsdp_shim:arm_if_switched_on"]
@@ -173,21 +168,17 @@ def test_python_m_fsdp_shim_never_activates_its_own_process_and_another_module_r
     )
     env = clean_env()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")]))
-    armed = {}
-    for command in (
-        ["-m", "fsdp_shim", "--version"],
-        ["-mfsdp_shim", "--version"],
-        ["-m", "trainer_package", "-m", "fsdp_shim"],
-        ["-c", "import fsdp_shim"],
-    ):
-        run_command([sys.executable, *command], env=env, cwd=tmp_path, check=True)
-        armed[" ".join(command)] = json.loads(report.read_text())
-    assert armed == {
+    expected = {
         "-m fsdp_shim --version": [],
         "-mfsdp_shim --version": [],
         "-m trainer_package -m fsdp_shim": ["import fsdp_shim"],
-        "-c import fsdp_shim": ["import fsdp_shim"],
-    }, sys.version
+        "-c 'import fsdp_shim'": ["import fsdp_shim"],
+    }
+    armed = {}
+    for command in expected:
+        run_command([sys.executable, *shlex.split(command)], env=env, cwd=tmp_path, check=True)
+        armed[command] = json.loads(report.read_text())
+    assert armed == expected, sys.version
 
 
 # ----------------------------------------------------------------------------- what the finder leaves of Lightning
@@ -247,11 +238,9 @@ print(json.dumps({
 def test_the_armed_finder_leaves_lightnings_specs_and_loaders_and_arming_after_lightning_patches_at_once(
     layouts: dict[str, Layout],
 ) -> None:
-    """Armed at start (the ``.pth`` and ``fsdp-shim run``'s bootstrap), before Lightning's import ``find_spec``
-    gives every package and namespace the spec and loader it gives without the shim, the loader answers alike,
-    ``pkgutil.get_data`` reads the file's bytes, and afterwards each module's ``__loader__`` is its spec's, with
-    nothing of the shim's on it; the namespace was patched at its import. Armed only after Lightning was imported
-    (a start-up hook that runs late), the shim patches at once."""
+    """Armed at start (the ``.pth`` and the bootstrap), the finder leaves Lightning's specs, loaders, what they answer,
+    ``get_data`` and each ``__loader__`` as they are without the shim, and patches at import; armed only after
+    Lightning's import (a start-up hook that runs late), the shim patches at once."""
     affected_layout(layouts, "lightning")
     plain = code_json(SPECS_AND_LOADERS)
     armed = code_json(SPECS_AND_LOADERS, launcher=(FSDP_SHIM, "run"))
