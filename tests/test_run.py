@@ -1,7 +1,6 @@
 """``fsdp-shim run CMD``, as users run it: ``FSDP_SHIM=1`` unless set and the bootstrap ``sitecustomize`` first on
-``PYTHONPATH`` for every Python process CMD starts, the user's own ``sitecustomize`` chained once, CMD exec'd (its
-exit code and signals are its own), and a bootstrap that is loud where it cannot arm and silent where the shim
-does not run at all (a Python older than 3.9)."""
+``PYTHONPATH``, the user's ``sitecustomize`` chained once, CMD exec'd (its exit code and signals its own), and a
+bootstrap loud where it cannot arm, silent where the shim does not run at all (a Python older than 3.9)."""
 
 from __future__ import annotations
 
@@ -74,24 +73,21 @@ print(json.dumps({{
 @pytest.mark.per_python
 @pytest.mark.parametrize("form", ["module", "package"])
 def test_run_chains_the_users_sitecustomize_once_keeping_its_sys_path_and_name(form: str, tmp_path: Path) -> None:
-    """Under ``fsdp-shim run`` (a module ``sitecustomize``, with ``PYTHONPATH=:DIR``, whose empty entry still means
-    the current folder) and under ``fsdp-shim run fsdp-shim run`` (a package): the bootstrap arms, then the user's
-    ``sitecustomize`` runs once per process; what it adds to ``sys.path`` stays, ``import sitecustomize`` gives
-    the user's module, and only the bootstrap folder leaves ``sys.path``."""
+    """Under ``fsdp-shim run`` (a module, ``PYTHONPATH=:DIR``: the empty entry still the current folder) and ``fsdp-shim
+    run fsdp-shim run`` (a package): the bootstrap arms, then the user's ``sitecustomize`` runs once per process, its
+    ``sys.path`` entries stay, ``import sitecustomize`` gives it, and only the bootstrap folder leaves ``sys.path``."""
     counter, extra, user = tmp_path / "runs.txt", tmp_path / "site_extra", tmp_path / "user_site"
     extra.mkdir()
     (extra / "site_extra_module.py").write_text("")
     hook = user / ("sitecustomize.py" if form == "module" else "sitecustomize/__init__.py")
     hook.parent.mkdir(parents=True)
     hook.write_text(USER_SITECUSTOMIZE.format(counter=str(counter), extra=str(extra)))
-    env = clean_env()
     if form == "module":
         (tmp_path / "module_in_cwd.py").write_text("")
-        env["PYTHONPATH"] = os.pathsep.join(["", str(user), *filter(None, [env.get("PYTHONPATH")])])
-        launcher: tuple[str, ...] = (FSDP_SHIM, "run")
-    else:
-        env["PYTHONPATH"] = os.pathsep.join([str(user), *filter(None, [env.get("PYTHONPATH")])])
-        launcher = (FSDP_SHIM, "run", FSDP_SHIM, "run")
+    env = clean_env()
+    cwd_first = [""] if form == "module" else []  # an empty entry: the current folder
+    env["PYTHONPATH"] = os.pathsep.join([*cwd_first, str(user), *filter(None, [env.get("PYTHONPATH")])])
+    launcher = (FSDP_SHIM, "run") * (1 if form == "module" else 2)
     result = code_json(A_PROCESS_UNDER_RUN, env=env, launcher=launcher, cwd=tmp_path)
     assert result == {
         "sitecustomize": "the user's sitecustomize",
@@ -118,9 +114,9 @@ for name in ("lightning", "pytorch_lightning"):
 
 @pytest.mark.per_python
 def test_run_into_an_interpreter_without_the_shim_is_loud_at_its_first_lightning_import(tmp_path: Path) -> None:
-    """``fsdp-shim run`` starting the Python of another environment, which lacks fsdp-shim: the bootstrap cannot
-    arm, imports before Lightning's pass, and the first Lightning import says so once on stderr, or in strict mode
-    fails with that message (this environment has no Lightning: then the import fails as it would anyway)."""
+    """``fsdp-shim run`` starting another environment's Python, which lacks fsdp-shim (and Lightning): other imports
+    pass, the first Lightning import says once on stderr that the bootstrap could not arm, or in strict mode fails
+    with that message."""
     other = make_venv(tmp_path / "other", [])
     said = "fsdp-shim run: the shim could not be armed in " + other.python
     env = clean_env(PYTHONPATH=None)
