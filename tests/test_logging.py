@@ -26,10 +26,9 @@ RECOMPUTE_ACTED = "; recompute acted (a checkpointed block recomputed in bfloat1
 def test_what_the_shim_prints_in_a_run(
     setting: str | None, logging_setup: str, layouts: dict[str, Layout], tmp_path: Path
 ) -> None:
-    """Unset or on, one line, the confirmation, with logging unconfigured or ``basicConfig(level=INFO)`` (Ray
-    Train's workers, many scripts: then a record of the ``fsdp_shim`` logger in the user's format); off, none;
-    ``debug`` (any case, any spaces) also what each namespace's fixes became; a value it cannot read keeps the
-    confirmation and warns once, naming the value."""
+    """Unset or on, one line, the confirmation, unconfigured or through ``basicConfig(level=INFO)`` (Ray Train's
+    workers, many scripts) in the user's format; off, none; ``debug`` (any case, spaces) also what each namespace's
+    fixes became; a value it cannot read keeps the confirmation and warns once, naming the value."""
     layout = trainer_layout(layouts)
     cases = ["ones:none", "ones:nonreentrant"]
     env = {"PYTHONWARNINGS": "default", **({"FSDP_SHIM_LOG": setting} if setting else {})}
@@ -124,8 +123,6 @@ def test_each_fix_that_acts_is_named_once(layouts: dict[str, Layout], tmp_path: 
     results, output = run_with_output(tmp_path, "trainer", cases, package=layout.package)
     assert_like_the_run_without_checkpointing(results, cases)
     lines = [line for line in output.splitlines() if line.startswith("fsdp-shim")]
-    namespace = NAMESPACES[layout.package][0]
-    cast = f": active; cast acted ({namespace} {layout.trainer_version}: the model cast to bfloat16 before FSDP "
-    cast += "wraps it)"
-    assert len(lines) == 2 and lines[0].endswith(cast), output[-3000:]
+    cast = f"cast acted ({NAMESPACES[layout.package][0]} {layout.trainer_version}: the model cast to bfloat16 before"
+    assert len(lines) == 2 and lines[0].endswith(f": active; {cast} FSDP wraps it)"), output[-3000:]
     assert lines[1] == lines[0].split(":")[0] + RECOMPUTE_ACTED.replace(";", ":", 1), lines
