@@ -59,8 +59,7 @@ sys.path.insert(0, {extra!r})
 USER_MARKER = "the user's sitecustomize"
 """
 A_PROCESS_UNDER_RUN = f"""\
-import json, os, sys, sitecustomize
-import site_extra_module
+import json, os, sys, sitecustomize, site_extra_module
 print(json.dumps({{
     "sitecustomize": sitecustomize.USER_MARKER,
     "armed_by": sys.modules["_fsdp_shim"].ARMED_BY,

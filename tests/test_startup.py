@@ -51,8 +51,7 @@ print(json.dumps([
     sorted(sys.modules),
 ]))
 """
-"""Prints fsdp-shim's finders on ``sys.meta_path``, how the start-up module was armed (``None``: never imported)
-and every module imported."""
+"""Prints the shim's finders on ``sys.meta_path``, how the start-up module was armed (``None``: never), every module."""
 
 
 @pytest.mark.per_python
@@ -126,8 +125,7 @@ print(json.dumps({
     "warnings": [f"{w.category.__name__}: {w.message}" for w in caught if "fsdp-shim" in str(w.message)],
 }))
 """
-"""Imports every Lightning package there is, then ``import fsdp_shim``: how the shim was armed, whether Lightning's
-import loaded it, what status says of each fix, and what the shim warned."""
+"""Imports Lightning, then fsdp_shim: how the shim was armed, whether Lightning loaded it, fix states, warnings."""
 
 
 def test_an_off_value_wins_over_every_activation_and_an_unreadable_one_is_off_and_says_so(
@@ -152,9 +150,7 @@ def test_an_off_value_wins_over_every_activation_and_an_unreadable_one_is_off_an
 
 
 @pytest.mark.per_python
-def test_python_m_fsdp_shim_never_activates_its_own_process_and_another_module_run_with_m_does(
-    tmp_path: Path,
-) -> None:
+def test_python_m_fsdp_shim_never_activates_its_own_process_and_another_module_run_with_m_does(tmp_path: Path) -> None:
     """``python -m fsdp_shim`` imports the package before it runs the command, which must arm nothing (3.9 has no
     ``sys.orig_argv``: there the package asks runpy). A module run with ``-m`` that imports fsdp_shim activates,
     also where that module's own arguments are ``-m fsdp_shim``."""
@@ -221,7 +217,6 @@ after = {name: [m.__loader__ is m.__spec__.loader, "exec_module" in vars(m.__loa
          for name, m in modules.items()}
 import _fsdp_shim
 from _fsdp_shim.wrappers import is_shim_wrapper, wrapper_chain
-
 armed_at_start = list(_fsdp_shim.ARMED_BY)
 _fsdp_shim.arm("a start-up hook that runs late")
 status = sys.modules["_fsdp_shim.activation"].status().namespace("lightning.pytorch")
