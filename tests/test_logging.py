@@ -103,10 +103,9 @@ dist.destroy_process_group()
 def test_rank_zero_is_the_process_groups_where_no_variable_says_it() -> None:
     """Two ranks of one process group, each with ``LOCAL_RANK=0`` and no ``RANK`` (the main process of each node
     under Lightning's own launcher; under mpirun no variable is set at all): the line is said once, by rank 0."""
-    init = f"tcp://127.0.0.1:{free_port()}"
     env = clean_env(LOCAL_RANK="0", RANK=None, SLURM_PROCID=None, PYTHONWARNINGS="ignore")
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
-    command = [sys.executable, "-c", RANK_OF_THE_GROUP, init]
+    command = [sys.executable, "-c", RANK_OF_THE_GROUP, f"tcp://127.0.0.1:{free_port()}"]
     procs = [subprocess.Popen([*command, str(rank)], env=env, cwd=ROOT, **pipes) for rank in (0, 1)]
     outputs = [proc.communicate(timeout=120) for proc in procs]
     assert [proc.returncode for proc in procs] == [0, 0], outputs
