@@ -1,7 +1,6 @@
 """``fsdp-shim run CMD``, as users run it: ``FSDP_SHIM=1`` unless set and the bootstrap ``sitecustomize`` first on
-``PYTHONPATH`` for every Python process CMD starts, the user's own ``sitecustomize`` chained once, CMD exec'd (its
-exit code and signals are its own), and a bootstrap that is loud where it cannot arm and silent where the shim
-does not run at all (a Python older than 3.9)."""
+``PYTHONPATH``, the user's ``sitecustomize`` chained once, CMD exec'd (its exit code and signals its own), and a
+bootstrap loud where it cannot arm, silent where the shim does not run at all (a Python older than 3.9)."""
 
 from __future__ import annotations
 
@@ -14,26 +13,11 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import (
-    FSDP_SHIM,
-    SCENARIO,
-    Layout,
-    affected_layout,
-    clean_env,
-    code_json,
-    make_venv,
-    run_command,
-    run_on_a_free_port,
-    scenario_results,
-    torchrun,
-)
+from conftest import FSDP_SHIM, clean_env, code_json, make_venv, run_command
 
 import _fsdp_shim
 
 BOOTSTRAP = Path(_fsdp_shim.__file__).resolve().parent / "bootstrap"
-ARMED_BY = ["FSDP_SHIM=1 (start-up file installed with the package)", "fsdp-shim run"]
-"""How ``fsdp-shim run`` arms a Python of this environment: ``FSDP_SHIM=1`` through the start-up file pip
-installed with the package (read first, by ``site``), then the bootstrap ``sitecustomize``."""
 
 
 @pytest.mark.per_python
@@ -59,19 +43,12 @@ def test_run_sets_the_switch_unless_set_puts_the_bootstrap_first_and_execs_the_c
     assert killed.returncode == -signal.SIGTERM
     not_executable = tmp_path / "job.sh"
     not_executable.write_text("#!/bin/sh\n")
-    outcomes = {
-        name: run(*command)
-        for name, command in {
-            "missing": ["no-such-command-fsdp-shim"],
-            "not executable": [str(not_executable)],
-            "none": [],
-        }.items()
-    }
-    assert {name: (proc.returncode, proc.stderr) for name, proc in outcomes.items()} == {
-        "missing": (127, "fsdp-shim run: command not found: no-such-command-fsdp-shim\n"),
-        "not executable": (126, f"fsdp-shim run: permission denied: {not_executable}\n"),
-        "none": (2, "fsdp-shim run: no command given. Usage: fsdp-shim run CMD [ARGS...]\n"),
-    }
+    outcomes = [run(*command) for command in (["no-such-command-fsdp-shim"], [str(not_executable)], [])]
+    assert [(proc.returncode, proc.stderr) for proc in outcomes] == [
+        (127, "fsdp-shim run: command not found: no-such-command-fsdp-shim\n"),
+        (126, f"fsdp-shim run: permission denied: {not_executable}\n"),
+        (2, "fsdp-shim run: no command given. Usage: fsdp-shim run CMD [ARGS...]\n"),
+    ]
 
 
 USER_SITECUSTOMIZE = """\
@@ -82,8 +59,7 @@ sys.path.insert(0, {extra!r})
 USER_MARKER = "the user's sitecustomize"
 """
 A_PROCESS_UNDER_RUN = f"""\
-import json, os, sys, sitecustomize
-import site_extra_module
+import json, os, sys, sitecustomize, site_extra_module
 print(json.dumps({{
     "sitecustomize": sitecustomize.USER_MARKER,
     "armed_by": sys.modules["_fsdp_shim"].ARMED_BY,
@@ -96,28 +72,25 @@ print(json.dumps({{
 @pytest.mark.per_python
 @pytest.mark.parametrize("form", ["module", "package"])
 def test_run_chains_the_users_sitecustomize_once_keeping_its_sys_path_and_name(form: str, tmp_path: Path) -> None:
-    """Under ``fsdp-shim run`` (a module ``sitecustomize``, with ``PYTHONPATH=:DIR``, whose empty entry still means
-    the current folder) and under ``fsdp-shim run fsdp-shim run`` (a package): the bootstrap arms, then the user's
-    ``sitecustomize`` runs once per process; what it adds to ``sys.path`` stays, ``import sitecustomize`` gives
-    the user's module, and only the bootstrap folder leaves ``sys.path``."""
+    """Under ``fsdp-shim run`` (a module, ``PYTHONPATH=:DIR``: the empty entry still the current folder) and ``fsdp-shim
+    run fsdp-shim run`` (a package): the bootstrap arms, then the user's ``sitecustomize`` runs once per process, its
+    ``sys.path`` entries stay, ``import sitecustomize`` gives it, and only the bootstrap folder leaves ``sys.path``."""
     counter, extra, user = tmp_path / "runs.txt", tmp_path / "site_extra", tmp_path / "user_site"
     extra.mkdir()
     (extra / "site_extra_module.py").write_text("")
     hook = user / ("sitecustomize.py" if form == "module" else "sitecustomize/__init__.py")
     hook.parent.mkdir(parents=True)
     hook.write_text(USER_SITECUSTOMIZE.format(counter=str(counter), extra=str(extra)))
-    env = clean_env()
     if form == "module":
         (tmp_path / "module_in_cwd.py").write_text("")
-        env["PYTHONPATH"] = os.pathsep.join(["", str(user), *filter(None, [env.get("PYTHONPATH")])])
-        launcher: tuple[str, ...] = (FSDP_SHIM, "run")
-    else:
-        env["PYTHONPATH"] = os.pathsep.join([str(user), *filter(None, [env.get("PYTHONPATH")])])
-        launcher = (FSDP_SHIM, "run", FSDP_SHIM, "run")
+    env = clean_env()
+    cwd_first = [""] if form == "module" else []  # an empty entry: the current folder
+    env["PYTHONPATH"] = os.pathsep.join([*cwd_first, str(user), *filter(None, [env.get("PYTHONPATH")])])
+    launcher = (FSDP_SHIM, "run") * (1 if form == "module" else 2)
     result = code_json(A_PROCESS_UNDER_RUN, env=env, launcher=launcher, cwd=tmp_path)
     assert result == {
         "sitecustomize": "the user's sitecustomize",
-        "armed_by": ARMED_BY,
+        "armed_by": ["FSDP_SHIM=1 (start-up file installed with the package)", "fsdp-shim run"],  # .pth first
         "bootstrap_on_sys_path": [],
         "module_in_cwd": "module_in_cwd" if form == "module" else None,
     }
@@ -140,22 +113,21 @@ for name in ("lightning", "pytorch_lightning"):
 
 @pytest.mark.per_python
 def test_run_into_an_interpreter_without_the_shim_is_loud_at_its_first_lightning_import(tmp_path: Path) -> None:
-    """``fsdp-shim run`` starting the Python of another environment, which lacks fsdp-shim: the bootstrap cannot
-    arm, imports before Lightning's pass, and the first Lightning import says so once on stderr, or in strict mode
-    fails with that message (this environment has no Lightning: then the import fails as it would anyway)."""
+    """``fsdp-shim run`` starting another environment's Python, which lacks fsdp-shim (and Lightning): other imports
+    pass, the first Lightning import says once on stderr that the bootstrap could not arm, or in strict mode fails
+    with that message."""
     other = make_venv(tmp_path / "other", [])
     said = "fsdp-shim run: the shim could not be armed in " + other.python
     env = clean_env(PYTHONPATH=None)
-    proc = run_command([FSDP_SHIM, "run", other.python, "-c", A_LIGHTNING_IMPORT], env=env, cwd=tmp_path)
+    command = [FSDP_SHIM, "run", other.python, "-c", A_LIGHTNING_IMPORT]
+    proc = run_command(command, env=env, cwd=tmp_path)
     assert proc.returncode == 0 and proc.stderr.count("fsdp-shim run:") == 1 and said in proc.stderr, proc.stderr
     assert proc.stdout.splitlines() == [
         "other imports pass",
         "ModuleNotFoundError: No module named 'lightning'",
         "ModuleNotFoundError: No module named 'pytorch_lightning'",
     ]
-    strict = run_command(
-        [FSDP_SHIM, "run", other.python, "-c", A_LIGHTNING_IMPORT], env={**env, "FSDP_SHIM_STRICT": "1"}, cwd=tmp_path
-    )
+    strict = run_command(command, env={**env, "FSDP_SHIM_STRICT": "1"}, cwd=tmp_path)
     assert strict.returncode == 0 and strict.stderr == "", strict.stderr
     first, second = strict.stdout.splitlines()[1:]
     assert first.startswith(f"ImportError: {said}") and first.endswith(
@@ -164,18 +136,15 @@ def test_run_into_an_interpreter_without_the_shim_is_loud_at_its_first_lightning
     assert second == "ModuleNotFoundError: No module named 'pytorch_lightning'"
 
 
-def old_pythons() -> dict[str, str | None]:
-    """Each Python older than 3.9 this machine has (pyenv's too, active or not), by version."""
-    root = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
-    found: dict[str, str | None] = {}
-    for version in ("2.7", "3.6", "3.7", "3.8"):
-        candidates = sorted(root.glob(f"{version}.*/bin/python{version}")) if root.is_dir() else []
-        found[version] = str(candidates[-1]) if candidates else None
-    return found
+PYENV_VERSIONS = Path(os.environ.get("PYENV_ROOT", Path.home() / ".pyenv")) / "versions"
+OLD_PYTHONS = {
+    v: max(map(str, PYENV_VERSIONS.glob(f"{v}.*/bin/python{v}")), default=None) for v in ("2.7", "3.6", "3.7", "3.8")
+}
+"""Each Python older than 3.9 this machine has (pyenv's too, active or not), by version."""
 
 
 @pytest.mark.per_python
-@pytest.mark.parametrize(("version", "python"), old_pythons().items(), ids=list(old_pythons()))
+@pytest.mark.parametrize(("version", "python"), OLD_PYTHONS.items(), ids=list(OLD_PYTHONS))
 def test_the_bootstrap_is_silent_and_chains_under_a_python_the_shim_does_not_support(
     version: str, python: str | None, tmp_path: Path
 ) -> None:
@@ -189,48 +158,3 @@ def test_the_bootstrap_is_silent_and_chains_under_a_python_the_shim_does_not_sup
     env = clean_env(PYTHONPATH=pythonpath, PYTHONDONTWRITEBYTECODE="1")  # 2.7 writes its .pyc beside the source
     proc = run_command([FSDP_SHIM, "run", python, "-c", code], env=env, cwd=tmp_path)
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, "[True, False]", "")
-
-
-A_LIGHTNING_IMPORT_WITHOUT_WRAPT = """\
-import json, sys, warnings
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    import lightning
-status = sys.modules["_fsdp_shim.activation"].status().namespace("lightning.pytorch")
-print(json.dumps({
-    "warnings": [str(w.message) for w in caught if w.category.__name__ == "FSDPShimWarning"],
-    "states": {fix.fix: fix.state.value for fix in status.fixes},
-}))
-"""
-
-
-def test_missing_wrapt_under_run_is_loud(tmp_path: Path, layouts: dict[str, Layout]) -> None:
-    """The shim's own dependency cannot be imported: Lightning imports unpatched, with a warning that says why, and
-    status says that no fix could be applied."""
-    affected_layout(layouts, "lightning")
-    (tmp_path / "no_wrapt" / "wrapt").mkdir(parents=True)
-    (tmp_path / "no_wrapt" / "wrapt" / "__init__.py").write_text(
-        "raise ImportError('wrapt is missing for this test', name='wrapt')\n"
-    )
-    env = clean_env()
-    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "no_wrapt"), *filter(None, [env.get("PYTHONPATH")])])
-    result = code_json(A_LIGHTNING_IMPORT_WITHOUT_WRAPT, env=env, launcher=(FSDP_SHIM, "run"))
-    assert result["warnings"] and all("ImportError: wrapt is missing for this test" in w for w in result["warnings"])
-    assert result["warnings"][0].startswith("fsdp-shim: cannot patch lightning.")
-    assert result["states"] == {"cast": "failed", "recompute": "failed"}
-
-
-def test_fsdp_shim_run_torchrun_two_ranks_get_the_fix(tmp_path: Path, layouts: dict[str, Layout]) -> None:
-    """torchrun's workers inherit the bootstrap: both ranks train in bfloat16, and the script never imports
-    fsdp_shim."""
-    affected_layout(layouts, "lightning")
-    case, out = "init+pretrained:bf16-true", tmp_path / "torchrun"
-    arguments = ["--api", "trainer", "--shim", "off", "--cases", case, "--devices", "2", "--out", str(out)]
-
-    def attempt(retry: bool) -> tuple[list[str], dict[str, str]]:
-        return [FSDP_SHIM, "run", *torchrun(2), str(SCENARIO), *arguments], clean_env(PYTHONWARNINGS="ignore")
-
-    proc, _ = run_on_a_free_port(attempt)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    ranks = scenario_results(out, 2)
-    assert [ranks[rank][case]["flat_param_dtypes"] for rank in (0, 1)] == [["torch.bfloat16"]] * 2
