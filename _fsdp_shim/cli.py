@@ -12,8 +12,7 @@ from typing import Any
 
 from _fsdp_shim._version import __version__
 from _fsdp_shim.config import SHIM_VARIABLE, switch_state
-from _fsdp_shim.verify.command import PACKAGES, PROBE_TIMEOUT, Options
-from _fsdp_shim.verify.command import main as verify_main
+from _fsdp_shim.verify import PACKAGES, PROBE_TIMEOUT
 
 BOOTSTRAP = str(Path(__file__).resolve().parent / "bootstrap")  # its sitecustomize arms the shim, then the user's
 COMMANDS = {  # each command's description (its summary up to the colon) and example
@@ -98,7 +97,9 @@ def _verify(args: argparse.Namespace) -> int:
     elif args.model is not None and args.package is not None:
         problem = "--package is for the seed model; with --model, your model's imports decide"
     else:
-        return verify_main(Options(**{name: value for name, value in vars(args).items() if name != "command"}))
+        from _fsdp_shim.verify.command import Options, main
+
+        return main(Options(**{name: value for name, value in vars(args).items() if name != "command"}))
     print(f"fsdp-shim verify: {problem}", file=sys.stderr)
     return 2
 

@@ -19,10 +19,9 @@ from typing import Any, Optional
 
 from _fsdp_shim.config import CAST, DOCS, FIXES, RECOMPUTE, Fix, State
 from _fsdp_shim.distributions import describe_import_failure
+from _fsdp_shim.verify import PROBE_TIMEOUT
 
 PROBE_SCRIPT = Path(__file__).resolve().with_name("probe.py")
-PROBE_TIMEOUT = 1800  # seconds one probe (one shim state's process and the ranks it starts) may take (--timeout)
-PACKAGES = {"lightning": "lightning.pytorch", "pytorch_lightning": "pytorch_lightning"}  # --package: namespace
 DTYPES = {"bf16-true": "torch.bfloat16", "16-true": "torch.float16"}
 BYTE_KEYS = ("param_bytes", "grad_bytes", "optimizer_state_bytes")
 FIGURES = ("module_dtype", "flat_param_dtypes", *BYTE_KEYS, "losses")

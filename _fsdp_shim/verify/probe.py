@@ -21,7 +21,8 @@ from typing import Any, Callable
 from _fsdp_shim.activation import status
 from _fsdp_shim.config import CAST, TRAINER_NAMESPACES
 from _fsdp_shim.distributions import distribution_of, import_failure, installed_packages
-from _fsdp_shim.verify.command import BYTE_KEYS, PACKAGES, SHIM, Options, RankResult
+from _fsdp_shim.verify import PACKAGES
+from _fsdp_shim.verify.command import BYTE_KEYS, SHIM, Options, RankResult
 
 VOCAB, SEQUENCE, BATCH, WIDTH = 256, 32, 4, 32  # the seed model's
 
