@@ -14,7 +14,7 @@ if __name__ == "__main__":  # by path, never -c or -m (which put the current fol
 import importlib
 import json
 import traceback
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,7 +22,7 @@ from _fsdp_shim.activation import status
 from _fsdp_shim.config import CAST, TRAINER_NAMESPACES
 from _fsdp_shim.distributions import distribution_of, import_failure, installed_packages
 from _fsdp_shim.verify import PACKAGES
-from _fsdp_shim.verify.command import BYTE_KEYS, SHIM, Options, RankResult
+from _fsdp_shim.verify.command import SHIM, Options, RankResult
 
 VOCAB, SEQUENCE, BATCH, WIDTH = 256, 32, 4, 32  # the seed model's
 
@@ -203,14 +203,21 @@ def train(options: Options, namespace: str, checkpointing: bool, out: Path) -> s
     if options.activation_checkpointing and not callback.checkpointed and not error:
         names = ", ".join(options.activation_checkpointing)
         raise ProbeStop("usage", f"--activation-checkpointing: this model has no module of {names} to checkpoint")
-    rank, root = trainer.global_rank, trainer.strategy.model
-    result = RankResult(rank, checkpointed=callback.checkpointed, fixes=fix_states(namespace), error=error)
+    rank, root, figures = trainer.global_rank, trainer.strategy.model, dict[str, Any]()
     if not error:
-        flat, module, optimizer = measure.flat_parameters(root), trainer.lightning_module, trainer.optimizers[0]
-        sizes = measure.nbytes(flat), callback.grad_bytes, measure.optimizer_state_bytes(optimizer)
-        result = replace(result, module_dtype=str(module.dtype), flat_param_dtypes=sorted({str(p.dtype) for p in flat}))
-        result = replace(result, **dict(zip(BYTE_KEYS, sizes)), losses=callback.losses, lightning=pl.__version__)
-        result = replace(result, param_hashes=measure.parameter_hashes(root), namespace=pl.__name__)
+        flat = measure.flat_parameters(root)
+        figures = dict(
+            module_dtype=str(trainer.lightning_module.dtype),
+            flat_param_dtypes=sorted({str(p.dtype) for p in flat}),
+            param_bytes=measure.nbytes(flat),
+            grad_bytes=callback.grad_bytes,
+            optimizer_state_bytes=measure.optimizer_state_bytes(trainer.optimizers[0]),
+            losses=callback.losses,
+            param_hashes=measure.parameter_hashes(root),
+            lightning=pl.__version__,
+            namespace=pl.__name__,
+        )
+    result = RankResult(rank, checkpointed=callback.checkpointed, fixes=fix_states(namespace), error=error, **figures)
     Path(f"{out}.rank{rank}.json").write_text(json.dumps(asdict(result)))
     return error
 
