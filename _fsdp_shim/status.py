@@ -128,9 +128,13 @@ class ShimStatus:
             state = f"switched off by {SHIM_VARIABLE}{kept}"
         lines = [f"fsdp-shim {self.shim_version}: {state}" + (" (strict)" if self.strict else "")]
         for status in self.namespaces:
-            lines.append(f"  {status.namespace:<18} {status.version or '-':<10} {status.reason}")
+            lines.append(_line(status.namespace, status.version, status.reason))
             lines += [f"    {fix.fix:<10} {fix.reason}" for fix in status.fixes] if status.imported else []
         return "\n".join(lines)
+
+
+def _line(namespace: str, version: str | None, reason: str) -> str:
+    return f"  {namespace:<18} {version or '-':<10} {reason}"
 
 
 def collect(on: bool, active: bool, late: set[str]) -> ShimStatus:
@@ -391,8 +395,9 @@ def render(report: Report) -> str:
         loaded = f"shim loaded, armed by: {'; '.join(status.get('sources', [])) or 'unknown'}"
         lines += ["", "A fresh interpreter (imports Lightning, not fsdp_shim):"]
         lines.append(f"  {loaded if child['shim_loaded'] else f'shim not loaded: {why}'}")
-        for ns in status.get("namespaces", []):  # as str(fsdp_shim.status()) shows them
-            lines += [f"  {ns['namespace']:<18} {ns['version'] or '-':<10} {ns['reason']}"] if ns["imported"] else []
+        lines += [
+            _line(ns["namespace"], ns["version"], ns["reason"]) for ns in status.get("namespaces", []) if ns["imported"]
+        ]
     ok = "OK: no problem found" + (f"; the shim is OFF ({shown}), so nothing is patched" if off else "")
     if report["nothing_to_patch"]:  # an isolated install (pipx, `uv tool`)
         ok = f"NOTHING TO PATCH HERE: no torch, no Lightning beside this fsdp-shim ({report['python']}). Install it "
