@@ -113,9 +113,7 @@ def summary(fixes: dict[str, dict[str, Any]], dtype: Any) -> str:
     named = []
     for fix, entry in fixes.items():
         if entry["except"]:
-            from _fsdp_shim.failures import the_checkpoints  # a path passed by: loaded already, to say so
-
-            named.append(f"{fix} (except {the_checkpoints(entry['except'])})")
+            named.append(f"{fix} (except {_failures().the_checkpoints(entry['except'])})")  # loaded already: it said so
         elif entry["by"] != "off":
             named.append(fix if entry["by"] == "fsdp-shim" else f"{fix} ({entry['by']}'s own)")
     return f"{str(dtype).replace('torch.', '')}; fixes: {', '.join(named) or 'none'}"
