@@ -117,15 +117,13 @@ def restored_by_torch() -> frozenset[str]:
     """The paths whose recompute torch itself puts in the forward's default dtype (read from its code)."""
     import torch.utils.checkpoint as checkpoint
 
-    helpers = {}  # the module's own functions, by name (a helper the recompute calls)
-    for name, value in vars(checkpoint).items():
-        code = _code(value)
-        if code is not None and getattr(inspect.unwrap(value), "__module__", None) == checkpoint.__name__:
-            helpers[name] = code
+    helpers = {  # the module's own functions, by name (a helper the recompute calls)
+        name: code
+        for name, value in vars(checkpoint).items()
+        if (code := _code(value)) and getattr(inspect.unwrap(value), "__module__", None) == checkpoint.__name__
+    }
     klass = vars(checkpoint).get("CheckpointFunction")
-    methods = (
-        {name: _code(vars(klass).get(name)) for name in ("forward", "backward")} if isinstance(klass, type) else {}
-    )
+    methods = vars(klass) if isinstance(klass, type) else {}
     found = set()
     if restores(_code(getattr(checkpoint, generator_name(checkpoint), None)), None, helpers):
         found.add(NON_REENTRANT)
@@ -133,7 +131,7 @@ def restored_by_torch() -> frozenset[str]:
         held = vars(composable).get(generator_name(checkpoint)) if composable is not None else None
         if held is None or restores(_code(held), None, helpers):  # none of its own: it calls the module's
             found.add(COMPOSABLE)
-    if restores(methods.get("forward"), methods.get("backward"), helpers):
+    if restores(_code(methods.get("forward")), _code(methods.get("backward")), helpers):
         found.add(REENTRANT)
     return frozenset(found)
 
