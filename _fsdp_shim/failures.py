@@ -1,5 +1,4 @@
-"""The failure policy: strict mode raises; otherwise one warning at the user's line. Loaded when a problem is, or a
-risk (the float16 notice)."""
+"""The failure policy (strict mode raises; otherwise one warning at the user's line) and the text of each failure."""
 
 from __future__ import annotations
 
@@ -37,10 +36,9 @@ def read_switch(name: str, meaning: str) -> str:
 def unreadable_settings(unknown: list[str], problem: str | None) -> None:
     """``FSDP_SHIM_DISABLED_FIXES`` names that are no fix, and an unreadable ``FSDP_SHIM_LOG``: a warning each."""
     if unknown:
-        names = ", ".join(map(repr, unknown))
         warn_once(
-            f"fsdp-shim: {config.DISABLED_FIXES_VARIABLE} names {names}, which is no fix of fsdp-shim (its fixes: "
-            f"{', '.join(config.FIX_NAMES)}); that name is ignored",
+            f"fsdp-shim: {config.DISABLED_FIXES_VARIABLE} names {', '.join(map(repr, unknown))}, which is no fix of "
+            f"fsdp-shim (its fixes: {', '.join(config.FIX_NAMES)}); that name is ignored",
             key=f"disabled:{','.join(unknown)}",
         )
     if problem is not None:
@@ -87,15 +85,14 @@ def cannot_patch(namespace: str, fix: Any, record: Any) -> None:
 
 def wrapper_left(label: str, top: str, gone: bool) -> None:
     """``deactivate()`` found another library's object on top of, or instead of, the shim's wrapper on ``label``."""
-    if gone:
-        message = f"its wrapper on {label} had already been replaced by other code ({top}); nothing of the shim's is "
-        warn_once(f"fsdp-shim: {message}left there to remove", key=f"gone:{label}")
-    else:
-        warn_once(
-            f"fsdp-shim: deactivated its wrapper on {label} in place, because other code ({top}) has wrapped it since; "
-            "it now passes every call through, and the other code's wrapper is left as it is",
-            key=f"buried:{label}",
-        )
+    said = (
+        f"its wrapper on {label} had already been replaced by other code ({top}); nothing of the shim's is left there "
+        "to remove"
+        if gone
+        else f"deactivated its wrapper on {label} in place, because other code ({top}) has wrapped it since; it now "
+        "passes every call through, and the other code's wrapper is left as it is"
+    )
+    warn_once(f"fsdp-shim: {said}", key=f"{'gone' if gone else 'buried'}:{label}")
 
 
 def threads_clashed() -> None:
@@ -208,12 +205,11 @@ def warn_about_models_already_wrapped(name: str) -> None:
     import gc
 
     trainer = NAMESPACES[name] == "trainer"
-    holder_module, holder_class = ("strategies.fsdp", "FSDPStrategy") if trainer else ("wrappers", "_FabricModule")
-    holder = getattr(sys.modules.get(f"{name}.{holder_module}"), holder_class, None)
+    module, attribute = ("strategies.fsdp", "_model") if trainer else ("wrappers", "_forward_module")
+    holder = getattr(sys.modules.get(f"{name}.{module}"), "FSDPStrategy" if trainer else "_FabricModule", None)
     fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FullyShardedDataParallel", None)
     if not isinstance(holder, type) or not isinstance(fsdp, type):
         return
-    attribute = "_model" if trainer else "_forward_module"
     count = sum(isinstance(getattr(o, attribute, None), fsdp) for o in gc.get_objects() if issubclass(type(o), holder))
     if count:
         warn_once(
@@ -257,28 +253,19 @@ def warn_once(message: str, *, key: str) -> None:
         warnings.warn(message, FSDPShimWarning, stacklevel=1)
         return
     found = frame.f_globals
-    registry = found.setdefault("__warningregistry__", {})
     source = found if found.get("__file__") else None  # `python -c`'s loader raises when asked for source
+    registry = found.setdefault("__warningregistry__", {})
     warnings.warn_explicit(
         message, FSDPShimWarning, frame.f_code.co_filename, frame.f_lineno, found.get("__name__"), registry, source
     )
 
 
-_OWN = (
-    os.path.dirname(os.path.abspath(__file__)),
-    os.path.join(os.path.dirname(os.path.abspath(warnings.__file__)), "importlib"),
-)
-
-
 def user_frame() -> FrameType | None:
     """The innermost frame outside fsdp-shim, the import machinery, wrapt and Lightning, where warnings point."""
-    internal = ["<frozen importlib", *(os.path.join(path, "") for path in _OWN)]
-    internal.append(os.path.join(os.path.dirname(_OWN[0]), "fsdp_shim", ""))
-    for name in ("wrapt", *config.LIGHTNING_PACKAGES):
-        path = getattr(sys.modules.get(name), "__file__", None)
-        if path:
-            internal.append(os.path.join(os.path.dirname(os.path.abspath(path)), ""))
+    packages = ("_fsdp_shim", "fsdp_shim", "importlib", "wrapt", *config.LIGHTNING_PACKAGES)
+    files = [getattr(sys.modules.get(name), "__file__", None) for name in packages]
+    internal = ("<frozen importlib", *(os.path.join(os.path.dirname(os.path.abspath(f)), "") for f in files if f))
     frame: FrameType | None = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(tuple(internal)):
+    while frame is not None and frame.f_code.co_filename.startswith(internal):
         frame = frame.f_back
     return frame
