@@ -44,8 +44,7 @@ def log(level: int, message: str, *args: object, shown_anyway: bool = False) -> 
     if logger.isEnabledFor(level) and logger.hasHandlers():
         logger.log(level, message, *args)
     elif shown_anyway:
-        sys.stderr.write((message % args) + "\n")
-        sys.stderr.flush()
+        print(message % args, file=sys.stderr, flush=True)
 
 
 def debug(message: str, *args: object) -> None:
@@ -63,8 +62,8 @@ named: list[str] = []  # the fixes said to have acted (read first: a pin asks at
 
 
 def confirm(fix: str, what: str) -> None:
-    """Name a fix, on rank zero, the first time it changes something: the first in the confirmation line, each
-    later one in a line of its own. It never raises."""
+    """On rank zero, the first time a fix changes something: the first in the confirmation line, each later one in a
+    line of its own. It never raises."""
     if fix in named or not first_time(f"acted:{fix}"):
         return
     named.append(fix)
