@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import _fsdp_shim as startup
 from _fsdp_shim import NAMESPACES, SHIM_VARIABLE, failures, log
-from _fsdp_shim.config import CAST, FIXES, RANK_CHECK, RECOMPUTE, State, disabled_fixes, log_setting
+from _fsdp_shim.config import CAST, FIXES, RANK_CHECK, RECOMPUTE, State, disabled_fixes
 
 if TYPE_CHECKING:
     from _fsdp_shim.status import ShimStatus
@@ -78,10 +78,8 @@ def _patch(name: str) -> None:
             return
         from _fsdp_shim import fixes, recompute_check, wrappers
 
-        skipped, unknown = disabled_fixes()
-        problem = log_setting()[1]
-        if unknown or problem is not None:
-            failures.unreadable_settings(unknown, problem)
+        failures.unreadable_settings()
+        skipped = disabled_fixes()[0]
         if skipped:
             from _fsdp_shim.removal import unpatch_disabled
 

@@ -17,6 +17,7 @@ TRAINER_NAMESPACES = tuple(name for name, kind in NAMESPACES.items() if kind == 
 LIGHTNING_PACKAGES = tuple(dict.fromkeys(name.partition(".")[0] for name in NAMESPACES))
 DOCS = "https://fsdp-shim.github.io/fsdp-shim/"
 VALID_SWITCH_VALUES = ", ".join((*ON_VALUES, *OFF_VALUES))
+MAX_RANK_CHECK_SECONDS = 365 * 24 * 3600.0  # what every store accepts (1e20 s overflowed it)
 
 
 @dataclass(frozen=True)
@@ -42,8 +43,7 @@ CAST = Fix(name="cast", fixed_in="2.5.0", upstream="Lightning #20323, 2.5.0")
 RECOMPUTE = Fix(name="recompute", fixed_in=None, upstream="no Lightning release")
 FIXES = (CAST, RECOMPUTE)
 FIX_NAMES = tuple(fix.name for fix in FIXES)
-RANK_CHECK = Fix(name="rank-check", fixed_in=None, upstream="fsdp-shim's own check")
-"""Patched like a fix wherever the shim is active, but never switched off by name."""
+RANK_CHECK = Fix(name="rank-check", fixed_in=None, upstream="fsdp-shim's own check")  # never switched off by name
 
 
 class State(str, Enum):
@@ -80,9 +80,6 @@ def disabled_fixes(environ: Mapping[str, str] = os.environ) -> tuple[frozenset[s
     every = "*" in names or "all" in names
     unknown = [name for name in names if name not in (*FIX_NAMES, "*", "all")]
     return frozenset(name for name in FIX_NAMES if every or name in names), unknown
-
-
-MAX_RANK_CHECK_SECONDS = 365 * 24 * 3600.0  # what every store accepts (1e20 s overflowed it)
 
 
 def rank_check_timeout(environ: Mapping[str, str] = os.environ) -> tuple[float | None, str | None]:

@@ -33,8 +33,9 @@ def read_switch(name: str, meaning: str) -> str:
     return state
 
 
-def unreadable_settings(unknown: list[str], problem: str | None) -> None:
+def unreadable_settings() -> None:
     """``FSDP_SHIM_DISABLED_FIXES`` names that are no fix, and an unreadable ``FSDP_SHIM_LOG``: a warning each."""
+    unknown, problem = config.disabled_fixes()[1], config.log_setting()[1]
     if unknown:
         warn_once(
             f"fsdp-shim: {config.DISABLED_FIXES_VARIABLE} names {', '.join(map(repr, unknown))}, which is no fix of "

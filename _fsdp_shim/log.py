@@ -11,6 +11,8 @@ from _fsdp_shim.config import log_setting
 
 _said: set[str] = set()
 _said_lock = threading.Lock()
+named: list[str] = []  # the fixes said to have acted (read first: a pin asks at every recompute)
+INFO, DEBUG = 20, 10  # logging's levels, without importing logging at start-up
 
 
 def first_time(key: str) -> bool:
@@ -19,9 +21,6 @@ def first_time(key: str) -> bool:
         new = key not in _said
         _said.add(key)
         return new
-
-
-INFO, DEBUG = 20, 10  # logging's levels, without importing logging at start-up
 
 
 def process_rank() -> int:
@@ -56,9 +55,6 @@ def announce(message: str, *args: object) -> None:
     """A confirmation line at INFO, shown where logging is not configured too; ``FSDP_SHIM_LOG=0`` drops it."""
     if log_setting()[0] != "off":
         log(INFO, message, *args, shown_anyway=True)
-
-
-named: list[str] = []  # the fixes said to have acted (read first: a pin asks at every recompute)
 
 
 def confirm(fix: str, what: str) -> None:
