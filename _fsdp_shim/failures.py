@@ -16,8 +16,7 @@ from _fsdp_shim.log import first_time, process_rank
 class FSDPShimError(RuntimeError):
     """A problem of the shim in strict mode (``FSDP_SHIM_STRICT``), or ranks of one job that run different fixes."""
 
-
-FSDPShimError.__module__ = "fsdp_shim.errors"  # where users import it from
+    __module__ = "fsdp_shim.errors"  # where users import it from
 
 
 def read_switch(name: str, meaning: str) -> str:
@@ -62,12 +61,9 @@ def internal_error(error: Exception, *, doing: str, key: str, cannot: str | None
 def glue_failed(wrapper: Any, error: Exception) -> None:
     """A wrapper could not read what it needs: Lightning's or torch's own function ran for this call."""
     what = "rank check" if wrapper.fix == config.RANK_CHECK.name else f"{wrapper.fix} fix"
-    report(
-        f"fsdp-shim: {wrapper.label} could not read what it needs ({error})",
-        f"{owners_own(wrapper)} was used for this call, so it runs without the {what}",
-        key=f"glue:{wrapper.label}",
-        cause=error,
-    )
+    problem = f"fsdp-shim: {wrapper.label} could not read what it needs ({error})"
+    said = f"{owners_own(wrapper)} was used for this call, so it runs without the {what}"
+    report(problem, said, key=f"glue:{wrapper.label}", cause=error)
 
 
 def owners_own(wrapper: Any) -> str:
@@ -77,11 +73,9 @@ def owners_own(wrapper: Any) -> str:
 def cannot_patch(namespace: str, fix: Any, record: Any) -> None:
     """A namespace that could not be patched, and why (``record.detail``): left unchanged."""
     which, without = (f" ({fix.name} fix)", f"it runs without the {fix.name} fix") if record.affected else ("", "")
-    report(
-        f"fsdp-shim: cannot patch {namespace} {record.version or '(unknown version)'}{which}: {record.detail}",
-        f"Lightning was left unchanged, so {without or 'no fix applies'}",
-        key=f"patch:{namespace}:{fix.name}:{record.detail}",
-    )
+    problem = f"fsdp-shim: cannot patch {namespace} {record.version or '(unknown version)'}{which}: {record.detail}"
+    key = f"patch:{namespace}:{fix.name}:{record.detail}"
+    report(problem, f"Lightning was left unchanged, so {without or 'no fix applies'}", key=key)
 
 
 def wrapper_left(label: str, top: str, gone: bool) -> None:
@@ -108,13 +102,10 @@ def threads_clashed() -> None:
 
 def recompute_passed_by(paths: list[str], findings: dict[str, Any]) -> None:
     """torch's call path passes the recompute fix's wrappers by on ``paths`` (its check showed it): taken off there."""
-    checkpoints = the_checkpoints(paths)
-    report(
-        f"fsdp-shim: the recompute fix is not in effect on torch {torch_version()} for {checkpoints} "
-        f"({whys(paths, findings)})",
-        "torch was left as it was there, so this fix is off for that checkpoint in this process",
-        key=f"proof:{checkpoints}",
-    )
+    checkpoints, why = the_checkpoints(paths), whys(paths, findings)
+    problem = f"the recompute fix is not in effect on torch {torch_version()} for {checkpoints} ({why})"
+    said = "torch was left as it was there, so this fix is off for that checkpoint in this process"
+    report(f"fsdp-shim: {problem}", said, key=f"proof:{checkpoints}")
 
 
 def joined(names: list[str]) -> str:
@@ -154,11 +145,10 @@ def rank_check_error(
     if paused == silent:
         why = "have been paused since (a debugger, a suspended node), have failed its own check (see its output)"
     else:
-        busy = f"{waited:g} s after joining it" if joined else f"after {waited:g} s"
         why = (
             f"lack the shim ({shim}=0 in its environment, fsdp-shim or its start-up file missing on its node, a "
             f"launcher or job script that dropped {shim} or PYTHONPATH: srun --export, env -i, sudo), be still busy "
-            f"{busy}"
+            + (f"{waited:g} s after joining it" if joined else f"after {waited:g} s")
         )
     had = f" ({_ranks_named(paused)} had fsdp-shim when joining the group)" if paused else ""
     joined_but = "joined the process group but " if joined else ""
@@ -185,25 +175,19 @@ def described(reports: dict[int, dict[str, Any]]) -> str:
 
 
 def rank_check_failed(error: BaseException) -> None:
-    report(
-        f"fsdp-shim: could not check that every rank of this job runs the same fixes ({type(error).__name__}: {error})",
-        f"training goes on unchecked; make sure every rank has the shim ({config.SHIM_VARIABLE}=1 on every node)",
-        key="rank-check",
-        cause=error,
-    )
+    problem = f"could not check that every rank of this job runs the same fixes ({type(error).__name__}: {error})"
+    said = f"training goes on unchecked; make sure every rank has the shim ({config.SHIM_VARIABLE}=1 on every node)"
+    report(f"fsdp-shim: {problem}", said, key="rank-check", cause=error)
 
 
 def unreadable_rank_check_timeout(problem: str, default: float) -> None:
-    warn_once(
-        f"fsdp-shim: {problem}; the cross-rank check waits as long as the process group's timeout ({default:g} s)",
-        key=f"rank-timeout:{problem}",
-    )
+    said = f"the cross-rank check waits as long as the process group's timeout ({default:g} s)"
+    warn_once(f"fsdp-shim: {problem}; {said}", key=f"rank-timeout:{problem}")
 
 
 def warn_about_models_already_wrapped(name: str) -> None:
-    """After a late patch of ``name``, the FSDP models it set up before keep their dtype: found by a garbage-collector
-    walk (``type()``: proxies warn on ``__class__``)."""
-    import gc
+    """After a late patch of ``name``, the FSDP models it set up before keep their dtype: said once, if any."""
+    import gc  # a walk of every object, with type(): proxies warn on __class__
 
     trainer = NAMESPACES[name] == "trainer"
     module, attribute = ("strategies.fsdp", "_model") if trainer else ("wrappers", "_forward_module")
