@@ -7,6 +7,7 @@ import os
 import sys
 import threading
 
+from _fsdp_shim._version import __version__
 from _fsdp_shim.config import log_setting
 
 _said: set[str] = set()
@@ -64,8 +65,6 @@ def confirm(fix: str, what: str) -> None:
         return
     named.append(fix)
     if process_rank() == 0:
-        from _fsdp_shim._version import __version__
-
         line = "fsdp-shim %s: active; %s" if named == [fix] else "fsdp-shim %s: %s"
         with contextlib.suppress(Exception):  # inside the user's backward: a log line must not end the run
             announce(line, __version__, what)
