@@ -16,11 +16,8 @@ NAMESPACES = {
 }
 """Every importable copy of Lightning's Fabric and Trainer, and its kind: each is gated and patched on its own."""
 
-HAND_OVER = "_fsdp_shim.activation"
-"""Where ``namespace_executed(module, late)`` receives each executed namespace, resolved by name when it fires."""
-
-ARMED_BY = []
-"""How the finder was armed in this process, in order (``fsdp_shim.status().sources``)."""
+HAND_OVER = "_fsdp_shim.activation"  # its namespace_executed(module, late) receives each namespace, found by name
+ARMED_BY = []  # how the finder was armed in this process, in order (fsdp_shim.status().sources)
 _handed = {}  # type: dict[str, object]
 _inert = []  # type: list[BaseException]
 
@@ -65,9 +62,8 @@ def arm_if_switched_on():
 
 
 def fsdp_shim_finder(name, path=None, target=None):
-    """A finder that is its own ``find_spec``: the spec the finders after it give, with the loader observed.
-
-    CPython holds its import lock while it asks finders, so this imports nothing."""
+    """A finder that is its own ``find_spec``: the spec the finders after it give, with the loader observed. CPython
+    holds its import lock while it asks finders, so this imports nothing."""
     if _inert or (name not in NAMESPACES and not not_handed_over()):
         return None
     after_me = False
@@ -129,7 +125,8 @@ def _hand_over_all(names):
 
 
 def _hand_over(module, late):
-    """Give an executed namespace to the shim; only ``FSDP_SHIM=0`` skips it here."""
+    """Give an executed namespace to the shim; only ``FSDP_SHIM=0`` skips it here. A shim that cannot load says so:
+    a warning, or in strict mode an ImportError from the user's import."""
     import os
 
     _handed[module.__name__] = module
@@ -139,19 +136,12 @@ def _hand_over(module, late):
         receive = __import__(HAND_OVER, fromlist=["namespace_executed"]).namespace_executed
     except Exception as error:
         _inert.append(error)
-        _could_not_load(error)
+        message = f"fsdp-shim: the shim could not be loaded ({type(error).__name__}: {error}), so Lightning runs "
+        message += "without its fixes"
+        if switch_state(os.environ.get(STRICT_VARIABLE)) in ("on", "invalid"):
+            raise ImportError(f"{message}; {STRICT_VARIABLE} is on, so this import fails instead") from error
+        import warnings
+
+        warnings.warn(f"{message}. Reinstall fsdp-shim, or set {SHIM_VARIABLE}=0.", __getattr__("FSDPShimWarning"), 2)
         return
     receive(module, late)
-
-
-def _could_not_load(error):
-    """Never silent: a warning, or in strict mode an ImportError from the user's import."""
-    import os
-
-    message = f"fsdp-shim: the shim could not be loaded ({type(error).__name__}: {error}), "
-    message += "so Lightning runs without its fixes"
-    if switch_state(os.environ.get(STRICT_VARIABLE)) in ("on", "invalid"):
-        raise ImportError(f"{message}; {STRICT_VARIABLE} is on, so this import fails instead") from error
-    import warnings
-
-    warnings.warn(f"{message}. Reinstall fsdp-shim, or set {SHIM_VARIABLE}=0.", __getattr__("FSDPShimWarning"), 3)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -17,10 +16,8 @@ VARIABLES = (SHIM_VARIABLE, STRICT_VARIABLE, DISABLED_FIXES_VARIABLE, RANK_CHECK
 TRAINER_NAMESPACES = tuple(name for name, kind in NAMESPACES.items() if kind == "trainer")
 LIGHTNING_PACKAGES = tuple(dict.fromkeys(name.partition(".")[0] for name in NAMESPACES))
 DOCS = "https://fsdp-shim.github.io/fsdp-shim/"
-
-
 VALID_SWITCH_VALUES = ", ".join((*ON_VALUES, *OFF_VALUES))
-FIRST_TRUE_PRECISIONS = (2, 1, 0)  # the "true" precisions for FSDP
+MAX_RANK_CHECK_SECONDS = 365 * 24 * 3600.0  # what every store accepts (1e20 s overflowed it)
 
 
 @dataclass(frozen=True)
@@ -34,13 +31,11 @@ class Fix:
     def affects(self, version: str) -> bool:
         """Whether a Lightning version lacks this fix (``2.5.0rc0`` counts as 2.5.0)."""
         release = base_release(version)
-        return release is not None and release >= FIRST_TRUE_PRECISIONS and not self.built_in(version)
+        return release is not None and release >= (2, 1, 0) and not self.built_in(version)  # 2.1: "true" precisions
 
     def built_in(self, version: str) -> bool:
         """Whether the Lightning release ships this fix itself."""
-        if self.fixed_in is None:
-            return False
-        release, fixed_in = base_release(version), base_release(self.fixed_in)
+        release, fixed_in = base_release(version), base_release(self.fixed_in or "")
         return release is not None and fixed_in is not None and release >= fixed_in
 
 
@@ -48,8 +43,7 @@ CAST = Fix(name="cast", fixed_in="2.5.0", upstream="Lightning #20323, 2.5.0")
 RECOMPUTE = Fix(name="recompute", fixed_in=None, upstream="no Lightning release")
 FIXES = (CAST, RECOMPUTE)
 FIX_NAMES = tuple(fix.name for fix in FIXES)
-RANK_CHECK = Fix(name="rank-check", fixed_in=None, upstream="fsdp-shim's own check")
-"""Patched like a fix wherever the shim is active, but never switched off by name."""
+RANK_CHECK = Fix(name="rank-check", fixed_in=None, upstream="fsdp-shim's own check")  # never switched off by name
 
 
 class State(str, Enum):
@@ -83,13 +77,9 @@ def base_release(version: str) -> tuple[int, int, int] | None:
 def disabled_fixes(environ: Mapping[str, str] = os.environ) -> tuple[frozenset[str], list[str]]:
     """The fixes ``FSDP_SHIM_DISABLED_FIXES`` names (``*`` or ``all``: every fix), and its names that are no fix."""
     names = [name.strip().lower() for name in environ.get(DISABLED_FIXES_VARIABLE, "").split(",") if name.strip()]
+    every = "*" in names or "all" in names
     unknown = [name for name in names if name not in (*FIX_NAMES, "*", "all")]
-    if any(name in ("*", "all") for name in names):
-        return frozenset(FIX_NAMES), unknown
-    return frozenset(name for name in names if name in FIX_NAMES), unknown
-
-
-MAX_RANK_CHECK_SECONDS = 365 * 24 * 3600.0  # what every store accepts (1e20 s overflowed it)
+    return frozenset(name for name in FIX_NAMES if every or name in names), unknown
 
 
 def rank_check_timeout(environ: Mapping[str, str] = os.environ) -> tuple[float | None, str | None]:
@@ -100,8 +90,8 @@ def rank_check_timeout(environ: Mapping[str, str] = os.environ) -> tuple[float |
     try:
         value = float(raw)
     except ValueError:
-        value = math.nan
-    if math.isnan(value) or value < 0:
+        value = -1.0
+    if not value >= 0:  # unreadable, negative or NaN
         return None, f"{RANK_CHECK_TIMEOUT_VARIABLE}={raw!r} is not a number of seconds >= 0"
     return min(value, MAX_RANK_CHECK_SECONDS), None
 

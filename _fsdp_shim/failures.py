@@ -1,5 +1,4 @@
-"""The failure policy: strict mode raises; otherwise one warning at the user's line. Loaded when a problem is, or a
-risk (the float16 notice)."""
+"""The failure policy (strict mode raises; otherwise one warning at the user's line) and the text of each failure."""
 
 from __future__ import annotations
 
@@ -17,8 +16,7 @@ from _fsdp_shim.log import first_time, process_rank
 class FSDPShimError(RuntimeError):
     """A problem of the shim in strict mode (``FSDP_SHIM_STRICT``), or ranks of one job that run different fixes."""
 
-
-FSDPShimError.__module__ = "fsdp_shim.errors"  # where users import it from
+    __module__ = "fsdp_shim.errors"  # where users import it from
 
 
 def read_switch(name: str, meaning: str) -> str:
@@ -34,13 +32,13 @@ def read_switch(name: str, meaning: str) -> str:
     return state
 
 
-def unreadable_settings(unknown: list[str], problem: str | None) -> None:
+def unreadable_settings() -> None:
     """``FSDP_SHIM_DISABLED_FIXES`` names that are no fix, and an unreadable ``FSDP_SHIM_LOG``: a warning each."""
+    unknown, problem = config.disabled_fixes()[1], config.log_setting()[1]
     if unknown:
-        names = ", ".join(map(repr, unknown))
         warn_once(
-            f"fsdp-shim: {config.DISABLED_FIXES_VARIABLE} names {names}, which is no fix of fsdp-shim (its fixes: "
-            f"{', '.join(config.FIX_NAMES)}); that name is ignored",
+            f"fsdp-shim: {config.DISABLED_FIXES_VARIABLE} names {', '.join(map(repr, unknown))}, which is no fix of "
+            f"fsdp-shim (its fixes: {', '.join(config.FIX_NAMES)}); that name is ignored",
             key=f"disabled:{','.join(unknown)}",
         )
     if problem is not None:
@@ -63,12 +61,9 @@ def internal_error(error: Exception, *, doing: str, key: str, cannot: str | None
 def glue_failed(wrapper: Any, error: Exception) -> None:
     """A wrapper could not read what it needs: Lightning's or torch's own function ran for this call."""
     what = "rank check" if wrapper.fix == config.RANK_CHECK.name else f"{wrapper.fix} fix"
-    report(
-        f"fsdp-shim: {wrapper.label} could not read what it needs ({error})",
-        f"{owners_own(wrapper)} was used for this call, so it runs without the {what}",
-        key=f"glue:{wrapper.label}",
-        cause=error,
-    )
+    problem = f"fsdp-shim: {wrapper.label} could not read what it needs ({error})"
+    said = f"{owners_own(wrapper)} was used for this call, so it runs without the {what}"
+    report(problem, said, key=f"glue:{wrapper.label}", cause=error)
 
 
 def owners_own(wrapper: Any) -> str:
@@ -78,24 +73,21 @@ def owners_own(wrapper: Any) -> str:
 def cannot_patch(namespace: str, fix: Any, record: Any) -> None:
     """A namespace that could not be patched, and why (``record.detail``): left unchanged."""
     which, without = (f" ({fix.name} fix)", f"it runs without the {fix.name} fix") if record.affected else ("", "")
-    report(
-        f"fsdp-shim: cannot patch {namespace} {record.version or '(unknown version)'}{which}: {record.detail}",
-        f"Lightning was left unchanged, so {without or 'no fix applies'}",
-        key=f"patch:{namespace}:{fix.name}:{record.detail}",
-    )
+    problem = f"fsdp-shim: cannot patch {namespace} {record.version or '(unknown version)'}{which}: {record.detail}"
+    key = f"patch:{namespace}:{fix.name}:{record.detail}"
+    report(problem, f"Lightning was left unchanged, so {without or 'no fix applies'}", key=key)
 
 
 def wrapper_left(label: str, top: str, gone: bool) -> None:
     """``deactivate()`` found another library's object on top of, or instead of, the shim's wrapper on ``label``."""
-    if gone:
-        message = f"its wrapper on {label} had already been replaced by other code ({top}); nothing of the shim's is "
-        warn_once(f"fsdp-shim: {message}left there to remove", key=f"gone:{label}")
-    else:
-        warn_once(
-            f"fsdp-shim: deactivated its wrapper on {label} in place, because other code ({top}) has wrapped it since; "
-            "it now passes every call through, and the other code's wrapper is left as it is",
-            key=f"buried:{label}",
-        )
+    said = (
+        f"its wrapper on {label} had already been replaced by other code ({top}); nothing of the shim's is left there "
+        "to remove"
+        if gone
+        else f"deactivated its wrapper on {label} in place, because other code ({top}) has wrapped it since; it now "
+        "passes every call through, and the other code's wrapper is left as it is"
+    )
+    warn_once(f"fsdp-shim: {said}", key=f"{'gone' if gone else 'buried'}:{label}")
 
 
 def threads_clashed() -> None:
@@ -110,13 +102,10 @@ def threads_clashed() -> None:
 
 def recompute_passed_by(paths: list[str], findings: dict[str, Any]) -> None:
     """torch's call path passes the recompute fix's wrappers by on ``paths`` (its check showed it): taken off there."""
-    checkpoints = the_checkpoints(paths)
-    report(
-        f"fsdp-shim: the recompute fix is not in effect on torch {torch_version()} for {checkpoints} "
-        f"({whys(paths, findings)})",
-        "torch was left as it was there, so this fix is off for that checkpoint in this process",
-        key=f"proof:{checkpoints}",
-    )
+    checkpoints, why = the_checkpoints(paths), whys(paths, findings)
+    problem = f"the recompute fix is not in effect on torch {torch_version()} for {checkpoints} ({why})"
+    said = "torch was left as it was there, so this fix is off for that checkpoint in this process"
+    report(f"fsdp-shim: {problem}", said, key=f"proof:{checkpoints}")
 
 
 def joined(names: list[str]) -> str:
@@ -156,11 +145,10 @@ def rank_check_error(
     if paused == silent:
         why = "have been paused since (a debugger, a suspended node), have failed its own check (see its output)"
     else:
-        busy = f"{waited:g} s after joining it" if joined else f"after {waited:g} s"
         why = (
             f"lack the shim ({shim}=0 in its environment, fsdp-shim or its start-up file missing on its node, a "
             f"launcher or job script that dropped {shim} or PYTHONPATH: srun --export, env -i, sudo), be still busy "
-            f"{busy}"
+            + (f"{waited:g} s after joining it" if joined else f"after {waited:g} s")
         )
     had = f" ({_ranks_named(paused)} had fsdp-shim when joining the group)" if paused else ""
     joined_but = "joined the process group but " if joined else ""
@@ -187,33 +175,26 @@ def described(reports: dict[int, dict[str, Any]]) -> str:
 
 
 def rank_check_failed(error: BaseException) -> None:
-    report(
-        f"fsdp-shim: could not check that every rank of this job runs the same fixes ({type(error).__name__}: {error})",
-        f"training goes on unchecked; make sure every rank has the shim ({config.SHIM_VARIABLE}=1 on every node)",
-        key="rank-check",
-        cause=error,
-    )
+    problem = f"could not check that every rank of this job runs the same fixes ({type(error).__name__}: {error})"
+    said = f"training goes on unchecked; make sure every rank has the shim ({config.SHIM_VARIABLE}=1 on every node)"
+    report(f"fsdp-shim: {problem}", said, key="rank-check", cause=error)
 
 
 def unreadable_rank_check_timeout(problem: str, default: float) -> None:
-    warn_once(
-        f"fsdp-shim: {problem}; the cross-rank check waits as long as the process group's timeout ({default:g} s)",
-        key=f"rank-timeout:{problem}",
-    )
+    said = f"the cross-rank check waits as long as the process group's timeout ({default:g} s)"
+    warn_once(f"fsdp-shim: {problem}; {said}", key=f"rank-timeout:{problem}")
 
 
 def warn_about_models_already_wrapped(name: str) -> None:
-    """After a late patch of ``name``, the FSDP models it set up before keep their dtype: found by a garbage-collector
-    walk (``type()``: proxies warn on ``__class__``)."""
-    import gc
+    """After a late patch of ``name``, the FSDP models it set up before keep their dtype: said once, if any."""
+    import gc  # a walk of every object, with type(): proxies warn on __class__
 
     trainer = NAMESPACES[name] == "trainer"
-    holder_module, holder_class = ("strategies.fsdp", "FSDPStrategy") if trainer else ("wrappers", "_FabricModule")
-    holder = getattr(sys.modules.get(f"{name}.{holder_module}"), holder_class, None)
+    module, attribute = ("strategies.fsdp", "_model") if trainer else ("wrappers", "_forward_module")
+    holder = getattr(sys.modules.get(f"{name}.{module}"), "FSDPStrategy" if trainer else "_FabricModule", None)
     fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FullyShardedDataParallel", None)
     if not isinstance(holder, type) or not isinstance(fsdp, type):
         return
-    attribute = "_model" if trainer else "_forward_module"
     count = sum(isinstance(getattr(o, attribute, None), fsdp) for o in gc.get_objects() if issubclass(type(o), holder))
     if count:
         warn_once(
@@ -257,28 +238,19 @@ def warn_once(message: str, *, key: str) -> None:
         warnings.warn(message, FSDPShimWarning, stacklevel=1)
         return
     found = frame.f_globals
-    registry = found.setdefault("__warningregistry__", {})
     source = found if found.get("__file__") else None  # `python -c`'s loader raises when asked for source
+    registry = found.setdefault("__warningregistry__", {})
     warnings.warn_explicit(
         message, FSDPShimWarning, frame.f_code.co_filename, frame.f_lineno, found.get("__name__"), registry, source
     )
 
 
-_OWN = (
-    os.path.dirname(os.path.abspath(__file__)),
-    os.path.join(os.path.dirname(os.path.abspath(warnings.__file__)), "importlib"),
-)
-
-
 def user_frame() -> FrameType | None:
     """The innermost frame outside fsdp-shim, the import machinery, wrapt and Lightning, where warnings point."""
-    internal = ["<frozen importlib", *(os.path.join(path, "") for path in _OWN)]
-    internal.append(os.path.join(os.path.dirname(_OWN[0]), "fsdp_shim", ""))
-    for name in ("wrapt", *config.LIGHTNING_PACKAGES):
-        path = getattr(sys.modules.get(name), "__file__", None)
-        if path:
-            internal.append(os.path.join(os.path.dirname(os.path.abspath(path)), ""))
+    packages = ("_fsdp_shim", "fsdp_shim", "importlib", "wrapt", *config.LIGHTNING_PACKAGES)
+    files = [getattr(sys.modules.get(name), "__file__", None) for name in packages]
+    internal = ("<frozen importlib", *(os.path.join(os.path.dirname(os.path.abspath(f)), "") for f in files if f))
     frame: FrameType | None = sys._getframe(1)
-    while frame is not None and frame.f_code.co_filename.startswith(tuple(internal)):
+    while frame is not None and frame.f_code.co_filename.startswith(internal):
         frame = frame.f_back
     return frame

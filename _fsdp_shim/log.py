@@ -7,10 +7,13 @@ import os
 import sys
 import threading
 
+from _fsdp_shim._version import __version__
 from _fsdp_shim.config import log_setting
 
 _said: set[str] = set()
 _said_lock = threading.Lock()
+named: list[str] = []  # the fixes said to have acted (read first: a pin asks at every recompute)
+INFO, DEBUG = 20, 10  # logging's levels, without importing logging at start-up
 
 
 def first_time(key: str) -> bool:
@@ -19,9 +22,6 @@ def first_time(key: str) -> bool:
         new = key not in _said
         _said.add(key)
         return new
-
-
-INFO, DEBUG = 20, 10  # logging's levels, without importing logging at start-up
 
 
 def process_rank() -> int:
@@ -44,8 +44,7 @@ def log(level: int, message: str, *args: object, shown_anyway: bool = False) -> 
     if logger.isEnabledFor(level) and logger.hasHandlers():
         logger.log(level, message, *args)
     elif shown_anyway:
-        sys.stderr.write((message % args) + "\n")
-        sys.stderr.flush()
+        print(message % args, file=sys.stderr, flush=True)
 
 
 def debug(message: str, *args: object) -> None:
@@ -59,18 +58,13 @@ def announce(message: str, *args: object) -> None:
         log(INFO, message, *args, shown_anyway=True)
 
 
-named: list[str] = []  # the fixes said to have acted (read first: a pin asks at every recompute)
-
-
 def confirm(fix: str, what: str) -> None:
-    """Name a fix, on rank zero, the first time it changes something: the first in the confirmation line, each
-    later one in a line of its own. It never raises."""
+    """On rank zero, the first time a fix changes something: the first in the confirmation line, each later one in a
+    line of its own. It never raises."""
     if fix in named or not first_time(f"acted:{fix}"):
         return
     named.append(fix)
     if process_rank() == 0:
-        from _fsdp_shim._version import __version__
-
         line = "fsdp-shim %s: active; %s" if named == [fix] else "fsdp-shim %s: %s"
         with contextlib.suppress(Exception):  # inside the user's backward: a log line must not end the run
             announce(line, __version__, what)

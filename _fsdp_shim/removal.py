@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from _fsdp_shim import wrappers
+from _fsdp_shim import failures, wrappers
 from _fsdp_shim.config import FIXES, NAMESPACES, RANK_CHECK, Fix, State
 from _fsdp_shim.wrappers import GONE, ON_TOP, UNDER, placement, remove
 
@@ -50,8 +50,6 @@ def unpatch_disabled(namespace: str, names: frozenset[str]) -> None:
 
 def unpatch_all() -> None:
     """``deactivate()``: every fix off every namespace, saying where another library's wrapper was in the way."""
-    from _fsdp_shim import failures
-
     for name in NAMESPACES:
         for fix in (*FIXES, RANK_CHECK):
             for wrapper, where in unpatch(name, fix):

@@ -1,30 +1,21 @@
 """fsdp-shim: fixes for FSDP "true"-precision training in Lightning, without upgrading or forking it. Importing it
-activates the shim, as ``import ddtrace.auto`` does (``FSDP_SHIM=0`` switches it off without changing code);
-``python -m fsdp_shim`` is the ``fsdp-shim`` command, which activates nothing."""
+activates the shim (``FSDP_SHIM=0`` switches it off); ``python -m fsdp_shim``, the command, activates nothing."""
 
 from __future__ import annotations
 
 import sys
-from types import FrameType
 
-from _fsdp_shim import FSDPShimWarning
 from _fsdp_shim._version import __version__
 from _fsdp_shim.activation import activate, deactivate, status
-from _fsdp_shim.failures import FSDPShimError
+from fsdp_shim.errors import FSDPShimError, FSDPShimWarning
 
 __all__ = ["FSDPShimError", "FSDPShimWarning", "__version__", "activate", "deactivate", "status"]
 
 
 def _runs_the_command() -> bool:
     """Whether this is ``python -m fsdp_shim``, which imports this package first and must not activate."""
-    if sys.argv[:1] != ["-m"]:  # while -m locates its module, on every Python
-        return False
-    argv = getattr(sys, "orig_argv", None)  # Python 3.10+
-    if argv is not None:
-        before_arguments = argv[: len(argv) - len(sys.argv) + 1]
-        return before_arguments[-2:] == ["-m", __name__] or before_arguments[-1:] == [f"-m{__name__}"]
-    frame: FrameType | None = sys._getframe()
-    while frame is not None:  # Python 3.9: runpy's frame that is locating it
+    frame = sys._getframe() if sys.argv[:1] == ["-m"] else None  # while -m locates its module
+    while frame is not None:  # runpy's frame that is locating it
         if frame.f_code.co_name == "_run_module_as_main" and frame.f_globals.get("__name__") == "runpy":
             return frame.f_locals.get("mod_name") == __name__
         frame = frame.f_back

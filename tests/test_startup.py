@@ -151,9 +151,9 @@ def test_an_off_value_wins_over_every_activation_and_an_unreadable_one_is_off_an
 
 @pytest.mark.per_python
 def test_python_m_fsdp_shim_never_activates_its_own_process_and_another_module_run_with_m_does(tmp_path: Path) -> None:
-    """``python -m fsdp_shim`` imports the package before it runs the command, which must arm nothing (3.9 has no
-    ``sys.orig_argv``: there the package asks runpy). A module run with ``-m`` that imports fsdp_shim activates,
-    also where that module's own arguments are ``-m fsdp_shim``."""
+    """``python -m fsdp_shim`` imports the package before it runs the command, which must arm nothing (the package
+    asks runpy which module it runs). A module run with ``-m`` that imports fsdp_shim activates, also where that
+    module's own arguments are ``-m fsdp_shim``."""
     (tmp_path / "trainer_package").mkdir()
     (tmp_path / "trainer_package" / "__init__.py").write_text("import fsdp_shim\n")
     (tmp_path / "trainer_package" / "__main__.py").write_text("")
