@@ -4,12 +4,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import site
-import subprocess
 import sys
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ import _fsdp_shim as startup
 from _fsdp_shim import NAMESPACES, config, failures
 from _fsdp_shim._version import __version__
 from _fsdp_shim.config import CAST, FIXES, RECOMPUTE, SHIM_VARIABLE, Fix, State, switch_state
-from _fsdp_shim.distributions import describe_import_failure, distribution_of, installed_packages
+from _fsdp_shim.distributions import describe_import_failure, distribution_of, import_failure, installed_packages
 from _fsdp_shim.failures import joined, the_checkpoints, whys
 
 _SAID = {  # the states whose value alone does not say it
@@ -217,22 +218,6 @@ def reading(namespace: str, fix: Fix) -> FixStatus:
 ENVIRONMENT_FILE = "fsdp_shim_env.pth"
 OWN_ENVIRONMENT_FILE = Path(startup.__file__).resolve().parent.parent / ENVIRONMENT_FILE
 NOT_READ = f"this fsdp-shim, in {OWN_ENVIRONMENT_FILE.parent}, was not installed here by pip (a clone, --target)"
-MARK = "\n--- fsdp-shim status report ---\n"  # around the child's report: start-up code may print too
-PYTHON_CHECK = f"""
-import importlib, json, sys, warnings
-if sys.path[:1] == [""]:  # the current folder, which -c puts first: not where a training script imports from
-    del sys.path[0]
-warnings.simplefilter("ignore")
-report = {{"python": sys.executable, "imported": [], "failed": {{}}}}
-for name in sys.argv[1:]:
-    try:
-        report["imported"].append(importlib.import_module(name).__name__)
-    except Exception as error:  # as distributions.import_failure()
-        report["failed"][name] = [type(error).__name__, str(error), getattr(error, "name", None)]
-shim = sys.modules.get("_fsdp_shim.activation")  # imported by the start-up finder's hand-over
-report.update(shim_loaded=shim is not None, status=shim and shim.status().as_dict())
-print({MARK!r} + json.dumps(report) + {MARK!r})
-"""
 Report = dict[str, Any]
 
 
@@ -290,26 +275,32 @@ def _recompute_needed() -> tuple[bool | None, str]:
     )
 
 
-def _check_child(report: Report) -> None:
-    """A fresh interpreter imports Lightning as a training script does; what the shim did there."""
-    command = [sys.executable, "-c", PYTHON_CHECK, *installed_packages()]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    parts, problems, state = proc.stdout.split(MARK), report["problems"], report["armed"]["state"]
-    if proc.returncode != 0 or len(parts) != 3:
-        problems.append(f"a fresh interpreter failed to import Lightning: {proc.stderr.strip()[-500:] or 'no report'}")
-        return
-    child = report["child"] = json.loads(parts[1])
-    problems += [describe_import_failure(package, failure) for package, failure in child["failed"].items()]
-    if state == "off":
-        return
-    if state == "armed" and child["imported"] and not child["shim_loaded"]:
+def _python_check(state: str) -> tuple[Report, list[str]]:
+    """Import Lightning as a training script does, in this process: started from the user's shell, armed at start-up
+    or not (``fsdp-shim`` activates nothing itself). What the shim did, and the problems found."""
+    if sys.path[:1] in ([""], [os.getcwd()]):  # `python -m` puts the current folder first: not a script's folder
+        del sys.path[0]
+    child: Report = {"python": sys.executable, "imported": [], "failed": {}}
+    with warnings.catch_warnings(), contextlib.redirect_stdout(sys.stderr):  # so that --json stays parseable
+        warnings.simplefilter("ignore")
+        for package in installed_packages():
+            try:
+                child["imported"].append(importlib.import_module(package).__name__)
+            except (Exception, SystemExit) as error:
+                child["failed"][package] = import_failure(error)
+    found = shim.status() if (shim := sys.modules.get(startup.HAND_OVER)) else None  # a hand-over loaded it, or -m
+    status = found if found and found.active else None
+    problems = [describe_import_failure(*failed) for failed in child["failed"].items()]
+    child.update(shim_loaded=status is not None, status=status and status.as_dict())
+    if state == "armed" and child["imported"] and status is None:
         problems.append("a start-up activation is present but a fresh interpreter did not load the shim")
     problems += [
-        f"{ns['namespace']} {ns['version']} lacks the {fix['fix']} fix, and it was not applied: {fix['reason']}"
-        for ns in (child["status"] or {}).get("namespaces", [])
-        for fix in ns["fixes"]
-        if ns["imported"] and fix["affected"] and not fix["patched"] and fix["state"] != State.DISABLED
+        f"{ns.namespace} {ns.version} lacks the {fix.fix} fix, and it was not applied: {fix.reason}"
+        for ns in (status.namespaces if status and state != "off" else ())
+        for fix in ns.fixes
+        if ns.imported and fix.affected and not fix.patched and fix.state is not State.DISABLED
     ]
+    return child, problems
 
 
 def environment_report(python_check: bool = False) -> Report:
@@ -340,7 +331,10 @@ def environment_report(python_check: bool = False) -> Report:
         )
     gone = [entry for entry in bootstrap if not os.path.isdir(entry)]
     problems += [f"PYTHONPATH holds an fsdp-shim bootstrap folder that does not exist: {e}" for e in gone]
-    report: Report = {
+    state = "off" if off else "armed" if by else "not armed"
+    child, checked = _python_check(state) if python_check else (None, [])  # first: Lightning before anything else
+    problems += checked
+    return {
         "shim_version": __version__,
         "python": sys.executable,
         "toggles": {name: os.environ.get(name) for name in config.VARIABLES},
@@ -349,13 +343,11 @@ def environment_report(python_check: bool = False) -> Report:
         "lightning": (lightning := _lightning(off)),
         "still_needed": _still_needed(lightning),
         "nothing_to_patch": not installed_packages() and importlib.util.find_spec("torch") is None,
-        "armed": {"state": "off" if off else "armed" if by else "not armed", "by": by},
-        "child": None,
+        "armed": {"state": state, "by": by},
+        "child": child,
         "problems": problems,
+        "consistent": not problems,
     }
-    if python_check:
-        _check_child(report)
-    return {**report, "consistent": not report["problems"]}
 
 
 def _armed(report: Report, shown: str) -> str:
