@@ -1,5 +1,4 @@
-"""Which Lightning packages are installed, and why one fails to import (``status``, ``verify``): from metadata, so a
-broken ``lightning`` next to a working ``pytorch_lightning`` is named as such."""
+"""Which Lightning packages are installed and why one fails to import, from metadata (``status``, ``verify``)."""
 
 from __future__ import annotations
 
@@ -30,7 +29,7 @@ def distribution_of(package: str) -> tuple[str, str] | None:
 
 
 def import_failure(error: BaseException) -> list[str | None]:
-    """An import error as ``[type name, message, missing module]``: what children report as JSON."""
+    """An import error as ``[type name, message, missing module]``, as JSON reports carry it."""
     return [type(error).__name__, str(error), getattr(error, "name", None)]
 
 

@@ -1,15 +1,15 @@
-"""``fsdp_shim.status()``: what the shim did in this process, read from the classes now, and its words (``reason``,
-``str()``); and ``fsdp-shim status``: what this environment holds and whether the pieces agree, from metadata
-(``--python-check``: a fresh interpreter imports Lightning). Loaded only when asked."""
+"""``fsdp_shim.status()``: what the shim did in this process, read from the classes now, in words; and ``fsdp-shim
+status``: what this environment holds and whether the pieces agree. Loaded only when asked."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import site
-import subprocess
 import sys
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +18,7 @@ import _fsdp_shim as startup
 from _fsdp_shim import NAMESPACES, config, failures
 from _fsdp_shim._version import __version__
 from _fsdp_shim.config import CAST, FIXES, RECOMPUTE, SHIM_VARIABLE, Fix, State, switch_state
-from _fsdp_shim.distributions import describe_import_failure, distribution_of, installed_packages
+from _fsdp_shim.distributions import describe_import_failure, distribution_of, import_failure, installed_packages
 from _fsdp_shim.failures import joined, the_checkpoints, whys
 
 _SAID = {  # the states whose value alone does not say it
@@ -140,25 +140,21 @@ def _line(namespace: str, version: str | None, reason: str) -> str:
 def collect(on: bool, active: bool, late: set[str]) -> ShimStatus:
     """The shim in this process: ``on`` by FSDP_SHIM, ``active`` here, ``late`` the namespaces it was handed late
     (imported before it was armed, or loaded past its finder)."""
-    skipped, environment = config.disabled_fixes()[0], {name: os.environ.get(name) for name in config.VARIABLES[:4]}
-    namespaces = tuple(_namespace(name, on, name in late) for name in NAMESPACES)
-    disabled = tuple(name for name in config.FIX_NAMES if name in skipped)
+    off, namespaces = f"{SHIM_VARIABLE}={os.environ.get(SHIM_VARIABLE, '')!r}", []
+    for name in NAMESPACES:
+        fixes, module = tuple(reading(name, fix) for fix in FIXES), sys.modules.get(name)
+        if module is not None and not on:  # what stays patched, or needs nothing, says so
+            fixes = tuple(
+                f if f.patched or f.affected is False else FixStatus(f.fix, State.SWITCHED_OFF, f.affected, off)
+                for f in fixes
+            )
+        version = getattr(module, "__version__", None)
+        imported, version = module is not None, version if isinstance(version, str) else None
+        namespaces.append(NamespaceStatus(name, imported, version, imported and name in late, fixes))
+    environment = {name: os.environ.get(name) for name in config.VARIABLES[:4]}
+    disabled = tuple(name for name in config.FIX_NAMES if name in config.disabled_fixes()[0])
     strict, sources = failures.strict_mode(), tuple(startup.ARMED_BY)
-    return ShimStatus(__version__, on, strict, active, sources, environment, namespaces, disabled)
-
-
-def _namespace(name: str, on: bool, late: bool) -> NamespaceStatus:
-    fixes, module = tuple(reading(name, fix) for fix in FIXES), sys.modules.get(name)
-    if module is None:
-        return NamespaceStatus(name, fixes=fixes)
-    version = module.__version__ if isinstance(getattr(module, "__version__", None), str) else None
-    off = f"{SHIM_VARIABLE}={os.environ.get(SHIM_VARIABLE, '')!r}"
-    if not on:  # what stays patched, or needs nothing, says so
-        fixes = tuple(
-            f if f.patched or f.affected is False else FixStatus(f.fix, State.SWITCHED_OFF, f.affected, off)
-            for f in fixes
-        )
-    return NamespaceStatus(name, True, version, late, fixes)
+    return ShimStatus(__version__, on, strict, active, sources, environment, tuple(namespaces), disabled)
 
 
 def reading(namespace: str, fix: Fix) -> FixStatus:
@@ -217,22 +213,6 @@ def reading(namespace: str, fix: Fix) -> FixStatus:
 ENVIRONMENT_FILE = "fsdp_shim_env.pth"
 OWN_ENVIRONMENT_FILE = Path(startup.__file__).resolve().parent.parent / ENVIRONMENT_FILE
 NOT_READ = f"this fsdp-shim, in {OWN_ENVIRONMENT_FILE.parent}, was not installed here by pip (a clone, --target)"
-MARK = "\n--- fsdp-shim status report ---\n"  # around the child's report: start-up code may print too
-PYTHON_CHECK = f"""
-import importlib, json, sys, warnings
-if sys.path[:1] == [""]:  # the current folder, which -c puts first: not where a training script imports from
-    del sys.path[0]
-warnings.simplefilter("ignore")
-report = {{"python": sys.executable, "imported": [], "failed": {{}}}}
-for name in sys.argv[1:]:
-    try:
-        report["imported"].append(importlib.import_module(name).__name__)
-    except Exception as error:  # as distributions.import_failure()
-        report["failed"][name] = [type(error).__name__, str(error), getattr(error, "name", None)]
-shim = sys.modules.get("_fsdp_shim.activation")  # imported by the start-up finder's hand-over
-report.update(shim_loaded=shim is not None, status=shim and shim.status().as_dict())
-print({MARK!r} + json.dumps(report) + {MARK!r})
-"""
 Report = dict[str, Any]
 
 
@@ -242,19 +222,19 @@ def _verdict(fix: Fix, version: str, off: str | None) -> str:
     return f"not patched: {off} switches it off" if off else "would be patched"
 
 
-def _lightning(off: str | None) -> list[dict[str, Any]]:
+def _lightning(off: str | None) -> list[Report]:
     """Per installed namespace, from metadata: its release, and what the shim would do to each fix there."""
     skipped, rows = config.disabled_fixes()[0], []
+    by = {fix: off or (config.DISABLED_FIXES_VARIABLE if fix.name in skipped else None) for fix in FIXES}
     for namespace in sorted(NAMESPACES):
         if found := distribution_of(namespace.partition(".")[0]):
-            by = {f.name: off or (config.DISABLED_FIXES_VARIABLE if f.name in skipped else None) for f in FIXES}
             affected = any(fix.affects(found[1]) for fix in FIXES)
             rows.append(dict(namespace=namespace, distribution=found[0], version=found[1], affected=affected))
-            rows[-1]["fixes"] = {f.name: _verdict(f, found[1], by[f.name]) for f in FIXES}
+            rows[-1]["fixes"] = {fix.name: _verdict(fix, found[1], by[fix]) for fix in FIXES}
     return rows
 
 
-def _still_needed(lightning: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def _still_needed(lightning: list[Report]) -> dict[str, Report]:
     """Per fix, whether this environment needs it (True, False, or None where it cannot tell) and why."""
     if not lightning:
         return {fix.name: {"needed": None, "why": "no Lightning in this environment"} for fix in FIXES}
@@ -290,38 +270,46 @@ def _recompute_needed() -> tuple[bool | None, str]:
     )
 
 
-def _check_child(report: Report) -> None:
-    """A fresh interpreter imports Lightning as a training script does; what the shim did there."""
-    command = [sys.executable, "-c", PYTHON_CHECK, *installed_packages()]
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    parts, problems, state = proc.stdout.split(MARK), report["problems"], report["armed"]["state"]
-    if proc.returncode != 0 or len(parts) != 3:
-        problems.append(f"a fresh interpreter failed to import Lightning: {proc.stderr.strip()[-500:] or 'no report'}")
-        return
-    child = report["child"] = json.loads(parts[1])
-    problems += [describe_import_failure(package, failure) for package, failure in child["failed"].items()]
-    if state == "off":
-        return
-    if state == "armed" and child["imported"] and not child["shim_loaded"]:
+def _python_check(armed: str) -> tuple[Report, list[str]]:
+    """Import Lightning here, as a training script does: this process started as one does, armed at start-up or not,
+    and ``fsdp-shim`` activates nothing itself. What the shim did, and the problems."""
+    if sys.path[:1] in ([""], [os.getcwd()]):  # `python -m` puts the current folder first: not a script's folder
+        del sys.path[0]
+    child: Report = {"python": sys.executable, "imported": [], "failed": {}}
+    with warnings.catch_warnings(), contextlib.redirect_stdout(sys.stderr):  # so that --json stays parseable
+        warnings.simplefilter("ignore")
+        for package in installed_packages():
+            try:
+                child["imported"].append(importlib.import_module(package).__name__)
+            except (Exception, SystemExit) as error:
+                child["failed"][package] = import_failure(error)
+    status = shim.status() if (shim := sys.modules.get(startup.HAND_OVER)) else None  # a hand-over loaded it, or -m
+    status = status if status and status.active else None
+    child.update(shim_loaded=status is not None, status=status and status.as_dict())
+    problems = [describe_import_failure(*failed) for failed in child["failed"].items()]
+    if armed == "armed" and child["imported"] and status is None:
         problems.append("a start-up activation is present but a fresh interpreter did not load the shim")
     problems += [
-        f"{ns['namespace']} {ns['version']} lacks the {fix['fix']} fix, and it was not applied: {fix['reason']}"
-        for ns in (child["status"] or {}).get("namespaces", [])
-        for fix in ns["fixes"]
-        if ns["imported"] and fix["affected"] and not fix["patched"] and fix["state"] != State.DISABLED
+        f"{ns.namespace} {ns.version} lacks the {fix.fix} fix, and it was not applied: {fix.reason}"
+        for ns in (status.namespaces if status and armed != "off" else ())
+        for fix in ns.fixes
+        if ns.imported and fix.affected and not fix.patched and fix.state is not State.DISABLED
     ]
+    return child, problems
 
 
 def environment_report(python_check: bool = False) -> Report:
     """What ``fsdp-shim status --json`` prints, in this key order (``render`` writes it as text). Problems: unreadable
     values, ``FSDP_SHIM=1`` where nothing reads it, bootstrap folders gone, and what ``--python-check`` finds."""
-    state, shown = switch_state(os.environ.get(SHIM_VARIABLE)), f"{SHIM_VARIABLE}={os.environ.get(SHIM_VARIABLE)!r}"
+    switch, shown = switch_state(os.environ.get(SHIM_VARIABLE)), f"{SHIM_VARIABLE}={os.environ.get(SHIM_VARIABLE)!r}"
     user = [site.getusersitepackages()] if site.ENABLE_USER_SITE else []
     found = next((p for d in [*user, *site.getsitepackages()] if (p := Path(d) / ENVIRONMENT_FILE).is_file()), None)
     entries = os.environ.get("PYTHONPATH", "").split(os.pathsep)  # any fsdp-shim's bootstrap, existing or not
     bootstrap = [e for e in entries if e and Path(e).parts[-2:] == ("_fsdp_shim", "bootstrap")]
-    off = shown if state in ("off", "invalid") else None
-    by = [shown] * (state == "on" and found is not None) + ["fsdp-shim run"] * bool(bootstrap)
+    off = shown if switch in ("off", "invalid") else None
+    by = [shown] * (switch == "on" and found is not None) + ["fsdp-shim run"] * bool(bootstrap)
+    armed = "off" if off else "armed" if by else "not armed"
+    child, checked = _python_check(armed) if python_check else (None, [])  # first: Lightning before torch
     problems = [
         f"{name}={os.environ.get(name)!r} is not a valid value ({config.VALID_SWITCH_VALUES}); {meaning}"
         for name, meaning in ((SHIM_VARIABLE, "the shim is OFF"), (config.STRICT_VARIABLE, "strict mode is ON"))
@@ -333,14 +321,14 @@ def environment_report(python_check: bool = False) -> Report:
     if timeout := config.rank_check_timeout()[1]:
         problems.append(f"{timeout}; the rank check waits as long as the process group's timeout")
     problems += filter(None, [config.log_setting()[1]])
-    if state == "on" and not (found or bootstrap):
+    if switch == "on" and not (found or bootstrap):
         problems.append(
             f"{shown} arms nothing in this interpreter: no folder it reads start-up files from holds "
             f"{ENVIRONMENT_FILE} ({NOT_READ}). Install fsdp-shim into this environment with pip, or use `fsdp-shim run`"
         )
     gone = [entry for entry in bootstrap if not os.path.isdir(entry)]
-    problems += [f"PYTHONPATH holds an fsdp-shim bootstrap folder that does not exist: {e}" for e in gone]
-    report: Report = {
+    problems += [f"PYTHONPATH holds an fsdp-shim bootstrap folder that does not exist: {e}" for e in gone] + checked
+    return {
         "shim_version": __version__,
         "python": sys.executable,
         "toggles": {name: os.environ.get(name) for name in config.VARIABLES},
@@ -349,13 +337,11 @@ def environment_report(python_check: bool = False) -> Report:
         "lightning": (lightning := _lightning(off)),
         "still_needed": _still_needed(lightning),
         "nothing_to_patch": not installed_packages() and importlib.util.find_spec("torch") is None,
-        "armed": {"state": "off" if off else "armed" if by else "not armed", "by": by},
-        "child": None,
+        "armed": {"state": armed, "by": by},
+        "child": child,
         "problems": problems,
+        "consistent": not problems,
     }
-    if python_check:
-        _check_child(report)
-    return {**report, "consistent": not report["problems"]}
 
 
 def _armed(report: Report, shown: str) -> str:
@@ -391,13 +377,12 @@ def render(report: Report) -> str:
     lines += ["", f"Still needed here? ({config.DOCS}removal.html)"]
     lines += [f"  {name:<10} {answer[a['needed']]}: {a['why']}" for name, a in report["still_needed"].items()]
     if (child := report["child"]) is not None:
-        status, why = child["status"] or {}, f"{shown} switches it off" if off else "nothing armed it at start-up"
-        loaded = f"shim loaded, armed by: {'; '.join(status.get('sources', [])) or 'unknown'}"
         lines += ["", "A fresh interpreter (imports Lightning, not fsdp_shim):"]
-        lines.append(f"  {loaded if child['shim_loaded'] else f'shim not loaded: {why}'}")
-        lines += [
-            _line(ns["namespace"], ns["version"], ns["reason"]) for ns in status.get("namespaces", []) if ns["imported"]
-        ]
+        if status := child["status"]:
+            lines.append(f"  shim loaded, armed by: {'; '.join(status['sources']) or 'unknown'}")
+            lines += [_line(n["namespace"], n["version"], n["reason"]) for n in status["namespaces"] if n["imported"]]
+        else:
+            lines.append(f"  shim not loaded: {f'{shown} switches it off' if off else 'nothing armed it at start-up'}")
     ok = "OK: no problem found" + (f"; the shim is OFF ({shown}), so nothing is patched" if off else "")
     if report["nothing_to_patch"]:  # an isolated install (pipx, `uv tool`)
         ok = f"NOTHING TO PATCH HERE: no torch, no Lightning beside this fsdp-shim ({report['python']}). Install it "
