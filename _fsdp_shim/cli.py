@@ -22,7 +22,7 @@ COMMANDS = {  # each command's description (its summary up to the colon) and exa
     "example:\n  fsdp-shim run torchrun --nproc-per-node 8 train.py",
     "status": "What is installed and active, and whether the pieces agree: fsdp-shim run and FSDP_SHIM, the\n"
     "Lightning releases installed (read from metadata) and whether they still need each fix. Exit code 1,\n"
-    "with a PROBLEM line, where the pieces disagree.\n\nexample:\n  fsdp-shim status --python-check",
+    "with a PROBLEM line, where the pieces disagree.\n\nexample:\n  fsdp-shim status --json",
     "verify": "Train a model for a few steps with FSDP, with the shim off and on, in fresh processes: a verdict\n"
     "per fix. Exit codes: 0 fixed or not needed; 1 FAILED, your model raised, --timeout; 2 cannot run; 130 Ctrl-C.\n\n"
     "example:\n  fsdp-shim verify --model my_project.model:MyModel --devices 2",
@@ -47,9 +47,7 @@ def _parser() -> argparse.ArgumentParser:
         summary = text[0].lower() + text[1 : text.index(":")]
         add[name] = commands.add_parser(name, help=summary, description=description, epilog=epilog, formatter_class=raw)
     add["run"].add_argument("cmd", nargs=argparse.REMAINDER, help="the command and its arguments")
-    status = add["status"].add_argument
-    status("--json", action="store_true", help="machine-readable output")
-    status("--python-check", action="store_true", help="also ask a fresh interpreter what importing Lightning gives")
+    add["status"].add_argument("--json", action="store_true", help="machine-readable output")
     verify, default = add["verify"].add_argument, "(default: %(default)s)"
     verify("--precision", choices=("bf16-true", "16-true"), default="bf16-true", help=default)
     verify("--devices", type=_positive, default=1, metavar="N", help=f"processes (GPUs with CUDA) {default}")
@@ -127,7 +125,7 @@ def _run(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from _fsdp_shim import status
 
-    return status.main(args.json, args.python_check)
+    return status.main(args.json)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,13 +3,11 @@ status``: what this environment holds and whether the pieces agree. Loaded only 
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
 import site
 import sys
-import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -18,7 +16,7 @@ import _fsdp_shim as startup
 from _fsdp_shim import NAMESPACES, config, failures
 from _fsdp_shim._version import __version__
 from _fsdp_shim.config import CAST, FIXES, RECOMPUTE, SHIM_VARIABLE, Fix, State, switch_state
-from _fsdp_shim.distributions import describe_import_failure, distribution_of, import_failure, installed_packages
+from _fsdp_shim.distributions import distribution_of, installed_packages
 from _fsdp_shim.failures import joined, the_checkpoints, whys
 
 _SAID = {  # the states whose value alone does not say it
@@ -128,13 +126,9 @@ class ShimStatus:
             state = f"switched off by {SHIM_VARIABLE}{kept}"
         lines = [f"fsdp-shim {self.shim_version}: {state}" + (" (strict)" if self.strict else "")]
         for status in self.namespaces:
-            lines.append(_line(status.namespace, status.version, status.reason))
+            lines.append(f"  {status.namespace:<18} {status.version or '-':<10} {status.reason}")
             lines += [f"    {fix.fix:<10} {fix.reason}" for fix in status.fixes] if status.imported else []
         return "\n".join(lines)
-
-
-def _line(namespace: str, version: str | None, reason: str) -> str:
-    return f"  {namespace:<18} {version or '-':<10} {reason}"
 
 
 def collect(on: bool, active: bool, late: set[str]) -> ShimStatus:
@@ -270,37 +264,9 @@ def _recompute_needed() -> tuple[bool | None, str]:
     )
 
 
-def _python_check(armed: str) -> tuple[Report, list[str]]:
-    """Import Lightning here, as a training script does: this process started as one does, armed at start-up or not,
-    and ``fsdp-shim`` activates nothing itself. What the shim did, and the problems."""
-    if sys.path[:1] in ([""], [os.getcwd()]):  # `python -m` puts the current folder first: not a script's folder
-        del sys.path[0]
-    child: Report = {"python": sys.executable, "imported": [], "failed": {}}
-    with warnings.catch_warnings(), contextlib.redirect_stdout(sys.stderr):  # so that --json stays parseable
-        warnings.simplefilter("ignore")
-        for package in installed_packages():
-            try:
-                child["imported"].append(importlib.import_module(package).__name__)
-            except (Exception, SystemExit) as error:
-                child["failed"][package] = import_failure(error)
-    status = shim.status() if (shim := sys.modules.get(startup.HAND_OVER)) else None  # a hand-over loaded it, or -m
-    status = status if status and status.active else None
-    child.update(shim_loaded=status is not None, status=status and status.as_dict())
-    problems = [describe_import_failure(*failed) for failed in child["failed"].items()]
-    if armed == "armed" and child["imported"] and status is None:
-        problems.append("a start-up activation is present but a fresh interpreter did not load the shim")
-    problems += [
-        f"{ns.namespace} {ns.version} lacks the {fix.fix} fix, and it was not applied: {fix.reason}"
-        for ns in (status.namespaces if status and armed != "off" else ())
-        for fix in ns.fixes
-        if ns.imported and fix.affected and not fix.patched and fix.state is not State.DISABLED
-    ]
-    return child, problems
-
-
-def environment_report(python_check: bool = False) -> Report:
+def environment_report() -> Report:
     """What ``fsdp-shim status --json`` prints, in this key order (``render`` writes it as text). Problems: unreadable
-    values, ``FSDP_SHIM=1`` where nothing reads it, bootstrap folders gone, and what ``--python-check`` finds."""
+    values, ``FSDP_SHIM=1`` where nothing reads it, and bootstrap folders gone."""
     switch, shown = switch_state(os.environ.get(SHIM_VARIABLE)), f"{SHIM_VARIABLE}={os.environ.get(SHIM_VARIABLE)!r}"
     user = [site.getusersitepackages()] if site.ENABLE_USER_SITE else []
     found = next((p for d in [*user, *site.getsitepackages()] if (p := Path(d) / ENVIRONMENT_FILE).is_file()), None)
@@ -308,8 +274,6 @@ def environment_report(python_check: bool = False) -> Report:
     bootstrap = [e for e in entries if e and Path(e).parts[-2:] == ("_fsdp_shim", "bootstrap")]
     off = shown if switch in ("off", "invalid") else None
     by = [shown] * (switch == "on" and found is not None) + ["fsdp-shim run"] * bool(bootstrap)
-    armed = "off" if off else "armed" if by else "not armed"
-    child, checked = _python_check(armed) if python_check else (None, [])  # first: Lightning before torch
     problems = [
         f"{name}={os.environ.get(name)!r} is not a valid value ({config.VALID_SWITCH_VALUES}); {meaning}"
         for name, meaning in ((SHIM_VARIABLE, "the shim is OFF"), (config.STRICT_VARIABLE, "strict mode is ON"))
@@ -327,7 +291,7 @@ def environment_report(python_check: bool = False) -> Report:
             f"{ENVIRONMENT_FILE} ({NOT_READ}). Install fsdp-shim into this environment with pip, or use `fsdp-shim run`"
         )
     gone = [entry for entry in bootstrap if not os.path.isdir(entry)]
-    problems += [f"PYTHONPATH holds an fsdp-shim bootstrap folder that does not exist: {e}" for e in gone] + checked
+    problems += [f"PYTHONPATH holds an fsdp-shim bootstrap folder that does not exist: {e}" for e in gone]
     return {
         "shim_version": __version__,
         "python": sys.executable,
@@ -337,8 +301,7 @@ def environment_report(python_check: bool = False) -> Report:
         "lightning": (lightning := _lightning(off)),
         "still_needed": _still_needed(lightning),
         "nothing_to_patch": not installed_packages() and importlib.util.find_spec("torch") is None,
-        "armed": {"state": armed, "by": by},
-        "child": child,
+        "armed": {"state": "off" if off else "armed" if by else "not armed", "by": by},
         "problems": problems,
         "consistent": not problems,
     }
@@ -376,13 +339,6 @@ def render(report: Report) -> str:
     answer = {True: "needed", False: "not needed", None: "unknown"}
     lines += ["", f"Still needed here? ({config.DOCS}removal.html)"]
     lines += [f"  {name:<10} {answer[a['needed']]}: {a['why']}" for name, a in report["still_needed"].items()]
-    if (child := report["child"]) is not None:
-        lines += ["", "A fresh interpreter (imports Lightning, not fsdp_shim):"]
-        if status := child["status"]:
-            lines.append(f"  shim loaded, armed by: {'; '.join(status['sources']) or 'unknown'}")
-            lines += [_line(n["namespace"], n["version"], n["reason"]) for n in status["namespaces"] if n["imported"]]
-        else:
-            lines.append(f"  shim not loaded: {f'{shown} switches it off' if off else 'nothing armed it at start-up'}")
     ok = "OK: no problem found" + (f"; the shim is OFF ({shown}), so nothing is patched" if off else "")
     if report["nothing_to_patch"]:  # an isolated install (pipx, `uv tool`)
         ok = f"NOTHING TO PATCH HERE: no torch, no Lightning beside this fsdp-shim ({report['python']}). Install it "
@@ -390,8 +346,8 @@ def render(report: Report) -> str:
     return "\n".join([*lines, "", *([f"PROBLEM: {p}" for p in report["problems"]] or [ok])])
 
 
-def main(as_json: bool, python_check: bool) -> int:
+def main(as_json: bool) -> int:
     """Print ``fsdp-shim status``'s report; 1 where the pieces disagree."""
-    report = environment_report(python_check)
+    report = environment_report()
     print(json.dumps(report, indent=2) if as_json else render(report))
     return 0 if report["consistent"] else 1
