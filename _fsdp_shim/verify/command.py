@@ -107,9 +107,10 @@ def main(options: Options) -> int:
     return 1 if verdict == "FAILED" else 0
 
 
-def run_probe(out: Path, options: Options, shim: str, step: str, slots: list[str] | None = None) -> Any:
+def run_probe(workdir: Path, options: Options, shim: str, step: str, slots: list[str] | None = None) -> Any:
     """Run a probe in its own session, SIGKILLing its group after (hung ranks outlive SIGTERM): "", failure, record."""
     print(f"fsdp-shim verify: {step} ...", file=sys.stderr, flush=True)  # with --json, stdout is the document
+    out = workdir / f"shim{shim}"  # the prefix of its files
     path = (options.model_path or os.getcwd()) if options.model or options.activation_checkpointing else None
     with open(f"{out}.stderr", "w") as log:
         env = dict(os.environ, FSDP_SHIM=shim, PYTHONWARNINGS="ignore")
@@ -126,7 +127,7 @@ def run_probe(out: Path, options: Options, shim: str, step: str, slots: list[str
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)  # its own session: the group's id is its pid
         proc.wait()
-    for record in [json.loads(p.read_text()) for p in sorted(out.parent.glob(f"{out.name}.rank*.error.json"))][:1]:
+    for record in [json.loads(p.read_text()) for p in sorted(workdir.glob(f"{out.name}.rank*.error.json"))][:1]:
         if record["kind"] == "usage":
             raise Stop(record["message"], 2)
         return record
@@ -140,52 +141,48 @@ def users_code_raised(record: dict[str, Any], shim: str, also: str = "") -> Stop
 
 
 def verify(options: Options, workdir: Path) -> tuple[Section, dict[str, str]]:
-    """The namespace checked, and the other ones installed: the first probe's gate (what it read), then each run's."""
-    on = run_probe(workdir / "shim1", options, "1", "reading the installed Lightning, then training with the shim on")
+    """The namespace checked, and the other ones installed: the first probe's gate (what it read), then each fix judged
+    from the runs (a model that raised without the shim: from those with it)."""
+    shim1 = run_probe(workdir, options, "1", "reading the installed Lightning, then training with the shim on")
     if not (workdir / "shim1.gate.json").exists():
-        if isinstance(on, dict):
-            raise users_code_raised(on, "1")
-        return Section("Lightning", None, "FAILED", f"reading the installed Lightning {on or 'wrote nothing'}"), {}
+        if isinstance(shim1, dict):
+            raise users_code_raised(shim1, "1")
+        return Section("Lightning", None, "FAILED", f"reading the installed Lightning {shim1 or 'wrote nothing'}"), {}
     gate = json.loads((workdir / "shim1.gate.json").read_text())
     namespace, version, others, plan = gate["namespace"], gate["version"], gate["others"], gate["plan"]
     if gate["import_failure"] is not None:
         return Section(namespace, None, "FAILED", describe_import_failure(namespace, gate["import_failure"])), others
     if not plan:
-        verdicts = {f.name: unaffected(f, version, "; nothing was trained") for f in FIXES if not f.affects(version)}
-        return Section(namespace, version, *verdicts[CAST.name], fix_entries(gate["fixes"], verdicts)), others
+        unneeded = {f.name: unaffected(f, version, "; nothing was trained") for f in FIXES if not f.affects(version)}
+        return Section(namespace, version, *unneeded[CAST.name], fix_entries(gate["fixes"], unneeded)), others
     step = f"training {namespace} {version} with the shim off"
-    only = ["shim_off"] if isinstance(on, dict) else None  # the user's code raised with the shim: does it without?
-    off = on if on and isinstance(on, str) else run_probe(workdir / "shim0", options, "0", step, only)  # on failed
-    raised = off if isinstance(off, dict) else None  # without the shim only: judged by what the shim made train
-    if isinstance(on, dict):
-        also = f", and with the shim on too ({on['message']})" if raised else ""
-        raise users_code_raised(raised or on, "0" if raised else "1", also)
-    results: dict[str, Runs] = {}
+    only = ["shim_off"] if isinstance(shim1, dict) else None  # the user's code raised with the shim: does it without?
+    shim0 = shim1 if shim1 and isinstance(shim1, str) else run_probe(workdir, options, "0", step, only)  # 1 failed
+    raised = shim0 if isinstance(shim0, dict) else None  # without the shim only: judged by what the shim made train
+    if isinstance(shim1, dict):
+        also = f", and with the shim on too ({shim1['message']})" if raised else ""
+        raise users_code_raised(raised or shim1, "0" if raised else "1", also)
+    runs: dict[str, Runs] = {}
     for slot in [s for s in plan if not (raised and s.endswith("_off"))]:  # raised: judged by the runs with the shim
         paths = workdir.glob(f"{slot}.rank*.json")
-        found = results[slot] = sorted((RankResult(**json.loads(p.read_text())) for p in paths), key=lambda r: r.rank)
-        shim, probe = ("1", on) if slot.endswith("_on") else ("0", off)
+        found = runs[slot] = sorted((RankResult(**json.loads(p.read_text())) for p in paths), key=lambda r: r.rank)
+        shim, probe = ("1", shim1) if slot.endswith("_on") else ("0", shim0)
         last = f"checkpointed_{slot}" not in plan  # a failed probe: its first run lacking a rank's result, else last
         if (probe and last) or (len(found) != options.devices and not any(r.error for r in found)):
             run = f"the {'checkpointed ' * slot.startswith('checkpointed')}run with FSDP_SHIM={shim}"
-            error = f"{run} {probe or 'wrote no result on some rank'}"
-            trained: dict[str, Any] = {slot: runs or None for slot, runs in results.items()}
-            return Section(namespace, version, "FAILED", error, **trained), others
-    return judged(options, version, results, raised), others
-
-
-def judged(options: Options, version: str, runs: dict[str, Runs], raised: Any) -> Section:
-    """Each fix judged from the runs (a model that ``raised`` without the shim: from those with it)."""
+            failure = f"{run} {probe or 'wrote no result on some rank'}"
+            trained: dict[str, Any] = {s: r or None for s, r in runs.items()}
+            return Section(namespace, version, "FAILED", failure, **trained), others
     on, off = runs["shim_on"], runs.get("shim_off")
     on_ac, off_ac = runs.get("checkpointed_shim_on"), runs.get("checkpointed_shim_off")
-    classes = ", ".join(spec.rpartition(":")[2] for spec in options.activation_checkpointing) or "CausalBlock"
     cast = judge(off, on, options.precision) if off else unaffected(CAST, version, "; trained for the recompute only")
     verdicts = judge_raised(raised, on, on_ac, options.precision) if raised else {CAST.name: cast}
-    if on_ac and off_ac:
-        verdicts[RECOMPUTE.name] = judge_recompute(off or on, on, off_ac, on_ac, classes)  # 2.5+: off is on
+    if on_ac and off_ac:  # 2.5+: the run without the shim is the one with it
+        classes = ", ".join(spec.rpartition(":")[2] for spec in options.activation_checkpointing) or "CausalBlock"
+        verdicts[RECOMPUTE.name] = judge_recompute(off or on, on, off_ac, on_ac, classes)
     (verdict, reason), fixes = verdicts[CAST.name], fix_entries((on_ac or on)[0].fixes, verdicts)
     error = raised["traceback"] if raised else None
-    return Section(on[0].namespace, version, verdict or "not checked", reason, fixes, **runs, shim_off_error=error)
+    return Section(namespace, version, verdict or "not checked", reason, fixes, **runs, shim_off_error=error), others
 
 
 def unaffected(fix: Fix, version: str, then: str) -> tuple[str, str]:

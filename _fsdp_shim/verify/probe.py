@@ -133,8 +133,7 @@ def fix_states(namespace: str) -> dict[str, dict[str, Any]]:
 
 
 def seed_model(pl: Any, steps: int, devices: int) -> tuple[Any, Any, type]:
-    """The seed model, its data and its class to checkpoint: a causal block built in ``__init__`` (float32 at the wrap
-    without the cast) whose mask and scale have no dtype (float32 in an unfixed recompute)."""
+    """The seed model, its data, and its block to checkpoint, whose mask and scale have no dtype (docs/verify.md)."""
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
