@@ -141,8 +141,7 @@ def users_code_raised(record: dict[str, Any], shim: str, also: str = "") -> Stop
 
 
 def verify(options: Options, workdir: Path) -> tuple[Section, dict[str, str]]:
-    """The namespace checked, and the other ones installed: the first probe's gate (what it read), then each fix judged
-    from the runs (a model that raised without the shim: from those with it)."""
+    """The section of the namespace checked, from the first probe's gate and the runs; and the other ones installed."""
     shim1 = run_probe(workdir, options, "1", "reading the installed Lightning, then training with the shim on")
     if not (workdir / "shim1.gate.json").exists():
         if isinstance(shim1, dict):
@@ -173,7 +172,7 @@ def verify(options: Options, workdir: Path) -> tuple[Section, dict[str, str]]:
             failure = f"{run} {probe or 'wrote no result on some rank'}"
             trained: dict[str, Any] = {s: r or None for s, r in runs.items()}
             return Section(namespace, version, "FAILED", failure, **trained), others
-    on, off = runs["shim_on"], runs.get("shim_off")
+    on, off = runs["shim_on"], runs.get("shim_off")  # a model that raised without the shim: judged by those with it
     on_ac, off_ac = runs.get("checkpointed_shim_on"), runs.get("checkpointed_shim_off")
     cast = judge(off, on, options.precision) if off else unaffected(CAST, version, "; trained for the recompute only")
     verdicts = judge_raised(raised, on, on_ac, options.precision) if raised else {CAST.name: cast}
