@@ -1,5 +1,4 @@
-"""``fsdp-shim verify`` (docs/verify.md): train the seed model (or ``--model``) with the shim on and off in fresh
-processes (probes, each reading the installed Lightning before it trains), judge each fix, and report."""
+"""``fsdp-shim verify`` (docs/verify.md): train with the shim on and off in fresh processes, judge each fix, report."""
 
 from __future__ import annotations
 
@@ -13,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
@@ -107,10 +107,10 @@ def main(options: Options) -> int:
     return 1 if verdict == "FAILED" else 0
 
 
-def run_probe(out: Path, options: Options, shim: str, step: str, slots: list[str] | None = None) -> Any:
-    """Run a probe (its ``slots``, else its shim state's runs of the plan) in its own session, SIGKILLed after (hung
-    ranks survive SIGTERM): "", a failure, or a user error."""
+def run_probe(workdir: Path, options: Options, shim: str, step: str, slots: list[str] | None = None) -> Any:
+    """Run a probe in its own session, SIGKILLing its group after (hung ranks outlive SIGTERM): "", failure, record."""
     print(f"fsdp-shim verify: {step} ...", file=sys.stderr, flush=True)  # with --json, stdout is the document
+    out = workdir / f"shim{shim}"  # the prefix of its files
     path = (options.model_path or os.getcwd()) if options.model or options.activation_checkpointing else None
     with open(f"{out}.stderr", "w") as log:
         env = dict(os.environ, FSDP_SHIM=shim, PYTHONWARNINGS="ignore")
@@ -127,7 +127,7 @@ def run_probe(out: Path, options: Options, shim: str, step: str, slots: list[str
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGKILL)  # its own session: the group's id is its pid
         proc.wait()
-    for record in [json.loads(p.read_text()) for p in sorted(out.parent.glob(f"{out.name}.rank*.error.json"))][:1]:
+    for record in [json.loads(p.read_text()) for p in sorted(workdir.glob(f"{out.name}.rank*.error.json"))][:1]:
         if record["kind"] == "usage":
             raise Stop(record["message"], 2)
         return record
@@ -141,66 +141,53 @@ def users_code_raised(record: dict[str, Any], shim: str, also: str = "") -> Stop
 
 
 def verify(options: Options, workdir: Path) -> tuple[Section, dict[str, str]]:
-    """The section of the namespace checked, and the other installed ones: each probe reads Lightning (the first into
-    ``shim1.gate.json``) and trains its runs; the second also where the user's code raised in the first."""
-    on = run_probe(workdir / "shim1", options, "1", "reading the installed Lightning, then training with the shim on")
+    """The section of the namespace checked, from the first probe's gate and the runs; and the other ones installed."""
+    shim1 = run_probe(workdir, options, "1", "reading the installed Lightning, then training with the shim on")
     if not (workdir / "shim1.gate.json").exists():
-        if isinstance(on, dict):
-            raise users_code_raised(on, "1")
-        return Section("Lightning", None, "FAILED", f"reading the installed Lightning {on or 'wrote nothing'}"), {}
+        if isinstance(shim1, dict):
+            raise users_code_raised(shim1, "1")
+        return Section("Lightning", None, "FAILED", f"reading the installed Lightning {shim1 or 'wrote nothing'}"), {}
     gate = json.loads((workdir / "shim1.gate.json").read_text())
     namespace, version, others, plan = gate["namespace"], gate["version"], gate["others"], gate["plan"]
     if gate["import_failure"] is not None:
         return Section(namespace, None, "FAILED", describe_import_failure(namespace, gate["import_failure"])), others
     if not plan:
-        verdicts = {fix.name: ("not needed", unaffected(fix, version)) for fix in FIXES if not fix.affects(version)}
-        reason = verdicts[CAST.name][1] + "; nothing was trained" * CAST.built_in(version)
-        fixes = fix_entries(gate["fixes"], {**verdicts, CAST.name: ("not needed", reason)})
-        return Section(namespace, version, "not needed", reason, fixes), others
+        unneeded = {f.name: unaffected(f, version, "; nothing was trained") for f in FIXES if not f.affects(version)}
+        return Section(namespace, version, *unneeded[CAST.name], fix_entries(gate["fixes"], unneeded)), others
     step = f"training {namespace} {version} with the shim off"
-    only = ["shim_off"] if isinstance(on, dict) else None  # the user's code raised with the shim: does it without?
-    off = on if on and isinstance(on, str) else run_probe(workdir / "shim0", options, "0", step, only)  # on failed
-    raised = off if isinstance(off, dict) else None  # without the shim only: judged by what the shim made train
-    if isinstance(on, dict):
-        also = f", and with the shim on too ({on['message']})" if raised else ""
-        raise users_code_raised(raised or on, "0" if raised else "1", also)
-    results: dict[str, Runs] = {}
+    only = ["shim_off"] if isinstance(shim1, dict) else None  # the user's code raised with the shim: does it without?
+    shim0 = shim1 if shim1 and isinstance(shim1, str) else run_probe(workdir, options, "0", step, only)  # 1 failed
+    raised = shim0 if isinstance(shim0, dict) else None  # without the shim only: judged by what the shim made train
+    if isinstance(shim1, dict):
+        also = f", and with the shim on too ({shim1['message']})" if raised else ""
+        raise users_code_raised(raised or shim1, "0" if raised else "1", also)
+    runs: dict[str, Runs] = {}
     for slot in [s for s in plan if not (raised and s.endswith("_off"))]:  # raised: judged by the runs with the shim
         paths = workdir.glob(f"{slot}.rank*.json")
-        found = results[slot] = sorted((RankResult(**json.loads(p.read_text())) for p in paths), key=lambda r: r.rank)
-        shim = "1" if slot.endswith("_on") else "0"
-        probe, last = (on if shim == "1" else off), slot == [s for s in plan if s.endswith(SHIM[shim])][-1]
+        found = runs[slot] = sorted((RankResult(**json.loads(p.read_text())) for p in paths), key=lambda r: r.rank)
+        shim, probe = ("1", shim1) if slot.endswith("_on") else ("0", shim0)
+        last = f"checkpointed_{slot}" not in plan  # a failed probe: its first run lacking a rank's result, else last
         if (probe and last) or (len(found) != options.devices and not any(r.error for r in found)):
-            # a probe that failed: its first run without every rank's result, else its last run
             run = f"the {'checkpointed ' * slot.startswith('checkpointed')}run with FSDP_SHIM={shim}"
-            error = f"{run} {probe or 'wrote no result on some rank'}"
-            trained: dict[str, Any] = {slot: runs or None for slot, runs in results.items()}
-            return Section(namespace, version, "FAILED", error, **trained), others
-    return judged(options, version, results, raised), others
-
-
-def judged(options: Options, version: str, runs: dict[str, Runs], raised: Any) -> Section:
-    """Each fix judged from the runs (a model that ``raised`` without the shim: from those with it)."""
-    on, off = runs["shim_on"], runs.get("shim_off")
+            failure = f"{run} {probe or 'wrote no result on some rank'}"
+            trained: dict[str, Any] = {s: r or None for s, r in runs.items()}
+            return Section(namespace, version, "FAILED", failure, **trained), others
+    on, off = runs["shim_on"], runs.get("shim_off")  # a model that raised without the shim: judged by those with it
     on_ac, off_ac = runs.get("checkpointed_shim_on"), runs.get("checkpointed_shim_off")
-    classes = ", ".join(spec.rpartition(":")[2] for spec in options.activation_checkpointing) or "CausalBlock"
-    if raised is not None:
-        verdicts = judge_raised(raised, on, on_ac, options.precision)
-    elif off is None:
-        verdicts = {CAST.name: ("not needed", f"{unaffected(CAST, version)}; trained for the recompute only")}
-    else:
-        verdicts = {CAST.name: judge(off, on, options.precision)}
-    if on_ac and off_ac:
-        verdicts[RECOMPUTE.name] = judge_recompute(off or on, on, off_ac, on_ac, classes)  # 2.5+: off is on
+    cast = judge(off, on, options.precision) if off else unaffected(CAST, version, "; trained for the recompute only")
+    verdicts = judge_raised(raised, on, on_ac, options.precision) if raised else {CAST.name: cast}
+    if on_ac and off_ac:  # 2.5+: the run without the shim is the one with it
+        classes = ", ".join(spec.rpartition(":")[2] for spec in options.activation_checkpointing) or "CausalBlock"
+        verdicts[RECOMPUTE.name] = judge_recompute(off or on, on, off_ac, on_ac, classes)
     (verdict, reason), fixes = verdicts[CAST.name], fix_entries((on_ac or on)[0].fixes, verdicts)
     error = raised["traceback"] if raised else None
-    return Section(on[0].namespace, version, verdict or "not checked", reason, fixes, **runs, shim_off_error=error)
+    return Section(namespace, version, verdict or "not checked", reason, fixes, **runs, shim_off_error=error), others
 
 
-def unaffected(fix: Fix, version: str) -> str:
+def unaffected(fix: Fix, version: str, then: str) -> tuple[str, str]:
     if fix.built_in(version):
-        return f"Lightning {version} already contains it ({fix.upstream}); left untouched"
-    return f"Lightning {version} has no 'true' precisions for FSDP; nothing to fix"
+        return "not needed", f"Lightning {version} already contains it ({fix.upstream}); left untouched{then}"
+    return "not needed", f"Lightning {version} has no 'true' precisions for FSDP; nothing to fix"
 
 
 def unapplied(state: dict[str, Any], namespace: str) -> list[str]:
@@ -209,7 +196,7 @@ def unapplied(state: dict[str, Any], namespace: str) -> list[str]:
     return said.get(state["state"], [f"the shim did not apply it to {namespace}: {state['reason']}"])
 
 
-def fix_entries(states: dict[str, dict[str, Any]], verdicts: dict[str, Verdict]) -> list[dict[str, Any]]:
+def fix_entries(states: dict[str, dict[str, Any]], verdicts: Mapping[str, Verdict]) -> list[dict[str, Any]]:
     """Per fix: its verdict, reason, and ``shim``: its state in a probe; one not in effect on this torch is FAILED."""
     entries = []
     for fix in FIXES:
@@ -218,10 +205,6 @@ def fix_entries(states: dict[str, dict[str, Any]], verdicts: dict[str, Verdict])
             verdict, why = "FAILED", unapplied(state, "")[0]
         entries.append({"fix": fix.name, "verdict": verdict, "reason": why, "shim": state})
     return entries
-
-
-def finite(values: list[float | None]) -> bool:
-    return all(v is not None and math.isfinite(v) for v in values)
 
 
 def dtype_problems(runs: Runs, want: str) -> list[str]:
@@ -236,19 +219,20 @@ def dtype_problems(runs: Runs, want: str) -> list[str]:
 def judge(off: Runs, on: Runs, precision: str) -> Verdict:
     """The cast's verdict: ``fixed`` only where it holds on every rank, exactly; ``not needed`` if nothing changes."""
     want = DTYPES[precision]
+    off_finite, on_finite = (all(v is not None and math.isfinite(v) for v in r[0].losses) for r in (off, on))
     problems = unapplied(on[0].fixes[CAST.name], on[0].namespace) + dtype_problems(on, want)
     for a, b in zip(off, on):
         for key, before, after in ((key, getattr(a, key), getattr(b, key)) for key in BYTE_KEYS):
             if after > before or (a.flat_param_dtypes != [want] and after >= before > 0):  # SGD keeps no state
                 problems.append(f"{key} did not shrink on rank {b.rank} ({before:,} -> {after:,})")
-    if finite(off[0].losses) and not finite(on[0].losses):
+    if off_finite and not on_finite:
         problems.append(f"the losses are not finite with the shim, while they are without it ({DOCS}numerics.html)")
     if problems:
         return "FAILED", "; ".join(problems)
     if not dtype_problems(off, want):
         return "not needed", "this model is already in the precision's dtype without the shim (it casts itself)"
     before, after = (sum(getattr(r, key) for key in BYTE_KEYS) for r in (off[0], on[0]))
-    note = "" if finite(on[0].losses) else f"; the losses are not finite in either run ({DOCS}numerics.html)"
+    note = "" if on_finite else f"; the losses are not finite in either run ({DOCS}numerics.html)"
     return "fixed", f"sharded parameters, gradients and optimizer state are {1 - after / before:.0%} smaller{note}"
 
 

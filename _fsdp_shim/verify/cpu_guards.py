@@ -1,5 +1,4 @@
-"""Let real FSDP run on CPU with gloo, in verify's (and the tests') processes only, never in training: torch wants
-``device_id=torch.device("cpu")`` (Lightning passes ``None``), and Lightning's connector refuses FSDP without a GPU."""
+"""Let FSDP run on CPU with gloo in verify's (and the tests') processes only, lifting torch's and Lightning's guards."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""What a verify run measures, as a Lightning Callback so that the user's module runs unchanged (the benchmarks and
-tests measure with it too). torch is imported where used."""
+"""What a verify run (and the benchmarks and tests) measures, as a Callback so the user's module runs unchanged."""
 
 from __future__ import annotations
 

@@ -65,23 +65,20 @@ def resolve(spec: str, expected: str, usable: Callable[[Any], bool]) -> Any:
 def namespace_of(obj: Any, kind: str) -> str | None:
     """The Trainer namespace whose ``kind`` class (LightningModule...) ``obj`` (class or instance) derives from."""
     cls = obj if isinstance(obj, type) else type(obj)
-    bases = {namespace: getattr(sys.modules.get(namespace), kind, None) for namespace in TRAINER_NAMESPACES}
-    return next((ns for ns, base in bases.items() if isinstance(base, type) and issubclass(cls, base)), None)
+    return next((ns for ns in TRAINER_NAMESPACES if issubclass(cls, getattr(sys.modules.get(ns), kind, ()))), None)
 
 
 def checked(spec: str, kind: str, init_args: dict[str, Any] | None) -> Any:
     """The class or factory ``spec`` names, refused unless it gives a Lightning ``kind``; built with ``init_args``."""
     expected = f"a Lightning {kind} class or a factory that returns one"
     target = resolve(spec, expected, lambda t: callable(t) and not (isinstance(t, type) and not namespace_of(t, kind)))
-    if init_args is None:
-        return target
     try:
-        instance = target(**init_args)
+        built = target if init_args is None else target(**init_args)
     except Exception as error:
         raise user_error(f"constructing {spec}", error) from error
-    if namespace_of(instance, kind) is None:
+    if init_args is not None and namespace_of(built, kind) is None:  # a factory's product
         raise ProbeStop("usage", f"{spec} is not {expected}")
-    return instance
+    return built
 
 
 def user_modules(options: Options, build: bool) -> tuple[Any, Any, set[type], list[str]]:
@@ -136,8 +133,7 @@ def fix_states(namespace: str) -> dict[str, dict[str, Any]]:
 
 
 def seed_model(pl: Any, steps: int, devices: int) -> tuple[Any, Any, type]:
-    """The seed model, its data and its class to checkpoint: a causal block built in ``__init__`` (float32 at the wrap
-    without the cast) whose mask and scale have no dtype (float32 in an unfixed recompute)."""
+    """The seed model, its data, and its block to checkpoint, whose mask and scale have no dtype (docs/verify.md)."""
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -235,8 +231,7 @@ def leave_process_group(code: int = 0, barrier: bool = True) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """Run the probe, ``argv``: the prefix of its files, the ``Options`` as JSON, the slots to train (default: its shim
-    state's of the plan); never returns."""
+    """Run the probe (never returns): ``argv`` is its files' prefix, the ``Options`` as JSON, and the slots to train."""
     import fsdp_shim  # noqa: F401  (activates, before Lightning is imported, unless FSDP_SHIM=0)
 
     out, options = Path(argv[0]), Options(**json.loads(argv[1]))
