@@ -3,14 +3,15 @@ finder hands each executed Lightning namespace over: the patching code loads onl
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from types import ModuleType
 from typing import TYPE_CHECKING
 
 import _fsdp_shim as startup
-from _fsdp_shim import NAMESPACES, SHIM_VARIABLE, failures, log
-from _fsdp_shim.config import CAST, FIXES, RANK_CHECK, RECOMPUTE, State, disabled_fixes
+from _fsdp_shim import NAMESPACES, SHIM_VARIABLE, log, switch_state
+from _fsdp_shim.config import CAST, FIXES, RANK_CHECK, RECOMPUTE, State, disabled_fixes, log_setting
 
 if TYPE_CHECKING:
     from _fsdp_shim.status import ShimStatus
@@ -23,8 +24,12 @@ _seen_executing: dict[str, ModuleType] = {}  # patched at their import, so never
 
 def enabled() -> bool:
     """Whether ``FSDP_SHIM`` leaves the shim on (read at every namespace's import); unreadable is off."""
-    meaning = "switched the shim OFF (an unreadable kill switch fails closed)"
-    return failures.read_switch(SHIM_VARIABLE, meaning) in ("on", "unset")
+    state = switch_state(os.environ.get(SHIM_VARIABLE))
+    if state == "invalid":  # failures loads only where something is said: not in a training process that is fine
+        from _fsdp_shim import failures
+
+        failures.read_switch(SHIM_VARIABLE, "switched the shim OFF (an unreadable kill switch fails closed)")
+    return state in ("on", "unset")
 
 
 def activate() -> bool:
@@ -78,8 +83,11 @@ def _patch(name: str) -> None:
             return
         from _fsdp_shim import fixes, recompute_check, wrappers
 
-        failures.unreadable_settings()
-        skipped = disabled_fixes()[0]
+        skipped, unknown = disabled_fixes()
+        if unknown or log_setting()[1] is not None:
+            from _fsdp_shim import failures
+
+            failures.unreadable_settings()
         if skipped:
             from _fsdp_shim.removal import unpatch_disabled
 
@@ -94,8 +102,12 @@ def _patch(name: str) -> None:
             for fix in (fix for fix in FIXES if after[fix] is not before[fix]):
                 log.debug("fsdp-shim: %s %s, %s fix: %s", name, version, fix.name, after[fix].value)
         if name in _late and after[CAST] is State.PATCHED and before[CAST] is not State.PATCHED:
+            from _fsdp_shim import failures
+
             failures.warn_about_models_already_wrapped(name)
     except Exception as error:
+        from _fsdp_shim import failures
+
         failures.internal_error(error, doing=f"patching {name}", key=f"internal:{name}", cannot=f"patch {name}")
 
 
@@ -106,6 +118,8 @@ def _check_again() -> None:
         try:
             check.check(force=True)
         except Exception as error:
+            from _fsdp_shim import failures
+
             failures.internal_error(error, doing="checking a fix again", key="internal:recheck")
 
 

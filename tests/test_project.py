@@ -85,6 +85,28 @@ def test_only_fsdp_shim_itself_activates() -> None:
     assert [name for name in importers if name.startswith("_fsdp_shim")] == ["_fsdp_shim.verify.probe"], importers
 
 
+def loaded_with(names: set[str]) -> set[str]:
+    """The package modules that importing ``names`` loads: their imports at module level, and theirs in turn."""
+    todo, loaded = list(names), set()
+    while todo:
+        if (name := todo.pop()) not in loaded:
+            loaded.add(name)
+            tree = ast.parse(MODULES[name].read_text())
+            body = [node for node in tree.body if not isinstance(node, (ast.FunctionDef, ast.ClassDef))]
+            todo += imports_in(ast.unparse(ast.Module(body=body, type_ignores=[])))
+    return loaded
+
+
+def test_a_training_process_loads_neither_the_failure_policy_nor_status_removal_or_the_pins() -> None:
+    """What a patched training process imports (the hand-over's activation, the fixes, their wrappers, the recompute
+    check, the rank check) leaves out what loads only when used: failures (something to say), status, removal, the
+    pins (the first checkpoint call). benchmarks/package_size.py measures the lines it loads."""
+    training = {f"_fsdp_shim.{name}" for name in ("activation", "fixes", "wrappers", "recompute_check", "rank_check")}
+    later = {f"_fsdp_shim.{name}" for name in ("failures", "status", "removal", "pins")}
+    assert loaded_with(training) & later == set()
+    assert loaded_with({"fsdp_shim"}) >= {"_fsdp_shim.activation", "_fsdp_shim.failures"}  # the walk follows imports
+
+
 def test_the_cycle_search_finds_a_cycle_and_sees_imports_inside_functions() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles_in(graph) == ["a -> b -> c -> a", "b -> c -> a -> b", "c -> a -> b -> c"]
