@@ -16,7 +16,7 @@ from _fsdp_shim.log import first_time, process_rank
 class FSDPShimError(RuntimeError):
     """A problem of the shim in strict mode (``FSDP_SHIM_STRICT``), or ranks of one job that run different fixes."""
 
-    __module__ = "fsdp_shim.errors"  # where users import it from
+    __module__ = "fsdp_shim"  # where users import it from
 
 
 def read_switch(name: str, meaning: str) -> str:

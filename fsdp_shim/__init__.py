@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import sys
 
+from _fsdp_shim import FSDPShimWarning
 from _fsdp_shim._version import __version__
 from _fsdp_shim.activation import activate, deactivate, status
-from fsdp_shim.errors import FSDPShimError, FSDPShimWarning
+from _fsdp_shim.failures import FSDPShimError
 
 __all__ = ["FSDPShimError", "FSDPShimWarning", "__version__", "activate", "deactivate", "status"]
 

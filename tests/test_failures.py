@@ -147,7 +147,7 @@ def test_a_renamed_target_warns_once_at_the_users_import_line(layouts: dict[str,
 @pytest.mark.parametrize(
     ("flags", "env", "kind", "tail"),
     [
-        ((), {"FSDP_SHIM_STRICT": "1"}, "fsdp_shim.errors.FSDPShimError", " (FSDP_SHIM_STRICT is on)"),
+        ((), {"FSDP_SHIM_STRICT": "1"}, "fsdp_shim.FSDPShimError", " (FSDP_SHIM_STRICT is on)"),
         (("-W", "error::fsdp_shim.FSDPShimWarning", "-W", "error:fsdp-shim"), {}, "fsdp_shim.FSDPShimWarning", ""),
     ],
     ids=["strict", "minus-W-error"],

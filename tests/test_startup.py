@@ -296,7 +296,7 @@ def test_a_shim_or_a_wrapt_that_cannot_load_under_the_start_up_file_is_loud(
     said = f"fsdp-shim: the shim could not be loaded ({cause})" if shim else "fsdp-shim: cannot patch lightning."
     assert warned[0].startswith(f"FSDPShimWarning: {said}") and all(cause in warning for warning in warned), warned
     assert (len(warned), states) == (1, None) if shim else states == ["failed"], warned
-    kind = "ImportError" if shim else "fsdp_shim.errors.FSDPShimError"
+    kind = "ImportError" if shim else "fsdp_shim.FSDPShimError"
     ending = "; FSDP_SHIM_STRICT is on, so this import fails instead" if shim else f"{cause} (FSDP_SHIM_STRICT is on)"
     raised = strict.stderr.splitlines()[-1]
     assert (strict.returncode, strict.stdout) == (1, ""), strict.stderr
