@@ -8,7 +8,7 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
-from _fsdp_shim import log, recompute_check
+from _fsdp_shim import failures, log, rank_check, recompute_check
 from _fsdp_shim.config import CAST, NAMESPACES, RANK_CHECK, RECOMPUTE, base_release, rank_check_timeout
 from _fsdp_shim.recompute_check import COMPOSABLE, NON_REENTRANT, REENTRANT
 from _fsdp_shim.wrappers import Args, GlueError, Kwargs, NotNeeded, Plan, Target
@@ -39,8 +39,7 @@ def cast_targets(namespace: str, version: str) -> tuple[Target, ...]:
 
 
 def recompute_targets(namespace: str, version: str) -> tuple[Target, ...]:
-    """What the running torch's checkpoints call, shared by every namespace; none for a path whose recompute
-    torch puts in the forward's dtype itself, and nothing where it does for every path."""
+    """What torch's checkpoints call (shared by every namespace), less the paths whose dtype torch restores itself."""
     import torch.utils.checkpoint
 
     own = recompute_check.restored_by_torch()
@@ -102,12 +101,10 @@ def convert_module_as_in_2_5(wrapped: Callable[..., Any], instance: Any, args: A
     module = wrapped(*args, **kwargs)
     if dtype is None:
         return module
-    if str(dtype) == "torch.float16":
-        from _fsdp_shim import failures
-
-        failures.float16_notice()
     import torch
 
+    if dtype == torch.float16:
+        failures.float16_notice()
     for submodule in module.modules():
         if {p.dtype for p in submodule.parameters(recurse=False) if p.is_floating_point()} == {torch.float32}:
             _was_float32.add(submodule)
@@ -191,8 +188,6 @@ def _pinned(function: Callable[..., Any]) -> Callable[..., Any]:
 def confirm_every_rank_after_setup(wrapped: Callable[..., Any], instance: Any, args: Args, kwargs: Kwargs) -> Any:
     """The strategy's ``setup_environment``, then the check that every rank runs the same fixes (a "true" precision
     only); whether the group was created here decides whether a joined rank's silence ends the wait."""
-    from _fsdp_shim import rank_check
-
     try:
         plugin = instance.precision_plugin if hasattr(instance, "precision_plugin") else instance.precision
         true = plugin.precision in TRUE_PRECISIONS
@@ -213,7 +208,5 @@ def confirm_every_rank_after_setup(wrapped: Callable[..., Any], instance: Any, a
 
 def present_at_rendezvous(wrapped: Callable[..., Any], instance: Any, args: Args, kwargs: Kwargs) -> Any:
     """torch's ``rendezvous``; in a set-up the rank check follows, its store gets this rank's presence first."""
-    from _fsdp_shim import rank_check
-
     found = wrapped(*args, **kwargs)
     return rank_check.say_present(found) if rank_check.setting_up.get() else found
