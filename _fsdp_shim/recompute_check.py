@@ -15,6 +15,7 @@ from pathlib import Path
 from types import CodeType, ModuleType
 from typing import Any
 
+from _fsdp_shim import failures
 from _fsdp_shim.config import RECOMPUTE
 
 CHECKPOINT_MODULE = "torch.utils.checkpoint"
@@ -86,8 +87,7 @@ def check(force: bool) -> None:
         finally:
             _lock.release()
     if failed := found(shown=False, holds=True):
-        from _fsdp_shim import failures
-        from _fsdp_shim.removal import take_off
+        from _fsdp_shim.removal import take_off  # it needs wrapt, which reading torch's code here does not
 
         take_off(RECOMPUTE, failed)
         failures.recompute_passed_by(failed, findings)
