@@ -69,8 +69,7 @@ def unsettled() -> bool:
 
 
 def check(force: bool) -> None:
-    """Check every path not settled yet (unless backing off, or another check runs and this must not wait), then
-    take off the wrappers of every path torch's call path passes by, and say so."""
+    """Check the paths not settled yet, backing off between tries; take off and name those torch's calls pass by."""
     global ran, _retry_at, _backoff
     if _lock.acquire(blocking=force or not ran):
         try:
@@ -151,11 +150,9 @@ def _names(code: CodeType | None, helpers: dict[str, CodeType], seen: set[CodeTy
         return set()
     seen.add(code)
     names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, CodeType):
-            names |= _names(const, helpers, seen)
-    for name in list(names):
-        names |= _names(helpers.get(name), helpers, seen)
+    nested = [const for const in code.co_consts if isinstance(const, CodeType)]
+    for inner in nested + [helpers.get(name) for name in code.co_names]:
+        names |= _names(inner, helpers, seen)
     return names
 
 
@@ -178,18 +175,14 @@ def prove(settled: frozenset[str]) -> dict[str, Finding]:
     import torch
     import torch.utils.checkpoint as checkpoint
 
-    own = restored_by_torch()
+    own, composable = restored_by_torch(), composable_module()
     todo = [path for path in paths() if path not in settled]
-    wanted = [path for path in todo if path not in own]
-    composable = composable_module()
     findings: dict[str, Finding] = {path: Finding(True, TORCHS_OWN) for path in todo if path in own}
 
     def check_each() -> None:
-        for path in wanted:
+        for path in (path for path in todo if path not in own):
             findings[path] = _check(path, torch, checkpoint, composable)
 
-    if not wanted:
-        return findings
     thread = threading.Thread(target=check_each, name="fsdp-shim recompute check", daemon=True)
     thread.start()
     thread.join(CHECK_SECONDS)
