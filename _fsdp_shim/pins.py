@@ -83,10 +83,8 @@ class _Pins:
         with self._lock:
             index = next((i for i, other in enumerate(self._running) if other is pin), None)
             if index is not None:
-                if pin.before is not None and index + 1 < len(self._running):
-                    # a newer pin runs on: it puts back what this one replaced
-                    self._running[index + 1].before = pin.before
-                    pin.before = None
+                if pin.before is not None and index + 1 < len(self._running):  # a newer pin puts it back
+                    self._running[index + 1].before, pin.before = pin.before, None
                 del self._running[index]
             if pin.before is not None and pin.before != pin.dtype and torch.get_default_dtype() == pin.dtype:
                 torch.set_default_dtype(pin.before)
