@@ -90,8 +90,7 @@ class ShimWrapper(wrapt.FunctionWrapper):  # type: ignore[name-defined]
 
     @property
     def shim_state(self) -> WrapperState:
-        state: WrapperState = self._self_enabled
-        return state
+        return self._self_enabled
 
 
 def is_shim_wrapper(obj: object) -> bool:
