@@ -23,8 +23,7 @@ TRUE_PRECISIONS = ("bf16-true", "16-true")
 
 
 def cast_targets(namespace: str, version: str) -> tuple[Target, ...]:
-    """2.5.0's ``convert_module``; the FSDP wrap, which keeps float32 what FSDP runs in full precision; on 2.1.x
-    the Trainer's conversion moved from ``connect`` to ``setup``."""
+    """2.5.0's ``convert_module``, the FSDP wrap (float32 where FSDP keeps it) and on 2.1.x conversion in ``setup``."""
     release, trainer = base_release(version) or (0, 0, 0), NAMESPACES[namespace] == "trainer"
     plugin = "FSDPPrecisionPlugin" if trainer and release < FIRST_WITH_NEW_CLASS_NAMES else "FSDPPrecision"
     strategy = "strategies.fsdp"

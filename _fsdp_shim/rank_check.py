@@ -144,9 +144,8 @@ def _key(what: str, rank: int) -> str:
 def exchange(
     store: Any, number: int, rank: int, world_size: int, report: Report, limit: float, grace: float | None, present: Any
 ) -> tuple[dict[int, Report], bool]:
-    """Write this rank's report and wait ``limit`` s for the others', or ``grace`` s from when every rank joined the
-    group (gloo's ``cpu//0/<rank>`` keys, torch 2.3 to 2.15) unless each silent rank's presence is in ``present``
-    (the rendezvous store); the reports, and whether the grace ended the wait."""
+    """Write this rank's report and wait ``limit`` s for the others', or ``grace`` s once every rank joined the group
+    (gloo's ``cpu//0/<rank>`` keys) unless each silent rank is ``present``: the reports, and whether grace ended it."""
     keys = [_key(str(number), r) for r in range(world_size)]
     store.set(keys[rank], json.dumps(report))
     end, grace_end, early = time.monotonic() + limit, None, False
