@@ -59,13 +59,10 @@ def recompute_targets(namespace: str, version: str) -> tuple[Target, ...]:
 def rank_check_targets(namespace: str, version: str) -> tuple[Target, ...]:
     """Each strategy's ``setup_environment``, which creates the process group (DeepSpeed's calls DDP's, which the
     spawn and fork variants are); torch's ``rendezvous``, where a rank says it has the shim before it may pause."""
-    strategies = [("fsdp", "FSDPStrategy"), ("ddp", "DDPStrategy")]
+    strategies = [("strategies.fsdp", "FSDPStrategy"), ("strategies.ddp", "DDPStrategy")]
     if (base_release(version) or (0, 0, 0)) >= FIRST_WITH_MODEL_PARALLEL:
-        strategies.append(("model_parallel", "ModelParallelStrategy"))
-    setups = [
-        Target(f"strategies.{module}", name, "setup_environment", confirm_every_rank_after_setup)
-        for module, name in strategies
-    ]
+        strategies.append(("strategies.model_parallel", "ModelParallelStrategy"))
+    setups = [Target(module, name, "setup_environment", confirm_every_rank_after_setup) for module, name in strategies]
     rendezvous = Target("torch.distributed.distributed_c10d", "", "rendezvous", present_at_rendezvous, shared=True)
     return (*setups, rendezvous)
 

@@ -103,9 +103,7 @@ def in_forward_dtype(function: Callable[..., Any]) -> Callable[..., Any]:
     dtype = torch.get_default_dtype()
 
     def run_in_forward_dtype(*args: Any, **kwargs: Any) -> Any:
-        if tracing(torch):
-            return function(*args, **kwargs)
-        return pins.call(dtype, function, *args, **kwargs)
+        return function(*args, **kwargs) if tracing(torch) else pins.call(dtype, function, *args, **kwargs)
 
     return run_in_forward_dtype
 

@@ -30,8 +30,8 @@ _present_in: list[Any] = []  # the rendezvous store this rank said it has the sh
 
 
 def confirm_every_rank(namespace: str, dtype: Any, joined_here: bool = False) -> None:
-    """Publish this rank's fixes and wait for every rank's: one missing or different raises ``FSDPShimError``; the
-    check itself failing follows the failure policy. ``joined_here``: this set-up created the group (the grace)."""
+    """Publish this rank's fixes and wait for every rank's: one missing or different raises ``FSDPShimError``, a check
+    that fails follows the failure policy. ``joined_here``: this set-up created the group, so the grace applies."""
     present, _present_in[:] = (_present_in[-1] if _present_in and joined_here else None), []
     try:
         problem = _check(namespace, dtype, joined_here, present)
@@ -49,8 +49,7 @@ def _check(namespace: str, dtype: Any, joined_here: bool, present: Any) -> Excep
         return None
     group, store = dist.distributed_c10d._get_default_group(), dist.distributed_c10d._get_default_store()
     with _lock:
-        done = [problem for checked, problem in _checked if checked is group]  # strong references: ids are reused
-        if done:
+        if done := [problem for checked, problem in _checked if checked is group]:  # held strongly: ids are reused
             return done[0]
         _checked.append((group, None))
         number = len(_checked)
@@ -84,8 +83,7 @@ def process_group_exists() -> bool:
 
 
 def decide(namespace: str, dtype: Any) -> Report:
-    """This rank's report: per fix who provides it (``fsdp-shim``, ``Lightning``, ``torch`` or ``off``) and the paths
-    torch passes the shim's by (``except``), the dtype, and where it runs and its ``summary`` (for messages)."""
+    """This rank's report: per fix who provides it and the paths torch passes it by, the dtype, host and releases."""
     version = getattr(sys.modules.get(namespace), "__version__", None) or ""
     fixes = {}
     for fix in FIXES:

@@ -226,8 +226,7 @@ def _check(path: str, torch: Any, checkpoint: ModuleType, composable: ModuleType
 
 
 def torchs_checkpoint(checkpoint: ModuleType) -> Any:
-    """``torch.utils.checkpoint.checkpoint`` as torch defines it, not a library's function put at its name
-    (checking that would blame torch); through ``__wrapped__``, else ``LookupError``: nothing shown here."""
+    """torch's own ``checkpoint``, through ``__wrapped__``: checking a library's function there would blame torch."""
     found = inspect.unwrap(checkpoint.checkpoint, stop=lambda function: _defined_in(function, checkpoint))
     if not _defined_in(found, checkpoint):
         name = f"{getattr(found, '__module__', '?')}.{getattr(found, '__qualname__', repr(found))}"

@@ -204,9 +204,8 @@ def patch(namespace: str, fix: Fix, plan: Plan, *, disabled: bool = False) -> St
 def acting(namespace: str, fix: Fix) -> bool:
     """Whether the fix's wrappers act in the namespace now (shown, or still to check): what the rank check compares."""
     record = records.get((namespace, fix.name))
-    if record is None or record.state is not State.PATCHED:
-        return False
-    return any(w.shim_state.on and placement(w) != GONE for w in record.wrappers)
+    wrappers = record.wrappers if record is not None and record.state is State.PATCHED else []
+    return any(w.shim_state.on and placement(w) != GONE for w in wrappers)
 
 
 def _current(record: _Record | None, namespace: str, module: Any, disabled: bool) -> bool:
@@ -254,16 +253,14 @@ def _decide(namespace: str, fix: Fix, plan: Plan, module: Any, disabled: bool) -
 
 def _install_all(module: Any, version: str, steps: list[tuple[Any, bool]]) -> _Record:
     """Install every new wrapper and switch on every one already there, or none (with the lock held)."""
-    installed: list[Any] = []
     try:
         for wrapper, new in steps:
             if new:
                 setattr(wrapper.shim_state.owner, wrapper.shim_state.target.attribute, wrapper)
-                installed.append(wrapper)
             else:
                 wrapper.shim_state.on = True
-    except Exception as error:  # slots, metaclasses: undo what was done
-        for wrapper in reversed(installed):
+    except Exception as error:  # slots, metaclasses: undo what was done (a wrapper not installed is not on top)
+        for wrapper in reversed([wrapper for wrapper, new in steps if new]):
             remove(wrapper)
         why = f"installing a wrapper failed ({type(error).__name__}: {error})"
         return _Record(module, version, State.FAILED, why, affected=True)
