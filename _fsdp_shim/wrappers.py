@@ -181,11 +181,8 @@ def patch(namespace: str, fix: Fix, plan: Plan, *, disabled: bool = False) -> St
     module = sys.modules.get(namespace)
     if module is None:
         return state(namespace, fix)
+    decided = _decide(namespace, fix, plan, module, disabled)  # outside the lock: it imports
     key = (namespace, fix.name)
-    with lock:
-        if _current(records.get(key), namespace, module, disabled):
-            return state(namespace, fix)
-    decided = _decide(namespace, fix, plan, module, disabled)
     with lock:
         record = records.get(key)
         if _current(record, namespace, module, disabled):
