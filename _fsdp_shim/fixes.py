@@ -8,7 +8,7 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
-from _fsdp_shim import log, recompute_check
+from _fsdp_shim import failures, log, rank_check, recompute_check
 from _fsdp_shim.config import CAST, NAMESPACES, RANK_CHECK, RECOMPUTE, base_release, rank_check_timeout
 from _fsdp_shim.recompute_check import COMPOSABLE, NON_REENTRANT, REENTRANT
 from _fsdp_shim.wrappers import Args, GlueError, Kwargs, NotNeeded, Plan, Target
@@ -23,8 +23,7 @@ TRUE_PRECISIONS = ("bf16-true", "16-true")
 
 
 def cast_targets(namespace: str, version: str) -> tuple[Target, ...]:
-    """2.5.0's ``convert_module``; the FSDP wrap, which keeps float32 what FSDP runs in full precision; on 2.1.x
-    the Trainer's conversion moved from ``connect`` to ``setup``."""
+    """2.5.0's ``convert_module``, the FSDP wrap (float32 where FSDP keeps it) and on 2.1.x conversion in ``setup``."""
     release, trainer = base_release(version) or (0, 0, 0), NAMESPACES[namespace] == "trainer"
     plugin = "FSDPPrecisionPlugin" if trainer and release < FIRST_WITH_NEW_CLASS_NAMES else "FSDPPrecision"
     strategy = "strategies.fsdp"
@@ -39,8 +38,7 @@ def cast_targets(namespace: str, version: str) -> tuple[Target, ...]:
 
 
 def recompute_targets(namespace: str, version: str) -> tuple[Target, ...]:
-    """What the running torch's checkpoints call, shared by every namespace; none for a path whose recompute
-    torch puts in the forward's dtype itself, and nothing where it does for every path."""
+    """What torch's checkpoints call (shared by every namespace), less the paths whose dtype torch restores itself."""
     import torch.utils.checkpoint
 
     own = recompute_check.restored_by_torch()
@@ -61,13 +59,10 @@ def recompute_targets(namespace: str, version: str) -> tuple[Target, ...]:
 def rank_check_targets(namespace: str, version: str) -> tuple[Target, ...]:
     """Each strategy's ``setup_environment``, which creates the process group (DeepSpeed's calls DDP's, which the
     spawn and fork variants are); torch's ``rendezvous``, where a rank says it has the shim before it may pause."""
-    strategies = [("fsdp", "FSDPStrategy"), ("ddp", "DDPStrategy")]
+    strategies = [("strategies.fsdp", "FSDPStrategy"), ("strategies.ddp", "DDPStrategy")]
     if (base_release(version) or (0, 0, 0)) >= FIRST_WITH_MODEL_PARALLEL:
-        strategies.append(("model_parallel", "ModelParallelStrategy"))
-    setups = [
-        Target(f"strategies.{module}", name, "setup_environment", confirm_every_rank_after_setup)
-        for module, name in strategies
-    ]
+        strategies.append(("strategies.model_parallel", "ModelParallelStrategy"))
+    setups = [Target(module, name, "setup_environment", confirm_every_rank_after_setup) for module, name in strategies]
     rendezvous = Target("torch.distributed.distributed_c10d", "", "rendezvous", present_at_rendezvous, shared=True)
     return (*setups, rendezvous)
 
@@ -102,12 +97,10 @@ def convert_module_as_in_2_5(wrapped: Callable[..., Any], instance: Any, args: A
     module = wrapped(*args, **kwargs)
     if dtype is None:
         return module
-    if str(dtype) == "torch.float16":
-        from _fsdp_shim import failures
-
-        failures.float16_notice()
     import torch
 
+    if dtype == torch.float16:
+        failures.float16_notice()
     for submodule in module.modules():
         if {p.dtype for p in submodule.parameters(recurse=False) if p.is_floating_point()} == {torch.float32}:
             _was_float32.add(submodule)
@@ -191,8 +184,6 @@ def _pinned(function: Callable[..., Any]) -> Callable[..., Any]:
 def confirm_every_rank_after_setup(wrapped: Callable[..., Any], instance: Any, args: Args, kwargs: Kwargs) -> Any:
     """The strategy's ``setup_environment``, then the check that every rank runs the same fixes (a "true" precision
     only); whether the group was created here decides whether a joined rank's silence ends the wait."""
-    from _fsdp_shim import rank_check
-
     try:
         plugin = instance.precision_plugin if hasattr(instance, "precision_plugin") else instance.precision
         true = plugin.precision in TRUE_PRECISIONS
@@ -213,7 +204,5 @@ def confirm_every_rank_after_setup(wrapped: Callable[..., Any], instance: Any, a
 
 def present_at_rendezvous(wrapped: Callable[..., Any], instance: Any, args: Args, kwargs: Kwargs) -> Any:
     """torch's ``rendezvous``; in a set-up the rank check follows, its store gets this rank's presence first."""
-    from _fsdp_shim import rank_check
-
     found = wrapped(*args, **kwargs)
     return rank_check.say_present(found) if rank_check.setting_up.get() else found

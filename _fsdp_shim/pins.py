@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from _fsdp_shim import log
+from _fsdp_shim import failures, log
 
 if TYPE_CHECKING:
     import torch
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 class _Pin:
     thread: int
     dtype: torch.dtype
-    before: torch.dtype | None = None  # what its end puts back; handed up to a newer pin still running
+    before: torch.dtype | None  # what its end puts back; handed up to a newer pin still running
 
 
 class _Pins:
@@ -41,25 +41,17 @@ class _Pins:
     def call(self, dtype: torch.dtype, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         held: list[_Pin] = []  # filled inside _enter before anything changes: a pin is never lost
         try:
-            clash = self._enter(dtype, held)
-            if clash:
-                from _fsdp_shim import failures
-
+            if self._enter(dtype, held):
                 failures.threads_clashed()
-            changed = held and held[0].before is not None and held[0].before != dtype
-            if changed and "recompute" not in log.named:
-                log.confirm(
-                    "recompute",
-                    f"recompute acted (a checkpointed block recomputed in {_name(dtype)}, its forward's dtype, "
-                    f"not {_name(held[0].before)})",
-                )
+            if held and held[0].before != dtype and "recompute" not in log.named:
+                now, before = (str(d).removeprefix("torch.") for d in (dtype, held[0].before))
+                said = f"a checkpointed block recomputed in {now}, its forward's dtype, not {before}"
+                log.confirm("recompute", f"recompute acted ({said})")
             return function(*args, **kwargs)
         finally:
             # Ctrl-C raised at ``_leave``'s first call: caught, ``_leave`` runs again to its end, then it is raised.
             raised: BaseException | None = None
-            tries = 0
-            while held and tries < 3:
-                tries += 1
+            for _ in range(3 if held else 0):
                 try:
                     self._leave(held[0])
                     break
@@ -76,11 +68,10 @@ class _Pins:
             current = torch.get_default_dtype()
             if current == dtype and not self._running:
                 return False
-            pin = _Pin(threading.get_ident(), dtype)
+            pin = _Pin(threading.get_ident(), dtype, current)
             held.append(pin)
             clash = any(other.dtype != dtype and other.thread != pin.thread for other in self._running)
             self._running.append(pin)
-            pin.before = current
             if current != dtype:
                 torch.set_default_dtype(dtype)
         return clash
@@ -92,10 +83,8 @@ class _Pins:
         with self._lock:
             index = next((i for i, other in enumerate(self._running) if other is pin), None)
             if index is not None:
-                if pin.before is not None and index + 1 < len(self._running):
-                    # a newer pin runs on: it puts back what this one replaced
-                    self._running[index + 1].before = pin.before
-                    pin.before = None
+                if pin.before is not None and index + 1 < len(self._running):  # a newer pin puts it back
+                    self._running[index + 1].before, pin.before = pin.before, None
                 del self._running[index]
             if pin.before is not None and pin.before != pin.dtype and torch.get_default_dtype() == pin.dtype:
                 torch.set_default_dtype(pin.before)
@@ -114,9 +103,7 @@ def in_forward_dtype(function: Callable[..., Any]) -> Callable[..., Any]:
     dtype = torch.get_default_dtype()
 
     def run_in_forward_dtype(*args: Any, **kwargs: Any) -> Any:
-        if tracing(torch):
-            return function(*args, **kwargs)
-        return pins.call(dtype, function, *args, **kwargs)
+        return function(*args, **kwargs) if tracing(torch) else pins.call(dtype, function, *args, **kwargs)
 
     return run_in_forward_dtype
 
@@ -129,7 +116,3 @@ def tracing(torch: Any) -> bool:
     key = getattr(getattr(torch._C, "_TorchDispatchModeKey", None), "PROXY", None)
     get_mode = getattr(torch._C, "_get_dispatch_mode", None)
     return key is not None and get_mode is not None and get_mode(key) is not None
-
-
-def _name(dtype: Any) -> str:
-    return str(dtype).removeprefix("torch.")

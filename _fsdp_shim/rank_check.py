@@ -1,6 +1,5 @@
 """The rank check (docs/cluster.md): every rank of a job runs the same fixes, or the job stops before any model is
-wrapped. Ranks meet in the process group's store, which a rank without the shim never writes to: the wait ends
-``GRACE_SECONDS`` after every rank joined the group unless each silent rank said at the rendezvous it has the shim."""
+wrapped. Ranks meet in the process group's store, which a rank without the shim never writes to."""
 
 from __future__ import annotations
 
@@ -15,7 +14,8 @@ from contextvars import ContextVar
 from datetime import timedelta
 from typing import Any
 
-from _fsdp_shim import log, recompute_check, wrappers
+from _fsdp_shim import failures, log, recompute_check, wrappers
+from _fsdp_shim._version import __version__
 from _fsdp_shim.config import FIXES, RECOMPUTE, State, rank_check_timeout
 
 DEFAULT_TIMEOUT_SECONDS = 1800.0  # where the group's own timeout cannot be read (torch's default)
@@ -30,14 +30,13 @@ _present_in: list[Any] = []  # the rendezvous store this rank said it has the sh
 
 
 def confirm_every_rank(namespace: str, dtype: Any, joined_here: bool = False) -> None:
-    """Publish this rank's fixes and wait for every rank's: one missing or different raises ``FSDPShimError`` in
-    every mode; the check itself failing follows the failure policy. ``joined_here``: the group was created by
-    this set-up, so the wait may end ``GRACE_SECONDS`` after every rank joined it."""
+    """Publish this rank's fixes and wait for every rank's: one missing or different raises ``FSDPShimError``, a check
+    that fails follows the failure policy. ``joined_here``: this set-up created the group, so the grace applies."""
     present, _present_in[:] = (_present_in[-1] if _present_in and joined_here else None), []
     try:
         problem = _check(namespace, dtype, joined_here, present)
     except Exception as error:
-        _failures().rank_check_failed(error)
+        failures.rank_check_failed(error)
         return
     if problem is not None:
         raise problem
@@ -50,8 +49,7 @@ def _check(namespace: str, dtype: Any, joined_here: bool, present: Any) -> Excep
         return None
     group, store = dist.distributed_c10d._get_default_group(), dist.distributed_c10d._get_default_store()
     with _lock:
-        done = [problem for checked, problem in _checked if checked is group]  # strong references: ids are reused
-        if done:
+        if done := [problem for checked, problem in _checked if checked is group]:  # held strongly: ids are reused
             return done[0]
         _checked.append((group, None))
         number = len(_checked)
@@ -61,7 +59,7 @@ def _check(namespace: str, dtype: Any, joined_here: bool, present: Any) -> Excep
     except Exception:
         limit = DEFAULT_TIMEOUT_SECONDS
     if problem is not None:
-        _failures().unreadable_rank_check_timeout(problem, limit)
+        failures.unreadable_rank_check_timeout(problem, limit)
     if limit == 0:
         return None
     grace = GRACE_SECONDS if seconds is None and joined_here else None  # set, the variable is the whole wait
@@ -70,7 +68,7 @@ def _check(namespace: str, dtype: Any, joined_here: bool, present: Any) -> Excep
     missing = [r for r in range(world_size) if r not in reports]
     if missing or len({behaviour(sent) for sent in reports.values()}) > 1:
         waited, paused = (grace if early and grace else limit), present_ranks(present, missing, number)
-        error = _failures().rank_check_error(missing, reports, world_size, waited, early, paused)
+        error = failures.rank_check_error(missing, reports, world_size, waited, early, paused)
         _checked[number - 1] = (group, error)
         return error
     if rank == 0:
@@ -85,10 +83,7 @@ def process_group_exists() -> bool:
 
 
 def decide(namespace: str, dtype: Any) -> Report:
-    """This rank's report: per fix who provides it (``fsdp-shim``, ``Lightning``, ``torch`` or ``off``) and the paths
-    torch passes the shim's by (``except``), the dtype, and where it runs and its ``summary`` (for messages)."""
-    from _fsdp_shim._version import __version__
-
+    """This rank's report: per fix who provides it and the paths torch passes it by, the dtype, host and releases."""
     version = getattr(sys.modules.get(namespace), "__version__", None) or ""
     fixes = {}
     for fix in FIXES:
@@ -113,15 +108,14 @@ def summary(fixes: dict[str, dict[str, Any]], dtype: Any) -> str:
     named = []
     for fix, entry in fixes.items():
         if entry["except"]:
-            named.append(f"{fix} (except {_failures().the_checkpoints(entry['except'])})")  # loaded already: it said so
+            named.append(f"{fix} (except {failures.the_checkpoints(entry['except'])})")
         elif entry["by"] != "off":
             named.append(fix if entry["by"] == "fsdp-shim" else f"{fix} ({entry['by']}'s own)")
     return f"{str(dtype).replace('torch.', '')}; fixes: {', '.join(named) or 'none'}"
 
 
 def say_present(rendezvous: Iterator[tuple[Any, int, int]]) -> Iterator[tuple[Any, int, int]]:
-    """What torch's rendezvous yields, once this rank's presence is in its store: seen by the others, a silence
-    after joining is a pause, not a missing shim."""
+    """What torch's rendezvous yields, once this rank's presence is in its store: then its silence is a pause."""
     for store, rank, world_size in rendezvous:
         try:
             store.set(_key(f"present/{len(_checked) + 1}", rank), "1")  # before the check it precedes
@@ -148,9 +142,8 @@ def _key(what: str, rank: int) -> str:
 def exchange(
     store: Any, number: int, rank: int, world_size: int, report: Report, limit: float, grace: float | None, present: Any
 ) -> tuple[dict[int, Report], bool]:
-    """Write this rank's report and wait ``limit`` s for the others', or ``grace`` s from when every rank joined the
-    group (gloo's ``cpu//0/<rank>`` keys, torch 2.3 to 2.15) unless each silent rank's presence is in ``present``
-    (the rendezvous store); the reports, and whether the grace ended the wait."""
+    """Write this rank's report and wait ``limit`` s for the others', or ``grace`` s once every rank joined the group
+    (gloo's ``cpu//0/<rank>`` keys) unless each silent rank is ``present``: the reports, and whether grace ended it."""
     keys = [_key(str(number), r) for r in range(world_size)]
     store.set(keys[rank], json.dumps(report))
     end, grace_end, early = time.monotonic() + limit, None, False
@@ -170,10 +163,3 @@ def exchange(
             if not ("timeout" in f"{type(error).__name__} {error}".lower() or "timed out" in str(error).lower()):
                 raise
     return {r: json.loads(store.get(key)) for r, key in enumerate(keys) if store.check([key])}, early
-
-
-def _failures() -> Any:
-    """The failure policy and what the rank check says when it fails, loaded only then."""
-    from _fsdp_shim import failures
-
-    return failures

@@ -15,6 +15,7 @@ from pathlib import Path
 from types import CodeType, ModuleType
 from typing import Any
 
+from _fsdp_shim import failures
 from _fsdp_shim.config import RECOMPUTE
 
 CHECKPOINT_MODULE = "torch.utils.checkpoint"
@@ -68,8 +69,7 @@ def unsettled() -> bool:
 
 
 def check(force: bool) -> None:
-    """Check every path not settled yet (unless backing off, or another check runs and this must not wait), then
-    take off the wrappers of every path torch's call path passes by, and say so."""
+    """Check the paths not settled yet, backing off between tries; take off and name those torch's calls pass by."""
     global ran, _retry_at, _backoff
     if _lock.acquire(blocking=force or not ran):
         try:
@@ -86,8 +86,7 @@ def check(force: bool) -> None:
         finally:
             _lock.release()
     if failed := found(shown=False, holds=True):
-        from _fsdp_shim import failures
-        from _fsdp_shim.removal import take_off
+        from _fsdp_shim.removal import take_off  # it needs wrapt, which reading torch's code here does not
 
         take_off(RECOMPUTE, failed)
         failures.recompute_passed_by(failed, findings)
@@ -151,11 +150,9 @@ def _names(code: CodeType | None, helpers: dict[str, CodeType], seen: set[CodeTy
         return set()
     seen.add(code)
     names = set(code.co_names)
-    for const in code.co_consts:
-        if isinstance(const, CodeType):
-            names |= _names(const, helpers, seen)
-    for name in list(names):
-        names |= _names(helpers.get(name), helpers, seen)
+    nested = [const for const in code.co_consts if isinstance(const, CodeType)]
+    for inner in nested + [helpers.get(name) for name in code.co_names]:
+        names |= _names(inner, helpers, seen)
     return names
 
 
@@ -178,18 +175,14 @@ def prove(settled: frozenset[str]) -> dict[str, Finding]:
     import torch
     import torch.utils.checkpoint as checkpoint
 
-    own = restored_by_torch()
+    own, composable = restored_by_torch(), composable_module()
     todo = [path for path in paths() if path not in settled]
-    wanted = [path for path in todo if path not in own]
-    composable = composable_module()
     findings: dict[str, Finding] = {path: Finding(True, TORCHS_OWN) for path in todo if path in own}
 
     def check_each() -> None:
-        for path in wanted:
+        for path in (path for path in todo if path not in own):
             findings[path] = _check(path, torch, checkpoint, composable)
 
-    if not wanted:
-        return findings
     thread = threading.Thread(target=check_each, name="fsdp-shim recompute check", daemon=True)
     thread.start()
     thread.join(CHECK_SECONDS)
@@ -233,8 +226,7 @@ def _check(path: str, torch: Any, checkpoint: ModuleType, composable: ModuleType
 
 
 def torchs_checkpoint(checkpoint: ModuleType) -> Any:
-    """``torch.utils.checkpoint.checkpoint`` as torch defines it, not a library's function put at its name
-    (checking that would blame torch); through ``__wrapped__``, else ``LookupError``: nothing shown here."""
+    """torch's own ``checkpoint``, through ``__wrapped__``: checking a library's function there would blame torch."""
     found = inspect.unwrap(checkpoint.checkpoint, stop=lambda function: _defined_in(function, checkpoint))
     if not _defined_in(found, checkpoint):
         name = f"{getattr(found, '__module__', '?')}.{getattr(found, '__qualname__', repr(found))}"

@@ -15,11 +15,11 @@ from typing import Any
 
 import wrapt
 
+from _fsdp_shim import failures
 from _fsdp_shim.config import Fix, State, base_release
 
 Args = tuple[Any, ...]
 Kwargs = dict[str, Any]
-Body = Callable[[Callable[..., Any], Any, Args, Kwargs], Any]  # wrapt's (wrapped, instance, args, kwargs)
 MISSING: Any = object()
 ON_TOP, UNDER, GONE = "on top", "under another wrapper", "gone"
 
@@ -46,7 +46,7 @@ class Target:
     module: str
     class_name: str  # empty for a function of the module itself
     attribute: str
-    body: Body
+    body: Callable[[Callable[..., Any], Any, Args, Kwargs], Any]  # wrapt's (wrapped, instance, args, kwargs)
     inherited: bool = False  # the class inherits it: removing the wrapper restores inheritance
     shared: bool = False  # torch's: one wrapper for every namespace, removed with the last
     path: str = ""  # which checked path it serves (the recompute: a checkpoint kind)
@@ -80,8 +80,6 @@ class WrapperState:
         try:
             return self.target.body(wrapped, instance, args, kwargs)
         except GlueError as error:
-            from _fsdp_shim import failures
-
             self.fallback = str(error)
             failures.glue_failed(self, error)
             return wrapped(*args, **kwargs)
@@ -92,8 +90,7 @@ class ShimWrapper(wrapt.FunctionWrapper):  # type: ignore[name-defined]
 
     @property
     def shim_state(self) -> WrapperState:
-        state: WrapperState = self._self_enabled
-        return state
+        return self._self_enabled
 
 
 def is_shim_wrapper(obj: object) -> bool:
@@ -143,31 +140,23 @@ def _resolve(namespace: str, target: Target, fix: str) -> tuple[Any, bool]:
     for layer in wrapper_chain(own):
         if is_shim_wrapper(layer):
             return layer, False
-    inherited, function = own is MISSING, own
+    inherited, attribute = own is MISSING, target.attribute
     if inherited and not (target.inherited and isinstance(owner, type)):
         raise TargetChanged(f"{label} is not defined on the {'class' if isinstance(owner, type) else 'module'} itself")
-    if inherited:
-        found = (base.__dict__[target.attribute] for base in owner.__mro__[1:] if target.attribute in base.__dict__)
-        function = next(found, MISSING)
+    scopes = owner.__mro__[1:] if inherited else (owner,)
+    function = next((scope.__dict__[attribute] for scope in scopes if attribute in scope.__dict__), MISSING)
     if function is MISSING:
         raise TargetChanged(f"{label} does not exist")
     if not inspect.isfunction(function.__func__ if isinstance(function, staticmethod) else function):
         raise TargetChanged(f"{label} is a {type(function).__name__}, expected a function")
-    if inherited:
-        function = _inherited_at_call_time(owner, target.attribute, function)  # type: ignore[arg-type]
-    original = None if inherited else own
-    state = WrapperState(fix=fix, label=label, owner=owner, target=target, original=original, inherited=inherited)
+    if inherited:  # looked up at each call: a library patching the base class later still runs
+
+        def at_call_time(self: Any, *args: Any, **kwargs: Any) -> Any:
+            return getattr(super(owner, self), attribute)(*args, **kwargs)
+
+        function = functools.update_wrapper(at_call_time, function)
+    state = WrapperState(fix, label, owner, target, original=None if inherited else own, inherited=inherited)
     return ShimWrapper(function, state.run, enabled=state), True
-
-
-def _inherited_at_call_time(owner: type, attribute: str, found: Any) -> Callable[..., Any]:
-    """What ``owner`` inherits, looked up at each call: a library patching the base class later still runs."""
-
-    def inherited(self: Any, *args: Any, **kwargs: Any) -> Any:
-        return getattr(super(owner, self), attribute)(*args, **kwargs)
-
-    functools.update_wrapper(inherited, found)
-    return inherited
 
 
 # ----------------------------------------------------------------------------- one namespace, one fix
@@ -192,11 +181,8 @@ def patch(namespace: str, fix: Fix, plan: Plan, *, disabled: bool = False) -> St
     module = sys.modules.get(namespace)
     if module is None:
         return state(namespace, fix)
+    decided = _decide(namespace, fix, plan, module, disabled)  # outside the lock: it imports
     key = (namespace, fix.name)
-    with lock:
-        if _current(records.get(key), namespace, module, disabled):
-            return state(namespace, fix)
-    decided = _decide(namespace, fix, plan, module, disabled)
     with lock:
         record = records.get(key)
         if _current(record, namespace, module, disabled):
@@ -208,8 +194,6 @@ def patch(namespace: str, fix: Fix, plan: Plan, *, disabled: bool = False) -> St
         decided.disabled = disabled
         records[key] = decided
     if decided.state is State.FAILED:
-        from _fsdp_shim import failures
-
         failures.cannot_patch(namespace, fix, decided)
     return state(namespace, fix)
 
@@ -217,9 +201,8 @@ def patch(namespace: str, fix: Fix, plan: Plan, *, disabled: bool = False) -> St
 def acting(namespace: str, fix: Fix) -> bool:
     """Whether the fix's wrappers act in the namespace now (shown, or still to check): what the rank check compares."""
     record = records.get((namespace, fix.name))
-    if record is None or record.state is not State.PATCHED:
-        return False
-    return any(w.shim_state.on and placement(w) != GONE for w in record.wrappers)
+    wrappers = record.wrappers if record is not None and record.state is State.PATCHED else []
+    return any(w.shim_state.on and placement(w) != GONE for w in wrappers)
 
 
 def _current(record: _Record | None, namespace: str, module: Any, disabled: bool) -> bool:
@@ -267,16 +250,14 @@ def _decide(namespace: str, fix: Fix, plan: Plan, module: Any, disabled: bool) -
 
 def _install_all(module: Any, version: str, steps: list[tuple[Any, bool]]) -> _Record:
     """Install every new wrapper and switch on every one already there, or none (with the lock held)."""
-    installed: list[Any] = []
     try:
         for wrapper, new in steps:
             if new:
                 setattr(wrapper.shim_state.owner, wrapper.shim_state.target.attribute, wrapper)
-                installed.append(wrapper)
             else:
                 wrapper.shim_state.on = True
-    except Exception as error:  # slots, metaclasses: undo what was done
-        for wrapper in reversed(installed):
+    except Exception as error:  # slots, metaclasses: undo what was done (a wrapper not installed is not on top)
+        for wrapper in reversed([wrapper for wrapper, new in steps if new]):
             remove(wrapper)
         why = f"installing a wrapper failed ({type(error).__name__}: {error})"
         return _Record(module, version, State.FAILED, why, affected=True)
