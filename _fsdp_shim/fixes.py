@@ -8,7 +8,7 @@ from collections.abc import Callable
 from contextvars import ContextVar
 from typing import TYPE_CHECKING, Any
 
-from _fsdp_shim import failures, log, rank_check, recompute_check
+from _fsdp_shim import log, rank_check, recompute_check
 from _fsdp_shim.config import CAST, NAMESPACES, RANK_CHECK, RECOMPUTE, base_release, rank_check_timeout
 from _fsdp_shim.recompute_check import COMPOSABLE, NON_REENTRANT, REENTRANT
 from _fsdp_shim.wrappers import Args, GlueError, Kwargs, NotNeeded, Plan, Target
@@ -100,6 +100,8 @@ def convert_module_as_in_2_5(wrapped: Callable[..., Any], instance: Any, args: A
     import torch
 
     if dtype == torch.float16:
+        from _fsdp_shim import failures  # loaded where something is said
+
         failures.float16_notice()
     for submodule in module.modules():
         if {p.dtype for p in submodule.parameters(recurse=False) if p.is_floating_point()} == {torch.float32}:

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from _fsdp_shim import failures, log
+from _fsdp_shim import log
 
 if TYPE_CHECKING:
     import torch
@@ -42,6 +42,8 @@ class _Pins:
         held: list[_Pin] = []  # filled inside _enter before anything changes: a pin is never lost
         try:
             if self._enter(dtype, held):
+                from _fsdp_shim import failures  # loaded where something is said
+
                 failures.threads_clashed()
             if held and held[0].before != dtype and "recompute" not in log.named:
                 now, before = (str(d).removeprefix("torch.") for d in (dtype, held[0].before))

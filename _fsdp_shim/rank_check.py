@@ -14,7 +14,7 @@ from contextvars import ContextVar
 from datetime import timedelta
 from typing import Any
 
-from _fsdp_shim import failures, log, recompute_check, wrappers
+from _fsdp_shim import log, recompute_check, wrappers
 from _fsdp_shim._version import __version__
 from _fsdp_shim.config import FIXES, RECOMPUTE, State, rank_check_timeout
 
@@ -36,7 +36,7 @@ def confirm_every_rank(namespace: str, dtype: Any, joined_here: bool = False) ->
     try:
         problem = _check(namespace, dtype, joined_here, present)
     except Exception as error:
-        failures.rank_check_failed(error)
+        _failures().rank_check_failed(error)
         return
     if problem is not None:
         raise problem
@@ -59,7 +59,7 @@ def _check(namespace: str, dtype: Any, joined_here: bool, present: Any) -> Excep
     except Exception:
         limit = DEFAULT_TIMEOUT_SECONDS
     if problem is not None:
-        failures.unreadable_rank_check_timeout(problem, limit)
+        _failures().unreadable_rank_check_timeout(problem, limit)
     if limit == 0:
         return None
     grace = GRACE_SECONDS if seconds is None and joined_here else None  # set, the variable is the whole wait
@@ -68,7 +68,7 @@ def _check(namespace: str, dtype: Any, joined_here: bool, present: Any) -> Excep
     missing = [r for r in range(world_size) if r not in reports]
     if missing or len({behaviour(sent) for sent in reports.values()}) > 1:
         waited, paused = (grace if early and grace else limit), present_ranks(present, missing, number)
-        error = failures.rank_check_error(missing, reports, world_size, waited, early, paused)
+        error = _failures().rank_check_error(missing, reports, world_size, waited, early, paused)
         _checked[number - 1] = (group, error)
         return error
     if rank == 0:
@@ -108,7 +108,7 @@ def summary(fixes: dict[str, dict[str, Any]], dtype: Any) -> str:
     named = []
     for fix, entry in fixes.items():
         if entry["except"]:
-            named.append(f"{fix} (except {failures.the_checkpoints(entry['except'])})")
+            named.append(f"{fix} (except {_failures().the_checkpoints(entry['except'])})")
         elif entry["by"] != "off":
             named.append(fix if entry["by"] == "fsdp-shim" else f"{fix} ({entry['by']}'s own)")
     return f"{str(dtype).replace('torch.', '')}; fixes: {', '.join(named) or 'none'}"
@@ -163,3 +163,10 @@ def exchange(
             if not ("timeout" in f"{type(error).__name__} {error}".lower() or "timed out" in str(error).lower()):
                 raise
     return {r: json.loads(store.get(key)) for r, key in enumerate(keys) if store.check([key])}, early
+
+
+def _failures() -> Any:
+    """The failure policy and the rank check's messages, loaded only where something is said."""
+    from _fsdp_shim import failures
+
+    return failures

@@ -15,7 +15,6 @@ from pathlib import Path
 from types import CodeType, ModuleType
 from typing import Any
 
-from _fsdp_shim import failures
 from _fsdp_shim.config import RECOMPUTE
 
 CHECKPOINT_MODULE = "torch.utils.checkpoint"
@@ -86,6 +85,7 @@ def check(force: bool) -> None:
         finally:
             _lock.release()
     if failed := found(shown=False, holds=True):
+        from _fsdp_shim import failures
         from _fsdp_shim.removal import take_off  # it needs wrapt, which reading torch's code here does not
 
         take_off(RECOMPUTE, failed)

@@ -15,7 +15,6 @@ from typing import Any
 
 import wrapt
 
-from _fsdp_shim import failures
 from _fsdp_shim.config import Fix, State, base_release
 
 Args = tuple[Any, ...]
@@ -80,6 +79,8 @@ class WrapperState:
         try:
             return self.target.body(wrapped, instance, args, kwargs)
         except GlueError as error:
+            from _fsdp_shim import failures  # loaded where something is said
+
             self.fallback = str(error)
             failures.glue_failed(self, error)
             return wrapped(*args, **kwargs)
@@ -194,6 +195,8 @@ def patch(namespace: str, fix: Fix, plan: Plan, *, disabled: bool = False) -> St
         decided.disabled = disabled
         records[key] = decided
     if decided.state is State.FAILED:
+        from _fsdp_shim import failures
+
         failures.cannot_patch(namespace, fix, decided)
     return state(namespace, fix)
 
