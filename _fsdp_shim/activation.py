@@ -25,7 +25,7 @@ _seen_executing: dict[str, ModuleType] = {}  # patched at their import, so never
 def enabled() -> bool:
     """Whether ``FSDP_SHIM`` leaves the shim on (read at every namespace's import); unreadable is off."""
     state = switch_state(os.environ.get(SHIM_VARIABLE))
-    if state == "invalid":  # failures loads only where something is said: not in a training process that is fine
+    if state == "invalid":  # failures is imported only where there is something to say
         from _fsdp_shim import failures
 
         failures.read_switch(SHIM_VARIABLE, "switched the shim OFF (an unreadable kill switch fails closed)")
