@@ -58,7 +58,6 @@ def _parser() -> argparse.ArgumentParser:
     classes: dict[str, Any] = {"type": lambda text: [_spec(item.strip()) for item in text.split(",")], "default": []}
     checkpointed = "classes to checkpoint (default: the seed model's own causal block; with --model, not checked)"
     verify("--activation-checkpointing", **classes, metavar="MODULE:CLASS[,...]", help=checkpointed)
-    verify("--model-path", type=lambda p: str(Path(p).resolve()), metavar="DIR", help="where --model is (default: .)")
     seconds = f"how long one probe process (per shim state, with its ranks) may take {default}"
     verify("--timeout", type=lambda t: _positive(t, float), default=PROBE_TIMEOUT, metavar="SECONDS", help=seconds)
     verify("--package", choices=PACKAGES, help="for the seed model (default: lightning, else pytorch_lightning)")
@@ -90,8 +89,6 @@ def _spec(text: str) -> str:
 def _verify(args: argparse.Namespace) -> int:
     if args.model is None and (args.init_args or args.datamodule):
         problem = "--init-args and --datamodule need --model"
-    elif args.model is None and not args.activation_checkpointing and args.model_path is not None:
-        problem = "--model-path needs --model or --activation-checkpointing"
     elif args.model is not None and args.package is not None:
         problem = "--package is for the seed model; with --model, your model's imports decide"
     else:

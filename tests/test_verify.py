@@ -39,7 +39,7 @@ BF16 = "torch.bfloat16"
 
 
 def verify_model(namespace: str, *args: str, cwd: Path = MODELS) -> subprocess.CompletedProcess[str]:
-    """verify with ``tests/verify_models`` written against ``namespace``, run where they are (or ``--model-path``)."""
+    """verify with ``tests/verify_models`` written against ``namespace``, run where they are."""
     return verify(*args, env=clean_env(FSDP_SHIM_TEST_LIGHTNING=namespace), cwd=cwd)
 
 
@@ -127,14 +127,16 @@ def test_a_block_that_makes_a_tensor_without_a_dtype_is_fixed(layouts: dict[str,
     """``user_models.Block`` multiplies by a tensor made without a dtype: the precision's in the forward, float32
     in the recompute. With the shim the checkpointed run equals the plain one bit for bit; without it, with
     ``cast=True`` (``--init-args``: the same dtype, other values) it trains on other values, and verify names the
-    first difference. Run from elsewhere with ``--model-path``, with two ranks: each rank's figures, and on
-    unpatched 2.1-2.4 (float32 weights) exactly half on each."""
+    first difference. Run from elsewhere, the models found on ``PYTHONPATH``, with two ranks: each rank's figures,
+    and on unpatched 2.1-2.4 (float32 weights) exactly half on each."""
     layout = layout_or_skip(layouts, "lightning")
     if base_release(layout.trainer_version) < (2, 1, 0):
         pytest.skip("needs a release that lacks the recompute fix")
-    args = ("--model", "user_models:Checkpointed", "--init-args", '{"cast": true}', "--model-path", str(MODELS))
+    args = ("--model", "user_models:Checkpointed", "--init-args", '{"cast": true}')
     checkpointed = ("--activation-checkpointing", "user_models:Block", "--devices", "2")
-    proc = verify_model("lightning.pytorch", *args, *checkpointed, "--json", cwd=tmp_path)
+    env = clean_env(FSDP_SHIM_TEST_LIGHTNING="lightning.pytorch")
+    env["PYTHONPATH"] = f"{MODELS}:{env.get('PYTHONPATH', '')}"
+    proc = verify(*args, *checkpointed, "--json", env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     section = only_section(proc)
     assert [[r["rank"] for r in section[run]] for run in ("shim_on", "checkpointed_shim_on")] == [[0, 1]] * 2
@@ -339,7 +341,10 @@ def test_what_the_probe_refuses_and_why() -> None:
     for options, message in [
         (Options(model="json:JSONDecoder.no"), "json:JSONDecoder.no is not a Lightning LightningModule class or a"),
         (Options(model="json:__name__"), "json:__name__ is not a Lightning LightningModule class or a factory"),
-        (Options(model="not_a_module_here:Model"), "cannot import 'not_a_module_here' (not_a_module_here:Model): run"),
+        (
+            Options(model="not_a_module_here:Model"),
+            f"cannot import 'not_a_module_here' (not_a_module_here:Model) from the current folder ({Path.cwd()}) or",
+        ),
         (Options(activation_checkpointing=["json:loads"]), "json:loads is not a torch.nn.Module class"),
     ]:
         with pytest.raises(probe.ProbeStop) as stop:
@@ -357,7 +362,6 @@ def test_what_the_probe_refuses_and_why() -> None:
         (["--model", "no_colon"], "is not MODULE:ATTR"),
         (["--activation-checkpointing", "torch.nn:Linear,no_colon"], "'no_colon' is not MODULE:ATTR"),
         (["--datamodule", "m:D"], "--init-args and --datamodule need --model"),
-        (["--model-path", "."], "--model-path needs --model or --activation-checkpointing"),
         (["--model", "m:M", "--package", "lightning"], "--package is for the seed model; with --model"),
         (["--package", "all"], "argument --package: invalid choice: 'all'"),
     ],
@@ -459,8 +463,7 @@ def test_without_torch_or_lightning_it_says_so_exit_2(tmp_path: Path) -> None:
     no_lightning = verify(env=clean_env(PYTHONPATH=str(ROOT)), cwd=tmp_path)  # this checkout, not the installed one
     assert no_lightning.returncode == 2, no_lightning.stderr
     assert "fsdp-shim verify: Lightning is not installed in this interpreter (" in no_lightning.stderr
-    model = ("--model", "user_models:make_model", "--model-path", str(MODELS))
-    with_model = verify(*model, env=clean_env(PYTHONPATH=str(ROOT)), cwd=tmp_path)
+    with_model = verify("--model", "user_models:make_model", env=clean_env(PYTHONPATH=str(ROOT)), cwd=MODELS)
     assert with_model.returncode == 2 and "Lightning is not installed in this interpreter (" in with_model.stderr
 
 

@@ -13,7 +13,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -41,7 +41,6 @@ class Options:  # what the command line asked for, in --json's order
     init_args: dict[str, Any] = field(default_factory=dict)
     datamodule: str | None = None
     timeout: float = PROBE_TIMEOUT
-    model_path: str | None = None
     activation_checkpointing: list[str] = field(default_factory=list)
     package: str | None = None  # the seed's Lightning (PACKAGES); None: lightning where installed
 
@@ -111,10 +110,9 @@ def run_probe(workdir: Path, options: Options, shim: str, step: str, slots: list
     """Run a probe in its own session, SIGKILLing its group after (hung ranks outlive SIGTERM): "", failure, record."""
     print(f"fsdp-shim verify: {step} ...", file=sys.stderr, flush=True)  # with --json, stdout is the document
     out = workdir / f"shim{shim}"  # the prefix of its files
-    path = (options.model_path or os.getcwd()) if options.model or options.activation_checkpointing else None
     with open(f"{out}.stderr", "w") as log:
         env = dict(os.environ, FSDP_SHIM=shim, PYTHONWARNINGS="ignore")
-        command = [sys.executable, str(PROBE_SCRIPT), str(out), json.dumps(asdict(replace(options, model_path=path)))]
+        command = [sys.executable, str(PROBE_SCRIPT), str(out), json.dumps(asdict(options))]
         command += [json.dumps(slots)] * bool(slots)
         proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, env=env, start_new_session=True)
     try:

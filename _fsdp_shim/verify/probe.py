@@ -52,7 +52,7 @@ def resolve(spec: str, expected: str, usable: Callable[[Any], bool]) -> Any:
         target: Any = importlib.import_module(module_name)
     except Exception as error:
         if isinstance(error, ModuleNotFoundError) and error.name and module_name.startswith(error.name):
-            message = f"cannot import {module_name!r} ({spec}): run verify where it imports (--model-path, PYTHONPATH)"
+            message = f"cannot import {module_name!r} ({spec}) from the current folder ({os.getcwd()}) or PYTHONPATH"
             raise ProbeStop("usage", message) from error
         raise user_error(f"importing {module_name}", error) from error
     for name in attribute.split("."):
@@ -235,8 +235,8 @@ def main(argv: list[str]) -> None:
     import fsdp_shim  # noqa: F401  (activates, before Lightning is imported, unless FSDP_SHIM=0)
 
     out, options = Path(argv[0]), Options(**json.loads(argv[1]))
-    if options.model_path is not None:  # only for the modules the user named, from their folder
-        sys.path.insert(0, options.model_path)
+    if options.model or options.activation_checkpointing:  # only for the modules the user named, from their folder
+        sys.path.insert(0, os.getcwd())
     try:
         gate = read_lightning(options)
         if os.environ.get("LOCAL_RANK", "0") == "0":  # Lightning's launcher gives the other ranks theirs
