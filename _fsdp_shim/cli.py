@@ -52,10 +52,10 @@ def _parser() -> argparse.ArgumentParser:
     verify("--precision", choices=("bf16-true", "16-true"), default="bf16-true", help=default)
     verify("--devices", type=_positive, default=1, metavar="N", help=f"processes (GPUs with CUDA) {default}")
     verify("--steps", type=_positive, default=3, metavar="N", help=f"training steps per run {default}")
-    verify("--model", type=_spec, metavar="MODULE:ATTR", help="a LightningModule class or factory (default: the seed)")
+    verify("--model", metavar="MODULE:ATTR", help="a LightningModule class or factory (default: the seed)")
     verify("--init-args", type=_object, default={}, metavar="JSON", help="keyword arguments for --model, an object")
-    verify("--datamodule", type=_spec, metavar="MODULE:ATTR", help="a LightningDataModule class or factory for --model")
-    classes: dict[str, Any] = {"type": lambda text: [_spec(item.strip()) for item in text.split(",")], "default": []}
+    verify("--datamodule", metavar="MODULE:ATTR", help="a LightningDataModule class or factory for --model")
+    classes: dict[str, Any] = {"type": lambda text: [item.strip() for item in text.split(",")], "default": []}
     checkpointed = "classes to checkpoint (default: the seed model's own causal block; with --model, not checked)"
     verify("--activation-checkpointing", **classes, metavar="MODULE:CLASS[,...]", help=checkpointed)
     seconds = f"how long one probe process (per shim state, with its ranks) may take {default}"
@@ -77,13 +77,6 @@ def _object(text: str) -> dict[str, Any]:  # an argparse type: a JSON object
         if isinstance(value := json.loads(text), dict):
             return value
     raise argparse.ArgumentTypeError(f"{text!r} must be a JSON object, e.g. '{{\"hidden\": 64}}'")
-
-
-def _spec(text: str) -> str:
-    module, _, attribute = text.partition(":")  # an empty part splits into [""], no identifier
-    if not all(part.isidentifier() for part in [*module.split("."), *attribute.split(".")]):
-        raise argparse.ArgumentTypeError(f"{text!r} is not MODULE:ATTR (e.g. my_project.model:MyModel)")
-    return text
 
 
 def _verify(args: argparse.Namespace) -> int:

@@ -324,12 +324,24 @@ def test_an_error_in_the_users_code_is_theirs(layouts: dict[str, Layout]) -> Non
 
 
 # ----------------------------------------------------------------------------- the command
-def test_an_option_that_names_no_model_is_refused_before_training(layouts: dict[str, Layout]) -> None:
-    """Read while verify reads Lightning: exit 2 with the reason, nothing trained (the reasons: in-process below)."""
-    proc = verify_model(an_affected_namespace(layouts, "trainer")[0], "--model", "user_models:Data")
-    assert proc.returncode == 2
-    assert "user_models:Data is not a Lightning LightningModule class or a factory that returns one" in proc.stderr
-    assert "with the shim off" not in proc.stderr
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--model", "user_models:Data"], "user_models:Data is not a Lightning LightningModule class or a factory"),
+        (["--model", "user_models:NoData", "--datamodule", "user_models"], "'user_models' is not MODULE:ATTR (e.g."),
+        (["--activation-checkpointing", "torch.nn:Linear, a:"], "'a:' is not MODULE:ATTR (e.g. my_project.model:"),
+    ],
+)
+def test_an_option_that_names_nothing_usable_is_refused_before_training(
+    layouts: dict[str, Layout], args: list[str], message: str
+) -> None:
+    """Read while verify reads Lightning: exit 2 with the reason in one line, no traceback, nothing trained (the
+    reasons: in-process below)."""
+    proc = verify_model(an_affected_namespace(layouts, "trainer")[0], *args)
+    assert proc.returncode == 2, proc.stderr
+    reading, said = proc.stderr.splitlines()  # one line per step, and the reason: no traceback
+    assert reading == "fsdp-shim verify: reading the installed Lightning, then training with the shim on ..."
+    assert said.startswith(f"fsdp-shim verify: {message}"), said
 
 
 def test_what_the_probe_refuses_and_why() -> None:
@@ -346,6 +358,10 @@ def test_what_the_probe_refuses_and_why() -> None:
             f"cannot import 'not_a_module_here' (not_a_module_here:Model) from the current folder ({Path.cwd()}) or",
         ),
         (Options(activation_checkpointing=["json:loads"]), "json:loads is not a torch.nn.Module class"),
+        (Options(model="no_colon"), "'no_colon' is not MODULE:ATTR (e.g. my_project.model:MyModel)"),
+        (Options(model="json:"), "'json:' is not MODULE:ATTR"),
+        (Options(model=":JSONDecoder"), "':JSONDecoder' is not MODULE:ATTR"),
+        (Options(activation_checkpointing=["torch.nn:Linear", "torch..nn:Linear"]), "'torch..nn:Linear' is not MOD"),
     ]:
         with pytest.raises(probe.ProbeStop) as stop:
             probe.user_modules(options, build=False)
@@ -359,8 +375,6 @@ def test_what_the_probe_refuses_and_why() -> None:
         (["--devices", "-1"], "argument --devices: '-1' is not a positive whole number"),
         (["--timeout", "soon"], "argument --timeout: 'soon' is not a positive number"),
         (["--init-args", "[1]"], "must be a JSON object"),
-        (["--model", "no_colon"], "is not MODULE:ATTR"),
-        (["--activation-checkpointing", "torch.nn:Linear,no_colon"], "'no_colon' is not MODULE:ATTR"),
         (["--datamodule", "m:D"], "--init-args and --datamodule need --model"),
         (["--model", "m:M", "--package", "lightning"], "--package is for the seed model; with --model"),
         (["--package", "all"], "argument --package: invalid choice: 'all'"),

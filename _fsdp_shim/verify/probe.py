@@ -47,7 +47,9 @@ def user_error(phase: str, error: BaseException, **extra: int) -> ProbeStop:
 
 def resolve(spec: str, expected: str, usable: Callable[[Any], bool]) -> Any:
     """``package.module:attribute`` (or ``:Class.factory``) -> the attribute, refused unless ``usable``."""
-    module_name, _, attribute = spec.partition(":")
+    module_name, _, attribute = spec.partition(":")  # an empty part splits into [""], no identifier
+    if not all(part.isidentifier() for part in [*module_name.split("."), *attribute.split(".")]):
+        raise ProbeStop("usage", f"{spec!r} is not MODULE:ATTR (e.g. my_project.model:MyModel)")
     try:
         target: Any = importlib.import_module(module_name)
     except Exception as error:
