@@ -22,16 +22,10 @@ _handed = {}  # type: dict[str, object]
 _inert = []  # type: list[BaseException]
 
 
-def __getattr__(name):
-    """``FSDPShimWarning``, made at first use: creating a class costs an armed start more than this whole module."""
-    if name != "FSDPShimWarning":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+class FSDPShimWarning(RuntimeWarning):
+    """The shim could not do something it should have, said so, and left Lightning as shipped."""
 
-    class FSDPShimWarning(RuntimeWarning):
-        """The shim could not do something it should have, said so, and left Lightning as shipped."""
-
-    FSDPShimWarning.__module__ = "fsdp_shim"
-    return globals().setdefault(name, FSDPShimWarning)
+    __module__ = "fsdp_shim"  # where users import it from
 
 
 def switch_state(raw):
@@ -142,6 +136,6 @@ def _hand_over(module, late):
             raise ImportError(f"{message}; {STRICT_VARIABLE} is on, so this import fails instead") from error
         import warnings
 
-        warnings.warn(f"{message}. Reinstall fsdp-shim, or set {SHIM_VARIABLE}=0.", __getattr__("FSDPShimWarning"), 2)
+        warnings.warn(f"{message}. Reinstall fsdp-shim, or set {SHIM_VARIABLE}=0.", FSDPShimWarning, 2)
         return
     receive(module, late)
