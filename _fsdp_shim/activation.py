@@ -10,7 +10,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 import _fsdp_shim as startup
-from _fsdp_shim import NAMESPACES, SHIM_VARIABLE, log, switch_state
+from _fsdp_shim import NAMESPACES, SHIM_VARIABLE, switch_state
 from _fsdp_shim.config import CAST, FIXES, RANK_CHECK, RECOMPUTE, State, disabled_fixes, log_setting
 
 if TYPE_CHECKING:
@@ -97,10 +97,6 @@ def _patch(name: str) -> None:
         if after[RECOMPUTE] is State.PATCHED:
             recompute_check.check(force=False)  # a fix on torch's private names: shown before it counts
         wrappers.patch(name, RANK_CHECK, fixes.PLANS[RANK_CHECK.name])  # says what this rank runs, whatever it is
-        if log.process_rank() == 0:  # once per decision: a namespace patched again logs nothing new
-            version = getattr(sys.modules.get(name), "__version__", "")
-            for fix in (fix for fix in FIXES if after[fix] is not before[fix]):
-                log.debug("fsdp-shim: %s %s, %s fix: %s", name, version, fix.name, after[fix].value)
         if name in _late and after[CAST] is State.PATCHED and before[CAST] is not State.PATCHED:
             from _fsdp_shim import failures
 

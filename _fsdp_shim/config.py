@@ -97,12 +97,9 @@ def rank_check_timeout(environ: Mapping[str, str] = os.environ) -> tuple[float |
 
 
 def log_setting(environ: Mapping[str, str] = os.environ) -> tuple[str, str | None]:
-    """``FSDP_SHIM_LOG``: ``"on"`` (the default), ``"off"`` or ``"debug"``, and what is wrong with its value."""
+    """``FSDP_SHIM_LOG``: ``"on"`` (the default) or ``"off"``, and what is wrong with its value."""
     raw = environ.get(LOG_VARIABLE)
-    if raw is not None and raw.strip().lower() == "debug":
-        return "debug", None
-    state = switch_state(raw)
-    if state == "invalid":
-        valid = f"{VALID_SWITCH_VALUES}, debug"
-        return "on", f"{LOG_VARIABLE}={raw!r} is not a valid value (valid: {valid}); the confirmation lines stay on"
+    if (state := switch_state(raw)) == "invalid":
+        problem = f"{LOG_VARIABLE}={raw!r} is not a valid value ({VALID_SWITCH_VALUES}); the confirmation lines stay on"
+        return "on", problem
     return ("off" if state == "off" else "on"), None

@@ -1,4 +1,4 @@
-"""The lines the shim prints on rank zero: the confirmation line and debug records."""
+"""The lines the shim prints on rank zero: the confirmation lines."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from _fsdp_shim.config import log_setting
 _said: set[str] = set()
 _said_lock = threading.Lock()
 named: list[str] = []  # the fixes said to have acted (read first: a pin asks at every recompute)
-INFO, DEBUG = 20, 10  # logging's levels, without importing logging at start-up
+INFO = 20  # logging's level, without importing logging at start-up
 
 
 def first_time(key: str) -> bool:
@@ -36,26 +36,17 @@ def process_rank() -> int:
     return 0
 
 
-def log(level: int, message: str, *args: object, shown_anyway: bool = False) -> None:
-    """A record of the ``fsdp_shim`` logger where logging shows it, else (``shown_anyway``) the line on stderr."""
+def announce(message: str, *args: object) -> None:
+    """A confirmation line: an INFO record where logging shows it, else on stderr; ``FSDP_SHIM_LOG=0`` drops it."""
+    if log_setting()[0] == "off":
+        return
     import logging
 
     logger = logging.getLogger("fsdp_shim")
-    if logger.isEnabledFor(level) and logger.hasHandlers():
-        logger.log(level, message, *args)
-    elif shown_anyway:
+    if logger.isEnabledFor(INFO) and logger.hasHandlers():
+        logger.info(message, *args)
+    else:
         print(message % args, file=sys.stderr, flush=True)
-
-
-def debug(message: str, *args: object) -> None:
-    """A DEBUG record; on stderr too with ``FSDP_SHIM_LOG=debug``."""
-    log(DEBUG, message, *args, shown_anyway=log_setting()[0] == "debug")
-
-
-def announce(message: str, *args: object) -> None:
-    """A confirmation line at INFO, shown where logging is not configured too; ``FSDP_SHIM_LOG=0`` drops it."""
-    if log_setting()[0] != "off":
-        log(INFO, message, *args, shown_anyway=True)
 
 
 def confirm(fix: str, what: str) -> None:

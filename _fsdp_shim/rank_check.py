@@ -3,6 +3,7 @@ wrapped. Ranks meet in the process group's store, which a rank without the shim 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -117,11 +118,9 @@ def summary(fixes: dict[str, dict[str, Any]], dtype: Any) -> str:
 def say_present(rendezvous: Iterator[tuple[Any, int, int]]) -> Iterator[tuple[Any, int, int]]:
     """What torch's rendezvous yields, once this rank's presence is in its store: then its silence is a pause."""
     for store, rank, world_size in rendezvous:
-        try:
+        with contextlib.suppress(Exception):  # without it, this rank's pause could be taken for a missing shim
             store.set(_key(f"present/{len(_checked) + 1}", rank), "1")  # before the check it precedes
             _present_in.append(store)
-        except Exception as error:  # without it, this rank's pause could be taken for a missing shim
-            log.debug("fsdp-shim: could not say at the rendezvous that rank %s has the shim: %s", rank, error)
         yield store, rank, world_size
 
 

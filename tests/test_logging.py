@@ -1,5 +1,5 @@
 """The shim's lines: one confirmation, on rank zero, through the user's logging where it is configured;
-``FSDP_SHIM_LOG`` switches it off or adds the debug records. The runs are one-device ``bf16-true`` trainings with
+``FSDP_SHIM_LOG`` switches it off. The runs are one-device ``bf16-true`` trainings with
 activation checkpointing (tests/scenarios/recompute.py)."""
 
 from __future__ import annotations
@@ -21,14 +21,14 @@ RECOMPUTE_ACTED = "; recompute acted (a checkpointed block recomputed in bfloat1
 
 @pytest.mark.parametrize(
     ("setting", "logging_setup"),
-    [(None, "none"), (" On ", "info"), ("false", "none"), (" DEBUG", "none"), ("verbose", "none")],
+    [(None, "none"), (" On ", "info"), ("false", "none"), ("debug", "none")],
 )
 def test_what_the_shim_prints_in_a_run(
     setting: str | None, logging_setup: str, layouts: dict[str, Layout], tmp_path: Path
 ) -> None:
     """Unset or on, one line, the confirmation, unconfigured or through ``basicConfig(level=INFO)`` (Ray Train's
-    workers, many scripts) in the user's format; off, none; ``debug`` (any case, spaces) also what each namespace's
-    fixes became; a value it cannot read keeps the confirmation and warns once, naming the value."""
+    workers, many scripts) in the user's format; off, none; a value it cannot read (``debug``, which 0.3.0 removed)
+    keeps the confirmation and warns once, naming the value."""
     layout = trainer_layout(layouts)
     cases = ["ones:none", "ones:nonreentrant"]
     env = {"PYTHONWARNINGS": "default", **({"FSDP_SHIM_LOG": setting} if setting else {})}
@@ -45,21 +45,17 @@ def test_what_the_shim_prints_in_a_run(
     if setting in (None, " On "):
         assert lines == [line], output[-3000:]
         assert line.startswith("INFO:fsdp_shim:fsdp-shim " if logging_setup == "info" else "fsdp-shim "), line
-    elif setting == " DEBUG":
-        namespace = NAMESPACES[layout.package][0]
-        assert f"fsdp-shim: {namespace} {layout.trainer_version}, recompute fix: patched" in lines, lines
     else:
         (warning,) = [line for line in lines if "FSDPShimWarning" in line]
-        assert "FSDP_SHIM_LOG='verbose' is not a valid value" in warning and "the confirmation lines stay" in warning
+        assert "FSDP_SHIM_LOG='debug' is not a valid value" in warning and "the confirmation lines stay" in warning
         assert len(lines) == 2, lines
 
 
 def test_the_lines_go_through_the_users_logging_configuration_and_change_none_of_it(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A record the configuration shows goes through it, once; one it would drop goes to stderr only where
-    ``FSDP_SHIM_LOG`` asks for it (the confirmation by default, the debug records with ``debug``). No handler or
-    level of the user's is added or changed."""
+    """A confirmation line the configuration shows goes through it, once; one it would drop goes to stderr instead,
+    and ``FSDP_SHIM_LOG=0`` drops it. No handler or level of the user's is added or changed."""
     logger = logging.getLogger("fsdp_shim")
     records: list[str] = []
     handler = logging.Handler()
@@ -68,22 +64,19 @@ def test_the_lines_go_through_the_users_logging_configuration_and_change_none_of
     level = logger.level
     try:
         logger.setLevel(logging.WARNING)
-        for setting, expected in [("1", ["confirmed 0"]), ("debug", ["confirmed 0", "reason y"])]:
+        for setting, expected in [("0", []), ("1", ["confirmed 0"])]:
             monkeypatch.setenv("FSDP_SHIM_LOG", setting)
             log.announce("confirmed %d", 0)
-            log.debug("reason %s", "y")
             assert capsys.readouterr().err.splitlines() == expected, setting
             assert (logger.handlers, logger.level) == ([], logging.WARNING)
         logger.addHandler(handler)
+        log.announce("confirmed %d", 1)  # below the level the user chose (WARNING): on stderr
+        assert (records, capsys.readouterr().err.splitlines()) == ([], ["confirmed 1"])
         logger.setLevel(logging.INFO)
-        log.announce("confirmed %d", 1)
-        log.debug("reason %s", "z")  # below the level the user chose: on stderr, with debug
-        assert (records, capsys.readouterr().err.splitlines()) == (["confirmed 1"], ["reason z"])
-        assert (logger.handlers, logger.level) == ([handler], logging.INFO)
-        monkeypatch.delenv("FSDP_SHIM_LOG")  # a setup at INFO, by default: the confirmation only
+        monkeypatch.delenv("FSDP_SHIM_LOG")  # a setup at INFO: through it, once
         log.announce("confirmed %d", 2)
-        log.debug("reason %s", "w")
-        assert (records, capsys.readouterr().err) == (["confirmed 1", "confirmed 2"], "")
+        assert (records, capsys.readouterr().err) == (["confirmed 2"], "")
+        assert (logger.handlers, logger.level) == ([handler], logging.INFO)
     finally:
         logger.setLevel(level)
 

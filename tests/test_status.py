@@ -85,8 +85,8 @@ def test_status_says_whether_the_shim_is_armed_by_what_the_switches_the_fixes_an
         "PROBLEM: FSDP_SHIM_DISABLED_FIXES names 'bogus', no fix of fsdp-shim (cast, recompute)",
         "PROBLEM: FSDP_SHIM_RANK_CHECK_TIMEOUT='abc' is not a number of seconds >= 0; the rank check waits as long as "
         "the process group's timeout",
-        f"PROBLEM: FSDP_SHIM_LOG='verbose' is not a valid value (valid: {valid}disable, disabled, debug); the "
-        "confirmation lines stay on",
+        f"PROBLEM: FSDP_SHIM_LOG='verbose' is not a valid value ({valid}disable, disabled); the confirmation lines "
+        "stay on",
         f"PROBLEM: PYTHONPATH holds an fsdp-shim bootstrap folder that does not exist: {gone}",
     ]
 
