@@ -95,12 +95,12 @@ def _patch(name: str) -> None:
         before = {fix: wrappers.state(name, fix) for fix in FIXES}
         after = {fix: wrappers.patch(name, fix, fixes.PLANS[fix.name], disabled=fix.name in skipped) for fix in FIXES}
         if after[RECOMPUTE] is State.PATCHED:
-            recompute_check.check(force=False)  # a fix on torch's private names: shown before it counts
+            recompute_check.check()  # a fix on torch's private names: shown before it counts
         wrappers.patch(name, RANK_CHECK, fixes.PLANS[RANK_CHECK.name])  # says what this rank runs, whatever it is
         if name in _late and after[CAST] is State.PATCHED and before[CAST] is not State.PATCHED:
             from _fsdp_shim import failures
 
-            failures.warn_about_models_already_wrapped(name)
+            failures.warn_about_models_already_wrapped()
     except Exception as error:
         from _fsdp_shim import failures
 
@@ -112,7 +112,7 @@ def _check_again() -> None:
     check = sys.modules.get("_fsdp_shim.recompute_check")
     if check is not None and check.unsettled():
         try:
-            check.check(force=True)
+            check.check()
         except Exception as error:
             from _fsdp_shim import failures
 

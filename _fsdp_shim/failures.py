@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from types import FrameType
 from typing import Any
 
-from _fsdp_shim import NAMESPACES, FSDPShimWarning, config
+from _fsdp_shim import FSDPShimWarning, config
 from _fsdp_shim.log import first_time, process_rank
 
 
@@ -185,23 +185,17 @@ def unreadable_rank_check_timeout(problem: str, default: float) -> None:
     warn_once(f"fsdp-shim: {problem}; {said}", key=f"rank-timeout:{problem}")
 
 
-def warn_about_models_already_wrapped(name: str) -> None:
-    """After a late patch of ``name``, the FSDP models it set up before keep their dtype: said once, if any."""
+def warn_about_models_already_wrapped() -> None:
+    """After a late patch: models FSDP wrapped before keep their dtype, said once if there is any."""
     import gc  # a walk of every object, with type(): proxies warn on __class__
 
-    trainer = NAMESPACES[name] == "trainer"
-    module, attribute = ("strategies.fsdp", "_model") if trainer else ("wrappers", "_forward_module")
-    holder = getattr(sys.modules.get(f"{name}.{module}"), "FSDPStrategy" if trainer else "_FabricModule", None)
     fsdp = getattr(sys.modules.get("torch.distributed.fsdp"), "FullyShardedDataParallel", None)
-    if not isinstance(holder, type) or not isinstance(fsdp, type):
-        return
-    count = sum(isinstance(getattr(o, attribute, None), fsdp) for o in gc.get_objects() if issubclass(type(o), holder))
-    if count:
+    if isinstance(fsdp, type) and any(issubclass(type(o), fsdp) for o in gc.get_objects()):
         warn_once(
-            f"fsdp-shim was activated after {name} had already set up {count} FSDP model(s); their parameters "
-            "keep the dtype they were wrapped with. The fix applies from the next setup on. Import fsdp_shim "
-            "before Lightning, or use `fsdp-shim run` or the start-up file.",
-            key=f"late:{name}",
+            "fsdp-shim was activated after FSDP had already wrapped a model: its parameters keep the dtype they were "
+            "wrapped with. The fix applies from the next setup on. Import fsdp_shim before Lightning, or use "
+            "`fsdp-shim run` or the start-up file.",
+            key="late",
         )
 
 

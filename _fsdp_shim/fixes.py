@@ -168,17 +168,13 @@ def non_reentrant_in_forward_dtype(wrapped: Callable[..., Any], instance: Any, a
 
 def _pinned(function: Callable[..., Any]) -> Callable[..., Any]:
     """``function`` pinned to the default dtype now (``pins`` loads at the first checkpoint call), or in the check only
-    marked; a path not checked yet is checked first (at most every few seconds, never while traced)."""
+    marked."""
     if recompute_check.checking.get():
         return recompute_check.marked(function)
     try:
-        import torch
-
         from _fsdp_shim import pins
     except ImportError as error:
         raise GlueError(error) from error
-    if recompute_check.unsettled() and not pins.tracing(torch):
-        recompute_check.check(force=False)
     return pins.in_forward_dtype(function)
 
 

@@ -7,7 +7,6 @@ import contextlib
 import importlib
 import inspect
 import threading
-import time
 from collections.abc import Callable
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -24,7 +23,6 @@ GENERATORS = ("_checkpoint_without_reentrant_generator_impl", "_checkpoint_witho
 REENTRANT, NON_REENTRANT, COMPOSABLE = "reentrant", "non-reentrant", "composable"
 TORCHS_OWN = "torch's own (its checkpoint restores the forward's default dtype itself)"
 CHECK_SECONDS = 30.0  # how long the check's thread may take (milliseconds here): past it, nothing was shown
-MAX_BACKOFF = 300.0
 
 
 @dataclass(frozen=True)
@@ -40,7 +38,6 @@ checking: ContextVar[bool] = ContextVar("fsdp_shim_checking_recompute", default=
 through_wrapper: ContextVar[bool] = ContextVar("fsdp_shim_through_wrapper", default=False)  # set by ``marked``
 findings: dict[str, Finding] = {}
 ran = False  # whether the check has run once in this process
-_retry_at, _backoff = 0.0, 1.0
 _lock = threading.Lock()  # one check at a time
 
 
@@ -63,27 +60,22 @@ def found(shown: bool, holds: bool = False) -> list[str]:
 
 
 def unsettled() -> bool:
-    """Whether a path is still to check: a checkpoint call pays this one look."""
+    """Whether a path is still to check."""
     return not ran or any(not f.shown and not f.holds for f in findings.values())
 
 
-def check(force: bool) -> None:
-    """Check the paths not settled yet, backing off between tries; take off and name those torch's calls pass by."""
-    global ran, _retry_at, _backoff
-    if _lock.acquire(blocking=force or not ran):
-        try:
-            if unsettled() and (force or not ran or time.monotonic() >= _retry_at):
-                settled = frozenset(path for path, f in findings.items() if f.shown or f.holds)
-                try:
-                    findings.update(prove(settled))
-                except Exception as error:  # the check itself broke: nothing was shown
-                    why = f"its check failed ({type(error).__name__}: {error})"
-                    findings.update({path: Finding(False, why) for path in paths() if path not in settled})
-                ran = True
-                if unsettled():
-                    _retry_at, _backoff = time.monotonic() + _backoff, min(2 * _backoff, MAX_BACKOFF)
-        finally:
-            _lock.release()
+def check() -> None:
+    """Check the paths not settled yet; take off and name those torch's calls pass by."""
+    global ran
+    with _lock:
+        if unsettled():
+            settled = frozenset(path for path, f in findings.items() if f.shown or f.holds)
+            try:
+                findings.update(prove(settled))
+            except Exception as error:  # the check itself broke: nothing was shown
+                why = f"its check failed ({type(error).__name__}: {error})"
+                findings.update({path: Finding(False, why) for path in paths() if path not in settled})
+            ran = True
     if failed := found(shown=False, holds=True):
         from _fsdp_shim import failures
         from _fsdp_shim.removal import take_off  # it needs wrapt, which reading torch's code here does not

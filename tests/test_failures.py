@@ -401,7 +401,7 @@ def test_late_activation_warns_about_models_fsdp_already_wrapped(layouts: dict[s
     said, before, after, late = code_json(FIT + textwrap.dedent(script), env=clean_env(PYTHONWARNINGS="ignore"))
     assert (before, after, late) == ("torch.float32", "torch.bfloat16", True)
     assert said == [
-        f"fsdp-shim was activated after {namespace} had already set up 1 FSDP model(s); their parameters keep the "
-        "dtype they were wrapped with. The fix applies from the next setup on. Import fsdp_shim before Lightning, "
-        "or use `fsdp-shim run` or the start-up file."
+        "fsdp-shim was activated after FSDP had already wrapped a model: its parameters keep the dtype they were "
+        "wrapped with. The fix applies from the next setup on. Import fsdp_shim before Lightning, or use "
+        "`fsdp-shim run` or the start-up file."
     ]
