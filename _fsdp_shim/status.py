@@ -16,7 +16,7 @@ import _fsdp_shim as startup
 from _fsdp_shim import NAMESPACES, config, failures
 from _fsdp_shim._version import __version__
 from _fsdp_shim.config import CAST, FIXES, RECOMPUTE, SHIM_VARIABLE, Fix, State, switch_state
-from _fsdp_shim.distributions import distribution_of, installed_packages
+from _fsdp_shim.distributions import distribution_of
 from _fsdp_shim.failures import joined, the_checkpoints, whys
 
 _SAID = {  # the states whose value alone does not say it
@@ -78,10 +78,6 @@ class NamespaceStatus:
         return bool(needed) and all(f.patched for f in needed)
 
     @property
-    def targets(self) -> tuple[str, ...]:
-        return tuple(target for f in self.fixes for target in f.targets)
-
-    @property
     def reason(self) -> str:
         """``patched`` (with the fixes' notes), else what keeps each fix off."""
         if self.patched:
@@ -95,7 +91,7 @@ class NamespaceStatus:
         return {status.fix: status for status in self.fixes}[name]
 
     def as_dict(self) -> dict[str, Any]:
-        fields = ("affected", "patched", "reason", "targets")
+        fields = ("affected", "patched", "reason")
         return {**asdict(self), "fixes": [f.as_dict() for f in self.fixes], **{k: getattr(self, k) for k in fields}}
 
 
@@ -159,7 +155,7 @@ def reading(namespace: str, fix: Fix) -> FixStatus:
     try:
         from _fsdp_shim import recompute_check as check
         from _fsdp_shim import wrappers
-        from _fsdp_shim.removal import describe, found_on_top
+        from _fsdp_shim.removal import found_on_top
     except ImportError as error:  # its patching code (wrapt) may be missing: status() must still answer
         return FixStatus(fix.name, State.FAILED, True, f"fsdp-shim's patching code cannot be imported ({error})")
     if (record := wrappers.records.get((namespace, fix.name))) is None:
@@ -169,7 +165,7 @@ def reading(namespace: str, fix: Fix) -> FixStatus:
     if record.state not in (State.PATCHED, State.DEACTIVATED):
         return FixStatus(fix.name, record.state, record.affected, record.detail)
     targets = tuple(wrapper.shim_state.label for wrapper in record.wrappers)
-    problems, notes = [], []
+    problems, notes = [], list[str]()
     for wrapper in record.wrappers:
         state, where, top = wrapper.shim_state, wrappers.placement(wrapper), found_on_top(wrapper)
         if where == wrappers.GONE:
@@ -178,10 +174,6 @@ def reading(namespace: str, fix: Fix) -> FixStatus:
             problems.append(f"its wrapper on {state.label} stays under {top} and passes calls through")
         elif state.fallback is not None:
             problems.append(f"{state.label} fell back to {failures.owners_own(state)} at call time ({state.fallback})")
-        else:
-            notes += [f"its wrapper on {state.label} is under {top}"] if where == wrappers.UNDER else []
-            if state.target.inherited and not state.inherited:  # another library's method, where Lightning has none
-                notes.append(f"on {state.label} it wraps {describe(state.original)}, which was there before")
     if record.state is State.DEACTIVATED or problems:
         off = State.DEACTIVATED if record.state is State.DEACTIVATED else State.FAILED
         return FixStatus(fix.name, off, True, "; ".join(problems), targets)
@@ -189,7 +181,7 @@ def reading(namespace: str, fix: Fix) -> FixStatus:
         where = f"on torch {failures.torch_version()}"
         if not check.ran:
             return FixStatus(fix.name, State.NOT_SHOWN, True, f"{where}: its check has not run", targets)
-        shown, again = check.found(True), "; checked again at a later checkpoint call, fsdp_shim.activate() or status()"
+        shown, again = check.found(True), "; checked again at fsdp_shim.activate() or status()"
         also = f"; in effect for {the_checkpoints(shown)}" if shown else ""
         for decided, paths, later in (
             (State.NOT_IN_EFFECT, check.found(False, holds=True), ""),
@@ -210,28 +202,21 @@ NOT_READ = f"this fsdp-shim, in {OWN_ENVIRONMENT_FILE.parent}, was not installed
 Report = dict[str, Any]
 
 
-def _verdict(fix: Fix, version: str, off: str | None) -> str:
-    if not fix.affects(version):
-        return f"left untouched ({'fixed upstream' if fix.built_in(version) else 'nothing to fix'})"
-    return f"not patched: {off} switches it off" if off else "would be patched"
-
-
-def _lightning(off: str | None) -> list[Report]:
-    """Per installed namespace, from metadata: its release, and what the shim would do to each fix there."""
-    skipped, rows = config.disabled_fixes()[0], []
-    by = {fix: off or (config.DISABLED_FIXES_VARIABLE if fix.name in skipped else None) for fix in FIXES}
+def _lightning() -> list[Report]:
+    """Per installed namespace, from metadata: its distribution and release, and whether it lacks a fix."""
+    rows = []
     for namespace in sorted(NAMESPACES):
         if found := distribution_of(namespace.partition(".")[0]):
             affected = any(fix.affects(found[1]) for fix in FIXES)
             rows.append(dict(namespace=namespace, distribution=found[0], version=found[1], affected=affected))
-            rows[-1]["fixes"] = {fix.name: _verdict(fix, found[1], by[fix]) for fix in FIXES}
     return rows
 
 
 def _still_needed(lightning: list[Report]) -> dict[str, Report]:
     """Per fix, whether this environment needs it (True, False, or None where it cannot tell) and why."""
     if not lightning:
-        return {fix.name: {"needed": None, "why": "no Lightning in this environment"} for fix in FIXES}
+        why = "no Lightning in this environment: install fsdp-shim where the training runs, and run its status there"
+        return {fix.name: {"needed": None, "why": why} for fix in FIXES}
     releases = {f"{row['namespace']} {row['version']}": row["version"] for row in lightning}
     lacking = [release for release, version in releases.items() if CAST.affects(version)]
     cast = (False, f"every Lightning here has it or needs none ({joined(list(releases))})")
@@ -266,13 +251,13 @@ def _recompute_needed() -> tuple[bool | None, str]:
 
 def environment_report() -> Report:
     """What ``fsdp-shim status --json`` prints, in this key order (``render`` writes it as text). Problems: unreadable
-    values, ``FSDP_SHIM=1`` where nothing reads it, and bootstrap folders gone."""
+    values, and ``FSDP_SHIM=1`` where nothing reads it."""
     switch, shown = switch_state(os.environ.get(SHIM_VARIABLE)), f"{SHIM_VARIABLE}={os.environ.get(SHIM_VARIABLE)!r}"
     user = [site.getusersitepackages()] if site.ENABLE_USER_SITE else []
     found = next((p for d in [*user, *site.getsitepackages()] if (p := Path(d) / ENVIRONMENT_FILE).is_file()), None)
     entries = os.environ.get("PYTHONPATH", "").split(os.pathsep)  # any fsdp-shim's bootstrap, existing or not
     bootstrap = [e for e in entries if e and Path(e).parts[-2:] == ("_fsdp_shim", "bootstrap")]
-    off = shown if switch in ("off", "invalid") else None
+    off = switch in ("off", "invalid")
     by = [shown] * (switch == "on" and found is not None) + ["fsdp-shim run"] * bool(bootstrap)
     problems = [
         f"{name}={os.environ.get(name)!r} is not a valid value ({config.VALID_SWITCH_VALUES}); {meaning}"
@@ -290,17 +275,14 @@ def environment_report() -> Report:
             f"{shown} arms nothing in this interpreter: no folder it reads start-up files from holds "
             f"{ENVIRONMENT_FILE} ({NOT_READ}). Install fsdp-shim into this environment with pip, or use `fsdp-shim run`"
         )
-    gone = [entry for entry in bootstrap if not os.path.isdir(entry)]
-    problems += [f"PYTHONPATH holds an fsdp-shim bootstrap folder that does not exist: {e}" for e in gone]
     return {
         "shim_version": __version__,
         "python": sys.executable,
         "toggles": {name: os.environ.get(name) for name in config.VARIABLES},
         "environment_file": {"path": str(found or OWN_ENVIRONMENT_FILE), "read": found is not None},
         "bootstrap_on_pythonpath": bootstrap,
-        "lightning": (lightning := _lightning(off)),
+        "lightning": (lightning := _lightning()),
         "still_needed": _still_needed(lightning),
-        "nothing_to_patch": not installed_packages() and importlib.util.find_spec("torch") is None,
         "armed": {"state": "off" if off else "armed" if by else "not armed", "by": by},
         "problems": problems,
         "consistent": not problems,
@@ -317,12 +299,10 @@ def _armed(report: Report, shown: str) -> str:
         return f"Shim: OFF. {shown} switches off every activation: Lightning runs as shipped.{otherwise}"
     if state == "armed":
         return f"Shim: ARMED in every Python started from here, by {by}."
-    on = switch_state(report["toggles"][SHIM_VARIABLE]) == "on"
-    if report["nothing_to_patch"] and not on:
-        return "Shim: NOT ARMED, and there is nothing to arm it for: no torch, no Lightning here (see below)."
     ways = [f"{SHIM_VARIABLE}=1 (read by {env['path']})"] * env["read"]
     ways += ["fsdp-shim run (also another environment's Python)", "import fsdp_shim in the script (that script only)"]
     not_read = "" if env["read"] else f"; {SHIM_VARIABLE}=1 arms nothing here: {NOT_READ}"
+    on = switch_state(report["toggles"][SHIM_VARIABLE]) == "on"
     nothing = f"{shown} arms nothing here (see PROBLEM)" if on else "nothing arms it"
     return f"Shim: NOT ARMED in a Python started from here: {nothing}. Ways to arm it: {'; '.join(ways)}{not_read}"
 
@@ -332,17 +312,12 @@ def render(report: Report) -> str:
     shown, off = f"{SHIM_VARIABLE}={report['toggles'][SHIM_VARIABLE]!r}", report["armed"]["state"] == "off"
     toggles = ", ".join(f"{name}={value!r}" for name, value in report["toggles"].items() if value is not None)
     lines = [f"fsdp-shim {report['shim_version']}  (python: {report['python']})", "", _armed(report, shown), ""]
-    lines += [f"Set: {toggles or 'no FSDP_SHIM variable'}", ""]
-    lines += ["Lightning (from package metadata; what the shim does where it is armed):"]
-    for row in report["lightning"]:
-        lines += [f"  {row['namespace']:<18} {row['version']}", *(f"    {n:<10} {v}" for n, v in row["fixes"].items())]
+    lines += [f"Set: {toggles or 'no FSDP_SHIM variable'}", "", "Lightning (from package metadata):"]
+    lines += [f"  {row['namespace']:<18} {row['version']}" for row in report["lightning"]]
     answer = {True: "needed", False: "not needed", None: "unknown"}
     lines += ["", f"Still needed here? ({config.DOCS}removal.html)"]
     lines += [f"  {name:<10} {answer[a['needed']]}: {a['why']}" for name, a in report["still_needed"].items()]
     ok = "OK: no problem found" + (f"; the shim is OFF ({shown}), so nothing is patched" if off else "")
-    if report["nothing_to_patch"]:  # an isolated install (pipx, `uv tool`)
-        ok = f"NOTHING TO PATCH HERE: no torch, no Lightning beside this fsdp-shim ({report['python']}). Install it "
-        ok += "into the environment that runs the training, and run `fsdp-shim status` with that environment's Python."
     return "\n".join([*lines, "", *([f"PROBLEM: {p}" for p in report["problems"]] or [ok])])
 
 
