@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import sys
 from pathlib import Path
@@ -53,7 +52,6 @@ def _parser() -> argparse.ArgumentParser:
     verify("--devices", type=_positive, default=1, metavar="N", help=f"processes (GPUs with CUDA) {default}")
     verify("--steps", type=_positive, default=3, metavar="N", help=f"training steps per run {default}")
     verify("--model", metavar="MODULE:ATTR", help="a LightningModule class or factory (default: the seed)")
-    verify("--init-args", type=_object, default={}, metavar="JSON", help="keyword arguments for --model, an object")
     verify("--datamodule", metavar="MODULE:ATTR", help="a LightningDataModule class or factory for --model")
     classes: dict[str, Any] = {"type": lambda text: [item.strip() for item in text.split(",")], "default": []}
     checkpointed = "classes to checkpoint (default: the seed model's own causal block; with --model, not checked)"
@@ -72,16 +70,9 @@ def _positive(text: str, kind: type[float] = int) -> float:  # an argparse type:
     raise argparse.ArgumentTypeError(f"{text!r} is not a positive {'whole ' * (kind is int)}number")
 
 
-def _object(text: str) -> dict[str, Any]:  # an argparse type: a JSON object
-    with contextlib.suppress(ValueError):
-        if isinstance(value := json.loads(text), dict):
-            return value
-    raise argparse.ArgumentTypeError(f"{text!r} must be a JSON object, e.g. '{{\"hidden\": 64}}'")
-
-
 def _verify(args: argparse.Namespace) -> int:
-    if args.model is None and (args.init_args or args.datamodule):
-        problem = "--init-args and --datamodule need --model"
+    if args.model is None and args.datamodule:
+        problem = "--datamodule needs --model"
     elif args.model is not None and args.package is not None:
         problem = "--package is for the seed model; with --model, your model's imports decide"
     else:

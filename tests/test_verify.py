@@ -126,13 +126,13 @@ def test_the_seed_model_gets_a_verdict_per_fix(layouts: dict[str, Layout], plant
 def test_a_block_that_makes_a_tensor_without_a_dtype_is_fixed(layouts: dict[str, Layout], tmp_path: Path) -> None:
     """``user_models.Block`` multiplies by a tensor made without a dtype: the precision's in the forward, float32
     in the recompute. With the shim the checkpointed run equals the plain one bit for bit; without it, with
-    ``cast=True`` (``--init-args``: the same dtype, other values) it trains on other values, and verify names the
-    first difference. Run from elsewhere, the models found on ``PYTHONPATH``, with two ranks: each rank's figures,
-    and on unpatched 2.1-2.4 (float32 weights) exactly half on each."""
+    ``cast=True`` (the factory ``casting_checkpointed``: the same dtype, other values) it trains on other values,
+    and verify names the first difference. Run from elsewhere, the models found on ``PYTHONPATH``, with two ranks:
+    each rank's figures, and on unpatched 2.1-2.4 (float32 weights) exactly half on each."""
     layout = layout_or_skip(layouts, "lightning")
     if base_release(layout.trainer_version) < (2, 1, 0):
         pytest.skip("needs a release that lacks the recompute fix")
-    args = ("--model", "user_models:Checkpointed", "--init-args", '{"cast": true}')
+    args = ("--model", "user_models:casting_checkpointed")
     checkpointed = ("--activation-checkpointing", "user_models:Block", "--devices", "2")
     env = clean_env(FSDP_SHIM_TEST_LIGHTNING="lightning.pytorch")
     env["PYTHONPATH"] = f"{MODELS}:{env.get('PYTHONPATH', '')}"
@@ -374,8 +374,7 @@ def test_what_the_probe_refuses_and_why() -> None:
         (["--steps", "0"], "argument --steps: '0' is not a positive whole number"),
         (["--devices", "-1"], "argument --devices: '-1' is not a positive whole number"),
         (["--timeout", "soon"], "argument --timeout: 'soon' is not a positive number"),
-        (["--init-args", "[1]"], "must be a JSON object"),
-        (["--datamodule", "m:D"], "--init-args and --datamodule need --model"),
+        (["--datamodule", "m:D"], "--datamodule needs --model"),
         (["--model", "m:M", "--package", "lightning"], "--package is for the seed model; with --model"),
         (["--package", "all"], "argument --package: invalid choice: 'all'"),
     ],

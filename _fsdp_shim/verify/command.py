@@ -38,7 +38,6 @@ class Options:  # what the command line asked for, in --json's order
     steps: int = 3
     as_json: bool = False
     model: str | None = None
-    init_args: dict[str, Any] = field(default_factory=dict)
     datamodule: str | None = None
     timeout: float = PROBE_TIMEOUT
     activation_checkpointing: list[str] = field(default_factory=list)

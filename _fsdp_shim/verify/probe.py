@@ -70,15 +70,16 @@ def namespace_of(obj: Any, kind: str) -> str | None:
     return next((ns for ns in TRAINER_NAMESPACES if issubclass(cls, getattr(sys.modules.get(ns), kind, ()))), None)
 
 
-def checked(spec: str, kind: str, init_args: dict[str, Any] | None) -> Any:
-    """The class or factory ``spec`` names, refused unless it gives a Lightning ``kind``; built with ``init_args``."""
+def checked(spec: str, kind: str, build: bool) -> Any:
+    """The class or factory ``spec`` names, refused unless it gives a Lightning ``kind``; where ``build``, called
+    with no arguments."""
     expected = f"a Lightning {kind} class or a factory that returns one"
     target = resolve(spec, expected, lambda t: callable(t) and not (isinstance(t, type) and not namespace_of(t, kind)))
     try:
-        built = target if init_args is None else target(**init_args)
+        built = target() if build else target
     except Exception as error:
         raise user_error(f"constructing {spec}", error) from error
-    if init_args is not None and namespace_of(built, kind) is None:  # a factory's product
+    if build and namespace_of(built, kind) is None:  # a factory's product
         raise ProbeStop("usage", f"{spec} is not {expected}")
     return built
 
@@ -89,11 +90,11 @@ def user_modules(options: Options, build: bool) -> tuple[Any, Any, set[type], li
 
     model, datamodule, namespaces = None, None, list[str]()
     if options.model is not None:
-        model = checked(options.model, "LightningModule", options.init_args if build else None)
+        model = checked(options.model, "LightningModule", build)
         cls = type(model) if build else model  # a factory's namespaces are those it imported
         own = namespace_of(model, "LightningModule") if isinstance(cls, type) else None
         if options.datamodule is not None:
-            datamodule = checked(options.datamodule, "LightningDataModule", {} if build else None)
+            datamodule = checked(options.datamodule, "LightningDataModule", build)
         elif own and cls.train_dataloader is sys.modules[own].LightningModule.train_dataloader:
             raise ProbeStop("usage", f"{options.model} has no train_dataloader; pass --datamodule module:attr")
         namespaces = [own] if own else [ns for ns in TRAINER_NAMESPACES if ns in sys.modules]

@@ -147,6 +147,11 @@ class Checkpointed(pl.LightningModule):
         return _data()
 
 
+def casting_checkpointed() -> Checkpointed:
+    """``Checkpointed`` whose blocks cast what they make to the input's dtype."""
+    return Checkpointed(cast=True)
+
+
 class ChecksItsOwnForward(pl.LightningModule):
     """Checkpoints its blocks in its own forward with ``torch.utils.checkpoint`` (no Lightning policy), built in
     ``configure_model``, so they are the precision's dtype with the shim or without: unpatched, the recompute
