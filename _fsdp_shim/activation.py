@@ -51,14 +51,12 @@ def activate() -> bool:
 
 
 def deactivate() -> None:
-    """Switch the shim off and put back the exact objects that were there (``_fsdp_shim.removal``)."""
+    """Switch the shim off and put back the exact objects that were there (``wrappers.unpatch_all``)."""
     global _active
     with _lock:
         _active = False
-    if "_fsdp_shim.wrappers" in sys.modules:
-        from _fsdp_shim import removal
-
-        removal.unpatch_all()
+    if (wrappers := sys.modules.get("_fsdp_shim.wrappers")) is not None:  # else nothing was patched
+        wrappers.unpatch_all()
 
 
 def namespace_executed(module: ModuleType, late: bool = False) -> None:
@@ -89,9 +87,7 @@ def _patch(name: str) -> None:
 
             failures.unreadable_settings()
         if skipped:
-            from _fsdp_shim.removal import unpatch_disabled
-
-            unpatch_disabled(name, skipped)
+            wrappers.unpatch_disabled(name, skipped)
         before = {fix: wrappers.state(name, fix) for fix in FIXES}
         after = {fix: wrappers.patch(name, fix, fixes.PLANS[fix.name], disabled=fix.name in skipped) for fix in FIXES}
         if after[RECOMPUTE] is State.PATCHED:

@@ -78,7 +78,7 @@ def check() -> None:
             ran = True
     if failed := found(shown=False, holds=True):
         from _fsdp_shim import failures
-        from _fsdp_shim.removal import take_off  # it needs wrapt, which reading torch's code here does not
+        from _fsdp_shim.wrappers import take_off  # it needs wrapt, which reading torch's code here does not
 
         take_off(RECOMPUTE, failed)
         failures.recompute_passed_by(failed, findings)

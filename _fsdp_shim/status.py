@@ -155,7 +155,6 @@ def reading(namespace: str, fix: Fix) -> FixStatus:
     try:
         from _fsdp_shim import recompute_check as check
         from _fsdp_shim import wrappers
-        from _fsdp_shim.removal import found_on_top
     except ImportError as error:  # its patching code (wrapt) may be missing: status() must still answer
         return FixStatus(fix.name, State.FAILED, True, f"fsdp-shim's patching code cannot be imported ({error})")
     if (record := wrappers.records.get((namespace, fix.name))) is None:
@@ -167,7 +166,7 @@ def reading(namespace: str, fix: Fix) -> FixStatus:
     targets = tuple(wrapper.shim_state.label for wrapper in record.wrappers)
     problems, notes = [], list[str]()
     for wrapper in record.wrappers:
-        state, where, top = wrapper.shim_state, wrappers.placement(wrapper), found_on_top(wrapper)
+        state, where, top = wrapper.shim_state, wrappers.placement(wrapper), wrappers.found_on_top(wrapper)
         if where == wrappers.GONE:
             problems.append(f"other code replaced its wrapper on {state.label} (the class holds {top})")
         elif not state.on:

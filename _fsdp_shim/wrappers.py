@@ -1,5 +1,5 @@
-"""Wrap one fix in one namespace and read its state back, beside other code that patches the same functions: a
-wrapper is known by its type and carries what taking it off needs (``_fsdp_shim.removal``)."""
+"""Wrap one fix in one namespace, read its state back and take it off again, beside other code that patches the same
+functions: a wrapper is known by its type, and taking it off puts back the very object that was there."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import Any
 
 import wrapt
 
-from _fsdp_shim.config import Fix, State, base_release
+from _fsdp_shim.config import FIXES, NAMESPACES, RANK_CHECK, Fix, State, base_release
 
 Args = tuple[Any, ...]
 Kwargs = dict[str, Any]
@@ -273,3 +273,62 @@ def state(namespace: str, fix: Fix) -> State:
     if namespace not in sys.modules:
         return State.NOT_IMPORTED
     return State.NOT_CHECKED if found is None else found.state
+
+
+# ----------------------------------------------------------------------------- taking them off
+def describe(obj: object) -> str:
+    """A short name for an object found on a class; a proxy by its own type, not the function it wraps."""
+    if type(obj) is not getattr(obj, "__class__", type(obj)):
+        return f"a {type(obj).__module__}.{type(obj).__qualname__}"
+    return f"{getattr(obj, '__module__', None) or '?'}.{getattr(obj, '__qualname__', type(obj).__qualname__)}"
+
+
+def found_on_top(wrapper: Any) -> str:
+    return describe(wrapper.shim_state.owner.__dict__.get(wrapper.shim_state.target.attribute))
+
+
+def unpatch(namespace: str, fix: Fix) -> list[tuple[Any, str]]:
+    """Take one fix off one namespace; each wrapper with where it was found (a shared one stays while in use)."""
+    with lock:
+        for wrapper in [w for w in retired if w.shim_state.fix == fix.name]:
+            if placement(wrapper) == ON_TOP:
+                remove(wrapper)
+            retired.remove(wrapper)
+        key = (namespace, fix.name)
+        record = records.get(key)
+        if record is None:
+            return []
+        others = [r for k, r in records.items() if k != key and r.state is not State.DEACTIVATED]
+        held = {id(w) for r in others for w in r.wrappers}
+        results = [(wrapper, remove(wrapper)) for wrapper in reversed(record.wrappers) if id(wrapper) not in held]
+        record.wrappers = [wrapper for wrapper, where in results if where == UNDER]
+        record.state = State.DEACTIVATED if record.state is State.PATCHED else record.state
+    return results
+
+
+def unpatch_disabled(namespace: str, names: frozenset[str]) -> None:
+    """Take off the fixes ``FSDP_SHIM_DISABLED_FIXES`` names now, where their wrappers still act."""
+    for fix in FIXES:
+        held = records.get((namespace, fix.name))
+        if fix.name in names and held is not None and held.state is not State.DEACTIVATED and held.wrappers:
+            unpatch(namespace, fix)
+
+
+def unpatch_all() -> None:
+    """``deactivate()``: every fix off every namespace, saying where another library's wrapper was in the way."""
+    for name in NAMESPACES:
+        for fix in (*FIXES, RANK_CHECK):
+            for wrapper, where in unpatch(name, fix):
+                if where != ON_TOP:
+                    from _fsdp_shim import failures  # loaded where something is said
+
+                    failures.wrapper_left(wrapper.shim_state.label, found_on_top(wrapper), gone=where == GONE)
+
+
+def take_off(fix: Fix, paths: list[str]) -> None:
+    """Take off the fix's wrappers that serve ``paths``, in every namespace: torch's call path passes them by."""
+    with lock:
+        for held in [r for (_, name), r in records.items() if name == fix.name]:
+            for wrapper in [w for w in reversed(held.wrappers) if w.shim_state.target.path in paths]:
+                remove(wrapper)
+                held.wrappers.remove(wrapper)

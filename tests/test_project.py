@@ -97,12 +97,12 @@ def loaded_with(names: set[str]) -> set[str]:
     return loaded
 
 
-def test_a_training_process_loads_neither_the_failure_policy_nor_status_removal_or_the_pins() -> None:
+def test_a_training_process_loads_neither_the_failure_policy_nor_status_or_the_pins() -> None:
     """What a patched training process imports (the hand-over's activation, the fixes, their wrappers, the recompute
-    check, the rank check) leaves out what loads only when used: failures (something to say), status, removal, the
-    pins (the first checkpoint call). benchmarks/package_size.py measures the lines it loads."""
+    check, the rank check) leaves out what loads only when used: failures (something to say), status, the pins (the
+    first checkpoint call). benchmarks/package_size.py measures the lines it loads."""
     training = {f"_fsdp_shim.{name}" for name in ("activation", "fixes", "wrappers", "recompute_check", "rank_check")}
-    later = {f"_fsdp_shim.{name}" for name in ("failures", "status", "removal", "pins")}
+    later = {f"_fsdp_shim.{name}" for name in ("failures", "status", "pins")}
     assert loaded_with(training) & later == set()
     assert loaded_with({"fsdp_shim"}) >= {"_fsdp_shim.activation", "_fsdp_shim.failures"}  # the walk follows imports
 

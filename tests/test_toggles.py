@@ -202,7 +202,7 @@ def disabled(layouts: dict[str, Layout]) -> tuple[dict[str, str], dict[str, Any]
             import_all()
             pristine = snapshot()
             import fsdp_shim
-            from _fsdp_shim import removal
+            from _fsdp_shim import wrappers
             from _fsdp_shim.config import RECOMPUTE
 
             def step():
@@ -220,7 +220,7 @@ def disabled(layouts: dict[str, Layout]) -> tuple[dict[str, str], dict[str, Any]
             shared = {key: snapshot()[key] for key in TORCH_KEYS}
             out["let go"] = []
             for namespace in versions():
-                removal.unpatch(namespace, RECOMPUTE)
+                wrappers.unpatch(namespace, RECOMPUTE)
                 out["let go"].append([snapshot()[key] is shared[key] for key in TORCH_KEYS] + [recompute_dtypes()])
             fsdp_shim.activate()
             calls, real = [], torch.set_default_dtype
