@@ -1,22 +1,23 @@
 """``fsdp_shim.status()``: what the shim did in this process, read from the classes now, in words; and ``fsdp-shim
-status``: what this environment holds and whether the pieces agree. Loaded only when asked."""
+status``: what this environment holds (from package metadata) and whether the pieces agree. Loaded only when asked."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
 import site
 import sys
 from dataclasses import asdict, dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
 import _fsdp_shim as startup
 from _fsdp_shim import NAMESPACES, config, failures
 from _fsdp_shim._version import __version__
-from _fsdp_shim.config import CAST, FIXES, RECOMPUTE, SHIM_VARIABLE, Fix, State, switch_state
-from _fsdp_shim.distributions import distribution_of
+from _fsdp_shim.config import CAST, FIXES, LIGHTNING_PACKAGES, RECOMPUTE, SHIM_VARIABLE, Fix, State, switch_state
 from _fsdp_shim.failures import joined, the_checkpoints, whys
 
 _SAID = {  # the states whose value alone does not say it
@@ -195,6 +196,39 @@ def reading(namespace: str, fix: Fix) -> FixStatus:
 
 
 # ----------------------------------------------------------------------------- fsdp-shim status
+def installed_packages() -> list[str]:
+    """The Lightning top-level packages this interpreter can find, without importing them."""
+    found = []
+    for package in LIGHTNING_PACKAGES:
+        with contextlib.suppress(ImportError, ValueError):  # a broken entry on sys.path: not importable either
+            found += [package] if importlib.util.find_spec(package) is not None else []
+    return found
+
+
+def distribution_of(package: str) -> tuple[str, str] | None:
+    """``(distribution, version)`` that provides ``package``, from metadata (so also where its import fails)."""
+    packages_distributions = getattr(metadata, "packages_distributions", None)  # Python 3.10+
+    names = packages_distributions().get(package, []) if packages_distributions else [package.replace("_", "-")]
+    for name in names:
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            return name, metadata.version(name)
+    return None
+
+
+def import_failure(error: BaseException) -> list[str | None]:
+    """An import error as ``[type name, message, missing module]``, as JSON reports carry it."""
+    return [type(error).__name__, str(error), getattr(error, "name", None)]
+
+
+def describe_import_failure(name: str, failure: list[str | None]) -> str:
+    """One line naming the package or namespace ``name``, its release, the cause, and the fix where known."""
+    kind, message, missing = failure
+    found = distribution_of(name.partition(".")[0])
+    installed = f" ({found[0]} {found[1]})" if found else ""
+    hint = "; Lightning 2.1-2.3 needs setuptools<81 (pip install 'setuptools<81')" if missing == "pkg_resources" else ""
+    return f"{name}{installed} is installed but fails to import ({kind}: {message}){hint}"
+
+
 ENVIRONMENT_FILE = "fsdp_shim_env.pth"
 OWN_ENVIRONMENT_FILE = Path(startup.__file__).resolve().parent.parent / ENVIRONMENT_FILE
 NOT_READ = f"this fsdp-shim, in {OWN_ENVIRONMENT_FILE.parent}, was not installed here by pip (a clone, --target)"

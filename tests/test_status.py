@@ -176,7 +176,7 @@ def test_status_ends_quietly_when_its_reader_goes_away() -> None:
 def test_the_command_and_each_commands_help_on_an_ascii_terminal() -> None:
     """A bare ``fsdp-shim`` lists the commands and exits 0; each command's ``--help`` has its description, its
     options' defaults and an example; all of it, and ``status``, on a terminal that shows only ASCII."""
-    from _fsdp_shim.distributions import describe_import_failure
+    from _fsdp_shim.status import describe_import_failure
 
     env = clean_env(PYTHONIOENCODING="ascii")
     bare = run_command([FSDP_SHIM], env=env)

@@ -394,7 +394,7 @@ def test_bad_options_are_usage_errors_before_anything_starts(
 @pytest.mark.usefixtures("lightning_installed")
 def test_a_package_that_is_not_installed_is_refused_before_anything_trains() -> None:
     """``--package`` names one this interpreter cannot find (found without importing it): exit 2, nothing trained."""
-    from _fsdp_shim.distributions import installed_packages
+    from _fsdp_shim.status import installed_packages
     from _fsdp_shim.verify import PACKAGES
 
     missing = [package for package in PACKAGES if package not in installed_packages()]

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from _fsdp_shim.config import CAST, DOCS, FIXES, RECOMPUTE, Fix, State
-from _fsdp_shim.distributions import describe_import_failure
+from _fsdp_shim.status import describe_import_failure
 from _fsdp_shim.verify import PROBE_TIMEOUT
 
 PROBE_SCRIPT = Path(__file__).resolve().with_name("probe.py")

@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from _fsdp_shim.activation import status
 from _fsdp_shim.config import CAST, TRAINER_NAMESPACES
-from _fsdp_shim.distributions import distribution_of, import_failure, installed_packages
+from _fsdp_shim.status import distribution_of, import_failure, installed_packages
 from _fsdp_shim.verify import PACKAGES
 from _fsdp_shim.verify.command import SHIM, Options, RankResult
 
