@@ -38,7 +38,8 @@ def cast_targets(namespace: str, version: str) -> tuple[Target, ...]:
 
 
 def recompute_targets(namespace: str, version: str) -> tuple[Target, ...]:
-    """What torch's checkpoints call (shared by every namespace), less the paths whose dtype torch restores itself."""
+    """What torch's checkpoints call (shared by every namespace), less the paths whose dtype torch restores itself
+    and those its call path was shown to pass by."""
     import torch.utils.checkpoint
 
     own = recompute_check.restored_by_torch()
@@ -53,7 +54,8 @@ def recompute_targets(namespace: str, version: str) -> tuple[Target, ...]:
     module = recompute_check.composable_module()
     if module is not None and generator in vars(module):
         targets.append(Target(composable, "", generator, non_reentrant_in_forward_dtype, shared=True, path=COMPOSABLE))
-    return tuple(target for target in targets if target.path not in own)
+    passed_by = recompute_check.found(shown=False, holds=True)  # taken off once shown: never wrapped again
+    return tuple(target for target in targets if target.path not in own and target.path not in passed_by)
 
 
 def rank_check_targets(namespace: str, version: str) -> tuple[Target, ...]:
