@@ -288,8 +288,8 @@ def environment_report() -> Report:
     switch, shown = switch_state(os.environ.get(SHIM_VARIABLE)), f"{SHIM_VARIABLE}={os.environ.get(SHIM_VARIABLE)!r}"
     user = [site.getusersitepackages()] if site.ENABLE_USER_SITE else []
     found = next((p for d in [*user, *site.getsitepackages()] if (p := Path(d) / ENVIRONMENT_FILE).is_file()), None)
-    entries = os.environ.get("PYTHONPATH", "").split(os.pathsep)  # any fsdp-shim's bootstrap, existing or not
-    bootstrap = [e for e in entries if e and Path(e).parts[-2:] == ("_fsdp_shim", "bootstrap")]
+    entries = os.environ.get("PYTHONPATH", "").split(os.pathsep)  # any fsdp-shim's bootstrap that exists
+    bootstrap = [e for e in entries if e and Path(e).parts[-2:] == ("_fsdp_shim", "bootstrap") and os.path.isdir(e)]
     off = switch in ("off", "invalid")
     by = [shown] * (switch == "on" and found is not None) + ["fsdp-shim run"] * bool(bootstrap)
     problems = [

@@ -153,7 +153,9 @@ def test_the_cast_and_the_float16_notice_on_rank_zero(lifecycle: dict[str, Any])
 
 
 def test_other_ranks_log_nothing(layouts: dict[str, Layout]) -> None:
-    needing_a_fix(layouts)
+    """The float16 notice, which rank zero logs once (the test above), is not logged on rank 1."""
+    if not any(STATES[version][0] == "patched" for version in needing_a_fix(layouts).values()):
+        pytest.skip("no installed Lightning lacks the cast: rank zero would log nothing either")
     result = run(
         """
         import json, logging

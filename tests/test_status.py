@@ -1,5 +1,5 @@
 """``fsdp-shim status`` (text and ``--json``), and the command around it: whether the shim is armed here and by what,
-the switches, what the shim does per Lightning release and whether this environment still needs each fix, the
+the switches, the Lightning releases installed and whether this environment still needs each fix, the
 problems and the exit code; where ``FSDP_SHIM=1`` arms nothing (a clone, a ``--target`` install) and where there is
 no Lightning to patch (an isolated install); the command's help and its ends."""
 
@@ -45,8 +45,8 @@ def test_status_says_whether_the_shim_is_armed_by_what_the_switches_the_fixes_an
     """In this environment (fsdp-shim installed by pip or uv, an affected Lightning beside it): unset, nothing arms
     the shim and status lists what would; ``FSDP_SHIM=1`` arms it through the start-up file it names; ``0`` under
     ``fsdp-shim run`` is off and says what would arm it otherwise; unreadable values
-    are problems (exit 1), with no Python warning; per release and fix, what the shim does there, and per
-    fix whether this environment still needs it."""
+    are problems (exit 1), with no Python warning; the releases installed, whether each lacks a fix, and per fix
+    whether this environment still needs it."""
     affected_layout(layouts)
     assert SITE_PACKAGES is not None, "needs fsdp-shim installed here by pip or uv (pip install -e .)"
     pth = SITE_PACKAGES / "fsdp_shim_env.pth"
@@ -59,6 +59,9 @@ def test_status_says_whether_the_shim_is_armed_by_what_the_switches_the_fixes_an
         "",
         "Set: no FSDP_SHIM variable",
     ]
+
+    gone = status(env=clean_env(PYTHONPATH="/nonexistent/_fsdp_shim/bootstrap")).stdout.splitlines()
+    assert gone[2].startswith("Shim: NOT ARMED in a Python started from here: nothing arms it."), gone  # arms nothing
 
     armed = status(env=clean_env(FSDP_SHIM="1")).stdout.splitlines()
     assert armed[2] == f"Shim: ARMED in every Python started from here, by FSDP_SHIM='1' (read by {pth})."

@@ -93,7 +93,7 @@ def test_the_patch_alone_fixes_the_projects_recompute_cases(
     precision: str, recompute_fix: str, layouts: dict[str, Layout], tmp_path: Path
 ) -> None:
     """Lightning's policy, ``checkpoint`` reentrant and not and the composable checkpoint, every block, with the
-    shim's recompute fix off, or on, where it steps aside (no recompute acted line; that it wraps nothing there:
+    shim's recompute fix off, or on, where it steps aside (that it wraps nothing there:
     ``test_the_shim_steps_aside_where_torch_restores_the_dtype_itself``): each trains as without checkpointing, bit
     for bit; the probe's recomputes run in the precision's dtype, its ``autograd.Function`` backward in float32 as
     Lightning leaves it. Without the patch these cases raise or train differently (tests/test_recompute.py:
@@ -102,8 +102,7 @@ def test_the_patch_alone_fixes_the_projects_recompute_cases(
     cases = [f"{block}:{mode}" for block in (*BLOCKS, "probe") for mode in ("none", *PATHS)]
     env = {"PYTHONPATH": patched_checkpoint_env()["PYTHONPATH"]}
     env.update({"FSDP_SHIM_DISABLED_FIXES": "recompute"} if recompute_fix == "off" else {})
-    results, output = run_with_output(tmp_path, "trainer", cases, precision=precision, package=layout.package, env=env)
-    assert "recompute acted" not in output, output[-3000:]
+    results, _ = run_with_output(tmp_path, "trainer", cases, precision=precision, package=layout.package, env=env)
     assert_like_the_run_without_checkpointing(results, cases)
     by_case = results[0]
     forwards = len(by_case["probe:none"]["block_dtypes"])
