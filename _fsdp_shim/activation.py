@@ -88,12 +88,12 @@ def _patch(name: str) -> None:
             failures.unreadable_settings()
         if skipped:
             wrappers.unpatch_disabled(name, skipped)
-        before = {fix: wrappers.state(name, fix) for fix in FIXES}
+        cast_before = wrappers.state(name, CAST)  # a late patch of the cast warns about models wrapped before
         after = {fix: wrappers.patch(name, fix, fixes.PLANS[fix.name], disabled=fix.name in skipped) for fix in FIXES}
         if after[RECOMPUTE] is State.PATCHED and not recompute_check.ran:  # again: at activate() and status()
             recompute_check.check()  # a fix on torch's private names: shown before it counts
         wrappers.patch(name, RANK_CHECK, fixes.PLANS[RANK_CHECK.name])  # says what this rank runs, whatever it is
-        if name in _late and after[CAST] is State.PATCHED and before[CAST] is not State.PATCHED:
+        if name in _late and after[CAST] is State.PATCHED and cast_before is not State.PATCHED:
             from _fsdp_shim import failures
 
             failures.warn_about_models_already_wrapped()
